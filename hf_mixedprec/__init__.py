@@ -1,0 +1,13 @@
+"""hf_mixedprec: mixed-precision LLM fine-tuning recipes for Hugging Face Transformers and Accelerate.
+
+One validated YAML recipe per GPU generation (FP16 with loss scaling on V100, BF16 on A100, FP8 delayed,
+current and blockwise on H100, MXFP8 on B200), applied with one line to a Trainer or an Accelerate loop.
+"""
+
+from hf_mixedprec.hardware import HardwareInfo, HardwareRefusal, detect
+from hf_mixedprec.loader import load_recipe
+from hf_mixedprec.recipe import Recipe, RecipeError
+
+__version__ = "0.1.0"
+
+__all__ = ["HardwareInfo", "HardwareRefusal", "Recipe", "RecipeError", "__version__", "detect", "load_recipe"]

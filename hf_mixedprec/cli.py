@@ -1,0 +1,272 @@
+"""The ``hf-mixedprec`` command.
+
+User mistakes (bad flags, bad recipes, missing files, hardware that cannot run a recipe) print one line per
+problem and exit with status 2, without a traceback. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from hf_mixedprec.hardware import HardwareRefusal, detect
+from hf_mixedprec.recipe import Recipe, RecipeError, builtin_recipe_names, load_recipe_file
+
+__all__ = ["UsageError", "main"]
+
+PROG = "hf-mixedprec"
+
+
+class UsageError(Exception):
+    """A user mistake: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _load(name_or_path: str) -> Recipe:
+    if name_or_path == "auto":
+        from hf_mixedprec.loader import resolve_auto
+
+        name, notes = resolve_auto()
+        for note in notes:
+            print(f"{PROG}: {note}", file=sys.stderr)
+        return load_recipe_file(name)
+    return load_recipe_file(name_or_path)
+
+
+# -- commands --------------------------------------------------------------------------------------
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    rows = []
+    for name in builtin_recipe_names():
+        r = load_recipe_file(name)
+        scaling = r.fp8.scaling if r.fp8 else ""
+        rows.append(
+            {
+                "name": r.name,
+                "precision": r.precision,
+                "fp8_scaling": scaling or None,
+                "hardware": list(r.hardware),
+                "description": r.description,
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    print(f"{'name':<{width}}  {'precision':<9}  {'fp8':<9}  {'hardware':<28}  description")
+    for r in rows:
+        hw = ",".join(r["hardware"])
+        print(f"{r['name']:<{width}}  {r['precision']:<9}  {r['fp8_scaling'] or '-':<9}  {hw:<28}  {r['description']}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    print(_load(args.recipe).to_yaml(), end="")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    bad = 0
+    for path in args.paths:
+        try:
+            if not Path(path).is_file():
+                raise RecipeError([_problem(path, "file not found")])
+            recipe = load_recipe_file(path)
+        except RecipeError as exc:
+            bad += 1
+            for p in exc.problems:
+                # Problems found in a parent recipe keep the parent's name; the file named is what was asked for.
+                print(p if p.source == path else f"{path}: {p}", file=sys.stderr)
+        else:
+            if not args.quiet:
+                print(f"{path}: ok ({recipe.name}, {recipe.precision})")
+    return 2 if bad else 0
+
+
+def _problem(source: str, message: str):
+    from hf_mixedprec.recipe import Problem
+
+    return Problem(source, "", message)
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(Recipe.json_schema(), indent=2))
+    return 0
+
+
+def cmd_detect(args: argparse.Namespace) -> int:
+    from hf_mixedprec.hardware import support_for
+    from hf_mixedprec.loader import resolve_auto
+
+    info = detect()
+    name, notes = resolve_auto(info)
+    sup = support_for(info.device_type, info.capability, info.cuda_version)
+    out = {
+        "device": info.device_type,
+        "device_name": info.device_name,
+        "generation": info.generation,
+        "capability": info.to_dict()["capability"],
+        "cuda_version": info.cuda_version,
+        "torch_version": info.torch_version,
+        "transformer_engine_version": info.te_version,
+        "torchao_version": info.torchao_version,
+        "precisions": list(sup.precisions),
+        "fp8_scalings": list(sup.fp8_scalings),
+        "recipe": name,
+        "notes": notes,
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"device:      {info.describe()}")
+    print(f"generation:  {info.generation}")
+    print(f"precisions:  {', '.join(sup.precisions)}")
+    print(f"fp8:         {', '.join(sup.fp8_scalings) or 'none'}")
+    print(
+        f"libraries:   torch {info.torch_version}, transformer_engine {info.te_version or 'not installed'}, "
+        f"torchao {info.torchao_version or 'not installed'}"
+    )
+    print(f"recipe:      {name}")
+    for note in notes:
+        print(f"note:        {note}")
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from hf_mixedprec.integrations.accelerate import child_env, plan_launch
+
+    recipe = _load(args.recipe)
+    if args.num_processes is not None and args.num_processes < 1:
+        raise UsageError(f"--num-processes: {args.num_processes} is out of range (allowed: >= 1)")
+    if not args.dry_run and not Path(args.script).is_file():
+        raise UsageError(f"SCRIPT: {args.script!r} not found (allowed: a path to a Python training script)")
+    config_dir = args.config_dir or (
+        str(Path(tempfile.gettempdir()) / f"hf-mixedprec-launch-{recipe.name}")
+        if args.dry_run
+        else tempfile.mkdtemp(prefix=f"hf-mixedprec-launch-{recipe.name}-")
+    )
+    plan = plan_launch(
+        recipe, args.script, list(args.script_args), config_dir=config_dir, num_processes=args.num_processes
+    )
+    if args.dry_run:
+        print("# command")
+        print(shlex.join(plan.command))
+        print("# environment")
+        for k, v in plan.env.items():
+            print(f"{k}={v}")
+        for path, text in plan.files.items():
+            print(f"# file: {path}")
+            print(text, end="" if text.endswith("\n") else "\n")
+        return 0
+    from hf_mixedprec.hardware import check_recipe
+
+    check_recipe(recipe, detect())
+    plan.write()
+    for note in plan.notes:
+        print(f"{PROG}: {note}", file=sys.stderr)
+    print(f"{PROG}: {shlex.join(plan.command)}", file=sys.stderr)
+    return subprocess.call(plan.command, env=child_env(plan))
+
+
+# -- parser ----------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="Mixed-precision fine-tuning recipes (FP16, BF16, FP8, MXFP8) for Hugging Face Transformers "
+        "and Accelerate.",
+        epilog="Recipes: `hf-mixedprec recipes`. Exit status 2 means a mistake in the input, explained in one line.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    s = sub.add_parser("recipes", help="list the built-in recipes", description="List the built-in recipes.")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.set_defaults(func=cmd_recipes)
+
+    s = sub.add_parser(
+        "show",
+        help="print a recipe, resolved after extends",
+        description="Print a recipe as YAML, with every value resolved (extends followed, defaults filled in).",
+    )
+    s.add_argument("recipe", metavar="NAME|PATH", help="a built-in recipe name, `auto`, or a YAML file")
+    s.set_defaults(func=cmd_show)
+
+    s = sub.add_parser(
+        "validate",
+        help="check recipe files",
+        description="Check recipe YAML files. Exit 0 when all "
+        "are valid, else 2 with one line per problem: `file: dotted.key: what is wrong (allowed: ...)`.",
+    )
+    s.add_argument("paths", metavar="PATH", nargs="+", help="recipe YAML files")
+    s.add_argument("-q", "--quiet", action="store_true", help="print only problems")
+    s.set_defaults(func=cmd_validate)
+
+    s = sub.add_parser("schema", help="print the recipe JSON Schema", description="Print the recipe JSON Schema.")
+    s.set_defaults(func=cmd_schema)
+
+    s = sub.add_parser(
+        "detect",
+        help="show this machine and the recipe `auto` picks",
+        description="Show the device, its GPU generation, what it supports and the `auto` recipe.",
+    )
+    s.add_argument("--json", action="store_true", help="print JSON (keys include device, generation, recipe)")
+    s.set_defaults(func=cmd_detect)
+
+    s = sub.add_parser(
+        "launch",
+        help="run a training script with `accelerate launch` under a recipe",
+        description="Write an `accelerate launch` config (and a DeepSpeed config when the recipe uses DeepSpeed) "
+        "for the recipe, export the recipe to the child in HF_MIXEDPREC_RECIPE so that `load_recipe()` picks it "
+        "up, and run `accelerate launch` (no shell).",
+    )
+    s.add_argument(
+        "--recipe", required=True, metavar="NAME|PATH", help="a built-in recipe name, `auto`, or a YAML file"
+    )
+    s.add_argument("--num-processes", type=int, metavar="N", help="processes in total (default: the recipe's)")
+    s.add_argument("--config-dir", metavar="DIR", help="where to write the configs (default: a new temporary folder)")
+    s.add_argument("--dry-run", action="store_true", help="print the command, environment and configs; run nothing")
+    s.add_argument("script", metavar="SCRIPT", help="the training script")
+    s.add_argument("script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments for the script")
+    s.set_defaults(func=cmd_launch)
+
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return p
+
+
+#: Later modules (simulate, finetune, report) register their subcommands here.
+_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except RecipeError as exc:
+        for p in exc.problems:
+            print(p, file=sys.stderr)
+        return 2
+    except (HardwareRefusal, UsageError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""Which hardware can run which recipe, decided by a pure function of (device, capability, versions).
+
+Facts (Transformer Engine's own checks, see DESIGN.md): FP8 delayed/current scaling needs compute
+capability >= 8.9 (Ada also needs CUDA >= 12.1); blockwise FP8 needs >= 9.0 and CUDA >= 12.9; MXFP8 needs
+10.x (not 12.x); V100 (7.0) and T4 (7.5) have no BF16 and no FP8; A100 (8.0) has BF16 and TF32 but no FP8.
+TE's default recipe is MXFP8 on 10.x, current scaling on 12.x and delayed scaling otherwise.
+
+:func:`detect` is the only function here that looks at the machine; everything else is pure, so every
+generation is tested without its hardware. Nothing here ever falls back silently: a recipe the hardware
+cannot run is refused by :func:`check_recipe` with a message that names the hardware, what it lacks and
+the recipe to use instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from hf_mixedprec.recipe import Recipe
+
+__all__ = [
+    "HardwareInfo",
+    "HardwareRefusal",
+    "Support",
+    "auto_recipe_name",
+    "check_recipe",
+    "detect",
+    "generation_of",
+    "support_for",
+]
+
+
+class HardwareRefusal(RuntimeError):
+    """The recipe cannot run on this hardware; the message says why and what to use instead."""
+
+
+@dataclass(frozen=True)
+class HardwareInfo:
+    """What the decision needs to know about a machine."""
+
+    device_type: str  # "cpu", "cuda" or "mps"
+    capability: tuple[int, int] | None = None
+    device_name: str = ""
+    cuda_version: str | None = None
+    torch_version: str = ""
+    te_version: str | None = None
+    torchao_version: str | None = None
+    device_count: int = 0
+
+    @property
+    def generation(self) -> str:
+        return generation_of(self.device_type, self.capability)
+
+    def describe(self) -> str:
+        if self.device_type == "cuda" and self.capability:
+            cc = f"{self.capability[0]}.{self.capability[1]}"
+            name = self.device_name or "CUDA GPU"
+            return f"{name} ({self.generation}, compute capability {cc}, CUDA {self.cuda_version or 'unknown'})"
+        if self.device_type == "mps":
+            return "Apple GPU (mps)"
+        return "cpu (no CUDA GPU)"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["capability"] = f"{self.capability[0]}.{self.capability[1]}" if self.capability else None
+        d["generation"] = self.generation
+        return d
+
+
+@dataclass(frozen=True)
+class Support:
+    """What a machine can do natively."""
+
+    precisions: tuple[str, ...]
+    fp8_scalings: tuple[str, ...] = ()
+    tf32: bool = False
+    lacks: dict[str, str] = field(default_factory=dict)
+    """For each unsupported precision or FP8 scaling, the reason (what the hardware lacks)."""
+
+
+def _version_tuple(v: str | None) -> tuple[int, ...]:
+    if not v:
+        return ()
+    out = []
+    for part in v.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def generation_of(device_type: str, capability: tuple[int, int] | None) -> str:
+    """Map a device type and CUDA compute capability to a GPU generation name."""
+    if device_type == "cpu":
+        return "cpu"
+    if device_type == "mps":
+        return "mps"
+    if device_type != "cuda" or capability is None:
+        raise ValueError(f"unknown device type {device_type!r} (allowed: cpu, cuda, mps)")
+    major, minor = capability
+    if major < 7:
+        return "pre-volta"
+    if major == 7:
+        return "volta" if minor < 5 else "turing"
+    if major == 8:
+        return "ada" if minor >= 9 else "ampere"
+    if major == 9:
+        return "hopper"
+    return "blackwell"  # 10.x datacenter, 12.x consumer
+
+
+def support_for(
+    device_type: str, capability: tuple[int, int] | None = None, cuda_version: str | None = None
+) -> Support:
+    """What precisions and FP8 scalings this (device, capability, CUDA version) supports natively."""
+    gen = generation_of(device_type, capability)
+    lacks: dict[str, str] = {}
+    fp8_all = ("delayed", "current", "mxfp8", "blockwise")
+    if gen in ("cpu", "mps"):
+        precisions: tuple[str, ...] = ("fp32", "bf16") if gen == "cpu" else ("fp32", "fp16", "bf16")
+        if gen == "cpu":
+            lacks["fp16"] = "FP16 mixed precision with loss scaling (Accelerate's fp16 does nothing on CPU)"
+        lacks["fp8"] = "FP8 tensor cores (needs a CUDA GPU with compute capability >= 8.9)"
+        return Support(precisions, (), False, lacks)
+    assert capability is not None
+    cc = capability
+    cuda = _version_tuple(cuda_version)
+    if gen == "pre-volta":
+        lacks.update(fp16="FP16 tensor cores (needs compute capability >= 7.0)", bf16="BF16", fp8="FP8")
+        return Support(("fp32",), (), False, lacks)
+    precisions = ("fp32", "fp16")
+    if cc >= (8, 0):
+        precisions += ("bf16",)
+    else:
+        lacks["bf16"] = "BF16 (needs compute capability >= 8.0, Ampere)"
+    tf32 = cc >= (8, 0)
+    scalings: list[str] = []
+    if cc < (8, 9):
+        lacks["fp8"] = "FP8 tensor cores (needs compute capability >= 8.9, Ada/Hopper/Blackwell)"
+    elif cc == (8, 9) and cuda and cuda < (12, 1):
+        lacks["fp8"] = f"FP8 support in CUDA {cuda_version} (Ada needs CUDA >= 12.1)"
+    else:
+        scalings += ["delayed", "current"]
+        if cc >= (9, 0) and (not cuda or cuda >= (12, 9)):
+            scalings.append("blockwise")
+        elif cc < (9, 0):
+            lacks["blockwise"] = "blockwise FP8 (needs compute capability >= 9.0, Hopper)"
+        else:
+            lacks["blockwise"] = f"blockwise FP8 in CUDA {cuda_version} (needs CUDA >= 12.9)"
+        if cc[0] == 10:
+            scalings.append("mxfp8")
+        else:
+            lacks["mxfp8"] = "MXFP8 block scaling (needs compute capability 10.x, datacenter Blackwell such as B200)"
+    if scalings:
+        precisions += ("fp8",)
+    for s in fp8_all:
+        if s not in scalings and s not in lacks and "fp8" in lacks:
+            lacks[s] = lacks["fp8"]
+    return Support(precisions, tuple(scalings), tf32, lacks)
+
+
+def auto_recipe_name(
+    device_type: str,
+    capability: tuple[int, int] | None = None,
+    cuda_version: str | None = None,
+    *,
+    te_available: bool = False,
+    torchao_available: bool = False,
+) -> tuple[str, list[str]]:
+    """The built-in recipe ``auto`` picks, and notes on why (every fallback is named in the notes)."""
+    gen = generation_of(device_type, capability)
+    sup = support_for(device_type, capability, cuda_version)
+    notes: list[str] = []
+    if gen in ("cpu", "mps"):
+        return "cpu-bf16", notes
+    if gen == "pre-volta":
+        raise HardwareRefusal(
+            f"compute capability {capability} is older than Volta: no recipe ships for it (fp32 only); "
+            "write a recipe with precision: fp32"
+        )
+    if gen == "volta":
+        return "v100-fp16", notes
+    if gen == "turing":
+        return "t4-fp16", notes
+    if "fp8" not in sup.precisions:
+        if gen == "ada":
+            notes.append(f"FALLBACK: FP8 not used: this machine lacks {sup.lacks['fp8']}; using BF16 (a100-bf16)")
+        return "a100-bf16", notes
+    # FP8-capable. Follow TE's default choice of scaling, but only where a backend can run it.
+    if gen == "blackwell" and capability is not None and capability[0] == 10:
+        preferred = "b200-mxfp8"
+    elif gen == "hopper":
+        preferred = "h100-fp8-delayed"
+    else:  # ada, and 12.x consumer Blackwell: current scaling
+        preferred = "ada-fp8-current"
+    if te_available:
+        return preferred, notes
+    if torchao_available:
+        name = "ada-fp8-current" if gen in ("ada", "blackwell") else "h100-fp8-current"
+        if name != preferred:
+            notes.append(
+                f"FALLBACK: Transformer Engine is not installed, so {preferred} cannot run; using {name} with "
+                "the torchao backend (pip install 'hf_mixedprec[transformer-engine]' for the TE recipes)"
+            )
+        return name, notes
+    notes.append(
+        "FALLBACK: neither Transformer Engine nor torchao is installed, so FP8 cannot run; using BF16 (a100-bf16). "
+        "pip install 'hf_mixedprec[transformer-engine]' or 'hf_mixedprec[torchao]' to train in FP8"
+    )
+    return "a100-bf16", notes
+
+
+def check_recipe(recipe: Recipe, info: HardwareInfo) -> None:
+    """Refuse, with one clear message, a recipe that this hardware cannot run natively."""
+    sup = support_for(info.device_type, info.capability, info.cuda_version)
+    missing: str | None = None
+    if recipe.precision not in sup.precisions:
+        missing = sup.lacks.get(recipe.precision, recipe.precision)
+    elif recipe.precision == "fp8" and recipe.fp8 is not None and recipe.fp8.scaling not in sup.fp8_scalings:
+        missing = sup.lacks.get(recipe.fp8.scaling, f"FP8 {recipe.fp8.scaling} scaling")
+    elif recipe.tf32 and not sup.tf32 and info.device_type == "cuda":
+        missing = "TF32 (needs compute capability >= 8.0)"
+    if missing is None:
+        return
+    try:
+        instead, _ = auto_recipe_name(
+            info.device_type,
+            info.capability,
+            info.cuda_version,
+            te_available=info.te_version is not None,
+            torchao_available=info.torchao_version is not None,
+        )
+    except HardwareRefusal:
+        instead = "a recipe with precision: fp32"
+    rehearse = ""
+    if recipe.precision == "fp8":
+        rehearse = f"; to see its FP8 numerics on any machine first: `hf-mixedprec simulate --recipe {recipe.name}`"
+    raise HardwareRefusal(
+        f"recipe {recipe.name!r} needs {missing}, which {info.describe()} lacks; use {instead!r} instead{rehearse}"
+    )
+
+
+def detect() -> HardwareInfo:
+    """Look at this machine: device 0 of CUDA if present, else MPS, else CPU; plus library versions."""
+    te = importlib.util.find_spec("transformer_engine") is not None
+    ao = importlib.util.find_spec("torchao") is not None
+    te_version = (_dist_version("transformer-engine") or _dist_version("transformer_engine")) if te else None
+    ao_version = (_dist_version("torchao") or "unknown") if ao else None
+    te_version = te_version or ("unknown" if te else None)
+    common = {"torch_version": torch.__version__, "te_version": te_version, "torchao_version": ao_version}
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability(0)
+        return HardwareInfo(
+            "cuda",
+            (int(cap[0]), int(cap[1])),
+            torch.cuda.get_device_name(0),
+            torch.version.cuda,
+            device_count=torch.cuda.device_count(),
+            **common,
+        )
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return HardwareInfo("mps", None, "Apple GPU", None, device_count=1, **common)
+    return HardwareInfo("cpu", None, "cpu", None, device_count=0, **common)
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None

@@ -1,0 +1,104 @@
+"""Generate docs/recipes.md from the recipe schema (python scripts/gen_recipe_docs.py [--check])."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from hf_mixedprec.recipe import Recipe, builtin_recipe_names, load_recipe_file
+
+OUT = Path(__file__).resolve().parent.parent / "docs" / "recipes.md"
+
+
+def _type(field: Any) -> str:
+    ann = field.annotation
+    text = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    text = text.replace("hf_mixedprec.recipe.", "").replace(" | None", " or null")
+    text = re.sub(r"Literal\[([^\]]*)\]", lambda m: m.group(1).replace("'", "").replace(", ", " / "), text)
+    return text.replace("|", "/")
+
+
+def _default(field: Any) -> str:
+    if field.default_factory is not None:
+        return "(section)"
+    if field.is_required():
+        return "required"
+    return f"`{field.default!r}`" if field.default is not None else "null"
+
+
+def _section(model: type[BaseModel], prefix: str, out: list[str], seen: dict[type, str] | None = None) -> None:
+    seen = {} if seen is None else seen
+    rows = []
+    nested = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        ann = field.annotation
+        sub = [a for a in (ann, *getattr(ann, "__args__", ())) if isinstance(a, type) and issubclass(a, BaseModel)]
+        rows.append(
+            f"| `{key}` | `{_type(field)}` | {_default(field)} | {(field.description or '').replace('|', '/')} |"
+        )
+        if sub:
+            nested.append((sub[0], f"{key}."))
+    out.append("| key | type | default | meaning |")
+    out.append("| --- | --- | --- | --- |")
+    out.extend(rows)
+    out.append("")
+    for sub_model, sub_prefix in nested:
+        if sub_model in seen:
+            continue
+        seen[sub_model] = sub_prefix[:-1]
+        shared = [p[:-1] for m, p in nested if m is sub_model]
+        title = sub_prefix[:-1] if len(shared) == 1 else f"{prefix}<detector>"
+        out.append(f"### `{title}`")
+        out.append("")
+        if sub_model.__doc__:
+            out.append(sub_model.__doc__.strip().splitlines()[0])
+            out.append("")
+        _section(sub_model, sub_prefix if len(shared) == 1 else f"{prefix}<detector>.", out, seen)
+
+
+def render() -> str:
+    out = [
+        "# Recipe reference",
+        "",
+        "Generated from the schema by `python scripts/gen_recipe_docs.py`; do not edit by hand.",
+        "`hf-mixedprec schema` prints the same as JSON Schema. Unknown keys are errors; options that do not",
+        "apply to the chosen `fp8.scaling` or `clipping.method` are errors too, and their defaults depend on it",
+        "(`hf-mixedprec show NAME` prints a recipe with every value resolved).",
+        "",
+        "## Top level",
+        "",
+    ]
+    _section(Recipe, "", out)
+    out += ["## Built-in recipes", ""]
+    for name in builtin_recipe_names():
+        r = load_recipe_file(name)
+        out.append(
+            f"- `{name}` ({r.precision}{', ' + r.fp8.scaling if r.fp8 else ''}; {', '.join(r.hardware)}): {r.description}"
+        )
+    out.append("")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/recipes.md is out of date")
+    args = ap.parse_args()
+    text = render()
+    if args.check:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT} is out of date: run python scripts/gen_recipe_docs.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

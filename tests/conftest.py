@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny models built from configs (no hub downloads) and skip rules for GPU / TE tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.pop("HF_MIXEDPREC_RECIPE", None)
+
+HAS_TE = importlib.util.find_spec("transformer_engine") is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_te = pytest.mark.skip(reason="needs Transformer Engine (pip install 'hf_mixedprec[transformer-engine]')")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "te" in item.keywords and not HAS_TE:
+            item.add_marker(skip_te)

@@ -1,0 +1,149 @@
+"""The `hf-mixedprec` command: run as a real subprocess where exit codes and stderr matter."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hf_mixedprec.cli import main
+from hf_mixedprec.recipe import builtin_recipe_names, builtin_recipe_path, load_recipe_file
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hf_mixedprec.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
+
+
+def test_recipes_json_lists_all_nine(capsys):
+    assert main(["recipes", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert sorted(r["name"] for r in rows) == builtin_recipe_names()
+    assert len(rows) == 9
+    by = {r["name"]: r for r in rows}
+    assert by["b200-mxfp8"]["fp8_scaling"] == "mxfp8" and by["v100-fp16"]["precision"] == "fp16"
+
+
+def test_show_prints_resolved_recipe(capsys):
+    assert main(["show", "h100-fp8-delayed"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown == load_recipe_file("h100-fp8-delayed").to_dict()
+    assert shown["fp8"]["amax_history_len"] == 1024 and "extends" not in shown
+    assert main(["show", "t4-fp16"]) == 0
+    t4 = yaml.safe_load(capsys.readouterr().out)
+    assert t4["loss_scale"]["init_scale"] == 65536.0 and "extends" not in t4
+
+
+def test_detect_json_here_is_cpu():
+    r = run("detect", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["device"] == "cpu" and out["generation"] == "cpu" and out["recipe"] == "cpu-bf16"
+
+
+def test_validate_passes_every_shipped_recipe(capsys):
+    paths = [str(builtin_recipe_path(n)) for n in builtin_recipe_names()]
+    assert main(["validate", *paths]) == 0
+    assert capsys.readouterr().out.count(": ok (") == 9
+
+
+BROKEN = {
+    "syntax.yaml": ("name: [x\nprecision: bf16\n", "invalid YAML"),
+    "empty.yaml": ("", "the document is empty"),
+    "list.yaml": ("- 1\n- 2\n", "expected a mapping at the top level"),
+    "tag.yaml": ("name: t\nprecision: !!python/object/apply:os.system ['touch {marker}']\n", "refused YAML tag"),
+    "unknown.yaml": (
+        "name: t\nprecision: bf16\nclipping: {method: norm, max_nrom: 1}\n",
+        "clipping.max_nrom: unknown key",
+    ),
+    "type.yaml": ("name: t\nprecision: bf16\ntf32: sometimes\n", "tf32: input should be a valid boolean"),
+    "range.yaml": (
+        "name: t\nprecision: fp16\nloss_scale: {backoff_factor: 2.0}\n",
+        "loss_scale.backoff_factor: 2.0 is out of range (allowed: < 1)",
+    ),
+    "enum.yaml": (
+        "name: t\nprecision: fp8\nfp8: {scaling: current, format: E2M5}\n",
+        "fp8.format: 'E2M5' is not allowed (allowed: HYBRID, E4M3)",
+    ),
+    "e5m2.yaml": (
+        "name: t\nprecision: fp8\nfp8: {scaling: current, format: E5M2}\n",
+        "fp8.format: pure E5M2 training is refused",
+    ),
+    "mxhist.yaml": (
+        "name: t\nprecision: fp8\nfp8: {scaling: mxfp8, amax_history_len: 16}\n",
+        "fp8.amax_history_len: does not apply to scaling 'mxfp8'",
+    ),
+    "missing.yaml": ("name: t\nextends: nowhere.yaml\n", "extends: 'nowhere.yaml': file not found"),
+    "cycle_a.yaml": ("name: a\nextends: cycle_b.yaml\nprecision: bf16\n", "extends: cycle: "),
+    "cycle_b.yaml": ("name: b\nextends: cycle_a.yaml\nprecision: bf16\n", "extends: cycle: "),
+}
+
+
+def test_validate_reports_each_broken_file_in_one_line(tmp_path):
+    marker = tmp_path / "executed"
+    paths = []
+    for fname, (text, _) in BROKEN.items():
+        (tmp_path / fname).write_text(text.replace("{marker}", str(marker)))
+        paths.append(fname)
+    good = tmp_path / "good.yaml"
+    good.write_text("name: good\nextends: cpu-bf16\n")
+    r = run("validate", *paths, "good.yaml", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == len(BROKEN), lines
+    for fname, (_, expected) in BROKEN.items():
+        (line,) = [ln for ln in lines if ln.startswith(f"{fname}: ")]
+        assert expected in line, line
+    assert "good.yaml: ok (good, bf16)" in r.stdout
+    assert not marker.exists(), "a YAML tag was executed"
+
+
+def test_validate_all_good_exits_zero(tmp_path):
+    (tmp_path / "mine.yaml").write_text("name: mine\nextends: h100-fp8-delayed\nfp8: {margin: 1}\n")
+    r = run("validate", "mine.yaml", cwd=tmp_path)
+    assert r.returncode == 0 and "mine.yaml: ok (mine, fp8)" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["show", "no-such"], "no-such: no such recipe (allowed: a YAML path or one of: auto, a100-bf16"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["launch", "--recipe", "cpu-bf16"], "the following arguments are required: SCRIPT"),
+        (
+            ["launch", "--recipe", "cpu-bf16", "--num-processes", "two", "x.py"],
+            "argument --num-processes: invalid int value: 'two'",
+        ),
+        (
+            ["launch", "--recipe", "cpu-bf16", "--num-processes", "0", "--dry-run", "x.py"],
+            "--num-processes: 0 is out of range (allowed: >= 1)",
+        ),
+        (["launch", "--recipe", "cpu-bf16", "missing_script.py"], "SCRIPT: 'missing_script.py' not found"),
+        (["launch", "--recipe", "h100-fp8-delayed", __file__], "recipe 'h100-fp8-delayed' needs FP8"),
+    ],
+)
+def test_user_mistakes_exit_2_with_one_line(args, expected):
+    r = run(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert expected in lines[0]
+
+
+def test_schema_is_json(capsys):
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["title"] == "Recipe"
+
+
+def test_help_everywhere():
+    for sub in ("recipes", "show", "validate", "schema", "detect", "launch"):
+        r = run(sub, "--help")
+        assert r.returncode == 0 and "usage:" in r.stdout, sub

@@ -1,0 +1,172 @@
+"""`hf-mixedprec launch`: configs match the recipe key for key, read back through Accelerate's own launcher."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hf_mixedprec.integrations.accelerate import plan_launch
+from hf_mixedprec.recipe import RECIPE_ENV, load_recipe_file, resolve_recipe
+
+
+def _variant(tmp_path: Path, base: str, name: str, extra: str) -> Path:
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(f"name: {name}\nextends: {base}\n{extra}")
+    return p
+
+
+def _dry_run(*args: str) -> dict[str, str]:
+    """Run the CLI's dry run and split its output into the command, env and files."""
+    r = subprocess.run(
+        [sys.executable, "-m", "hf_mixedprec.cli", "launch", *args], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    sections: dict[str, str] = {}
+    current = None
+    for line in r.stdout.splitlines(keepends=True):
+        if line.startswith("# command") or line.startswith("# environment") or line.startswith("# file: "):
+            current = line[2:].strip()
+            sections[current] = ""
+        else:
+            sections[current] += line
+    return sections
+
+
+def _accelerate_env(config_file: str) -> dict[str, str]:
+    """What `accelerate launch --config_file` would export, computed by Accelerate's own code."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import (
+        prepare_deepspeed_cmd_env,
+        prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env,
+    )
+
+    args = launch_command_parser().parse_args(["--config_file", config_file, "train.py"])
+    args, defaults, mp_from_config = _validate_launch_command(args)
+    if args.use_deepspeed:
+        fields = list(defaults.deepspeed_config.keys()) + (["mixed_precision"] if mp_from_config else [])
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        _, env = prepare_deepspeed_cmd_env(args)
+    elif args.multi_gpu or args.use_fsdp:
+        env = prepare_multi_gpu_env(args)
+    else:
+        _, env = prepare_simple_launcher_cmd_env(args)
+    return env
+
+
+def test_h100_fp8_delayed_dry_run(tmp_path):
+    sections = _dry_run(
+        "--recipe", "h100-fp8-delayed", "--config-dir", str(tmp_path), "--dry-run", "train.py", "--lr", "1"
+    )
+    cmd = sections["command"].strip()
+    assert cmd.endswith(
+        f"-m accelerate.commands.launch --config_file {tmp_path}/accelerate_config.yaml train.py --lr 1"
+    )
+    assert sections["environment"].strip() == f"{RECIPE_ENV}={tmp_path}/recipe.yaml"
+    acc = yaml.safe_load(sections[f"file: {tmp_path}/accelerate_config.yaml"])
+    recipe = load_recipe_file("h100-fp8-delayed")
+    assert acc["mixed_precision"] == "fp8" and acc["distributed_type"] == "NO" and acc["num_processes"] == 1
+    fp8 = acc["fp8_config"]
+    assert fp8["backend"] == "TE"
+    assert fp8["fp8_format"] == recipe.fp8.format
+    assert fp8["amax_history_len"] == recipe.fp8.amax_history_len
+    assert fp8["amax_compute_algo"] == recipe.fp8.amax_compute_algo
+    assert fp8["margin"] == recipe.fp8.margin
+    exported = yaml.safe_load(sections[f"file: {tmp_path}/recipe.yaml"])
+    assert exported == recipe.to_dict()
+    assert not (tmp_path / "accelerate_config.yaml").exists(), "a dry run writes nothing"
+
+
+def test_h100_fp8_delayed_through_accelerates_launcher(tmp_path):
+    recipe = load_recipe_file("h100-fp8-delayed")
+    plan = plan_launch(recipe, "train.py", [], config_dir=str(tmp_path))
+    plan.write()
+    env = _accelerate_env(str(tmp_path / "accelerate_config.yaml"))
+    assert env["ACCELERATE_MIXED_PRECISION"] == "fp8"
+    assert env["ACCELERATE_FP8_BACKEND"] == "TE"
+    assert env["ACCELERATE_FP8_FORMAT"] == "HYBRID"
+    assert env["ACCELERATE_FP8_AMAX_HISTORY_LEN"] == "1024"
+    assert env["ACCELERATE_FP8_AMAX_COMPUTE_ALGO"] == "max"
+    assert env["ACCELERATE_FP8_MARGIN"] == "0"
+
+
+def test_deepspeed_zero2_fp16_variant_of_v100(tmp_path):
+    src = _variant(
+        tmp_path, "v100-fp16", "v100-zero2", "distributed: {strategy: deepspeed, zero_stage: 2, num_processes: 4}\n"
+    )
+    out = tmp_path / "cfg"
+    sections = _dry_run("--recipe", str(src), "--config-dir", str(out), "--dry-run", "train.py")
+    acc = yaml.safe_load(sections[f"file: {out}/accelerate_config.yaml"])
+    ds = json.loads(sections[f"file: {out}/deepspeed_config.json"])
+    recipe = load_recipe_file(src)
+    ls = recipe.loss_scale
+    assert acc["distributed_type"] == "DEEPSPEED" and acc["num_processes"] == 4
+    assert acc["deepspeed_config"]["deepspeed_config_file"] == f"{out}/deepspeed_config.json"
+    assert "mixed_precision" not in acc  # DeepSpeed takes precision from its own file
+    assert ds["zero_optimization"]["stage"] == 2
+    assert ds["fp16"] == {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": int(math.log2(ls.init_scale)),
+        "loss_scale_window": ls.growth_interval,
+        "hysteresis": ls.hysteresis,
+        "min_loss_scale": ls.min_scale,
+    }
+    assert ds["bf16"] == {"enabled": False}
+    assert "FALLBACK: clipping.method 'zclip' is adaptive" in sections[f"file: {out}/accelerate_config.yaml"]
+    # Accelerate's launcher accepts it
+    plan = plan_launch(recipe, "train.py", [], config_dir=str(out))
+    plan.write()
+    env = _accelerate_env(str(out / "accelerate_config.yaml"))
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true"
+    assert env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == str(out / "deepspeed_config.json")
+
+
+def test_fsdp2_variant_of_a100(tmp_path):
+    src = _variant(tmp_path, "a100-bf16", "a100-fsdp2", "distributed: {strategy: fsdp2, num_processes: 8}\n")
+    out = tmp_path / "cfg"
+    sections = _dry_run("--recipe", str(src), "--config-dir", str(out), "--dry-run", "train.py")
+    acc = yaml.safe_load(sections[f"file: {out}/accelerate_config.yaml"])
+    assert acc["distributed_type"] == "FSDP" and acc["num_processes"] == 8 and acc["mixed_precision"] == "bf16"
+    assert acc["fsdp_config"]["fsdp_version"] == 2
+    plan = plan_launch(load_recipe_file(src), "train.py", [], config_dir=str(out))
+    plan.write()
+    env = _accelerate_env(str(out / "accelerate_config.yaml"))
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+
+
+@pytest.mark.parametrize("name", ["h100-fp8-current", "h100-fp8-blockwise"])
+def test_fp8_accelerate_cannot_build_runs_bf16_and_says_so(tmp_path, name):
+    plan = plan_launch(load_recipe_file(name), "t.py", [], config_dir=str(tmp_path))
+    text = plan.files[str(tmp_path / "accelerate_config.yaml")]
+    acc = yaml.safe_load(text)
+    assert acc["mixed_precision"] == "bf16" and "fp8_config" not in acc
+    assert "hf_mixedprec applies FP8 in the training process" in text
+
+
+def test_mxfp8_config():
+    acc = plan_launch(load_recipe_file("b200-mxfp8"), "t.py", [], config_dir="/tmp/x").files[
+        "/tmp/x/accelerate_config.yaml"
+    ]
+    fp8 = yaml.safe_load(acc)["fp8_config"]
+    assert fp8 == {
+        "backend": "TE",
+        "fp8_format": "E4M3",
+        "use_autocast_during_eval": False,
+        "margin": 0,
+        "use_mxfp8_block_scaling": True,
+    }
+
+
+def test_num_processes_flag_overrides_recipe():
+    r = resolve_recipe({"name": "x", "precision": "bf16"})
+    plan = plan_launch(r, "t.py", [], config_dir="/tmp/y", num_processes=2)
+    acc = yaml.safe_load(plan.files["/tmp/y/accelerate_config.yaml"])
+    assert acc["num_processes"] == 2 and acc["distributed_type"] == "MULTI_GPU"

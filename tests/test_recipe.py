@@ -1,0 +1,294 @@
+"""Recipe schema: shipped recipes, round trips, extends, and one clear problem line per mistake."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from hf_mixedprec.recipe import Recipe, RecipeError, builtin_recipe_names, load_recipe_file, resolve_recipe
+
+SHIPPED = {
+    "cpu-bf16",
+    "v100-fp16",
+    "t4-fp16",
+    "a100-bf16",
+    "ada-fp8-current",
+    "h100-fp8-delayed",
+    "h100-fp8-current",
+    "h100-fp8-blockwise",
+    "b200-mxfp8",
+}
+
+
+def test_all_nine_recipes_ship():
+    assert set(builtin_recipe_names()) == SHIPPED
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_recipe_round_trips_through_yaml(name):
+    r = load_recipe_file(name)
+    again = Recipe.from_yaml(r.to_yaml())
+    assert again == r
+    assert again.to_yaml() == r.to_yaml()
+
+
+def test_shipped_values():
+    d = load_recipe_file("h100-fp8-delayed")
+    assert (d.fp8.scaling, d.fp8.format, d.fp8.amax_history_len, d.fp8.amax_compute_algo, d.fp8.margin) == (
+        "delayed",
+        "HYBRID",
+        1024,
+        "max",
+        0,
+    )
+    assert d.fp8.epsilon is None and d.fp8.mx_rounding is None
+    v = load_recipe_file("v100-fp16")
+    assert v.loss_scale.init_scale == 65536.0 and v.loss_scale.growth_interval == 2000
+    assert v.fp8 is None and v.tf32 is False
+    m = load_recipe_file("b200-mxfp8")
+    assert (m.fp8.scaling, m.fp8.mx_rounding, m.fp8.block_size, m.fp8.format) == ("mxfp8", "rceil", 32, "E4M3")
+    assert m.fp8.amax_history_len is None
+    b = load_recipe_file("h100-fp8-blockwise")
+    assert (b.fp8.block_size, b.fp8.power_2_scales) == (128, True)
+
+
+def test_extends_inherits_and_overrides():
+    t4 = load_recipe_file("t4-fp16")
+    v100 = load_recipe_file("v100-fp16")
+    assert t4.hardware == ("turing",) and v100.hardware == ("volta",)
+    assert t4.loss_scale == v100.loss_scale
+    cur = load_recipe_file("h100-fp8-current")
+    assert cur.fp8 == load_recipe_file("ada-fp8-current").fp8
+    assert cur.extends is None  # resolved recipes carry their values, not the link
+
+
+def test_recipe_is_immutable():
+    r = load_recipe_file("cpu-bf16")
+    with pytest.raises(ValidationError, match="frozen"):
+        r.precision = "fp16"  # type: ignore[misc]
+
+
+def test_json_schema_names_every_section():
+    schema = Recipe.json_schema()
+    assert {"name", "precision", "tf32", "loss_scale", "fp8", "clipping", "health", "distributed"} <= set(
+        schema["properties"]
+    )
+    fp8 = schema["$defs"]["FP8Config"]["properties"]
+    for key in (
+        "backend",
+        "scaling",
+        "format",
+        "amax_history_len",
+        "amax_compute_algo",
+        "margin",
+        "epsilon",
+        "power_2_scales",
+        "mx_rounding",
+        "block_size",
+        "keep_in_bf16",
+        "keep_first_last_blocks",
+        "keep_lm_head",
+        "keep_embeddings",
+        "align",
+    ):
+        assert key in fp8, key
+    ls = schema["$defs"]["LossScaleConfig"]["properties"]
+    assert set(ls) == {
+        "init_scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "min_scale",
+        "max_scale",
+        "hysteresis",
+    }
+    json.dumps(schema)
+
+
+def _problems(data, source="x.yaml"):
+    with pytest.raises(RecipeError) as exc:
+        resolve_recipe(data, source=source)
+    return [str(p) for p in exc.value.problems]
+
+
+BASE = {"name": "t", "precision": "fp8", "fp8": {"scaling": "delayed"}}
+
+
+@pytest.mark.parametrize(
+    "patch, expected",
+    [
+        (
+            {"precison": "bf16"},
+            "x.yaml: precison: unknown key (allowed: name, description, extends, hardware, precision",
+        ),
+        ({"fp8": {"scaling": "delayed", "amax_history_length": 10}}, "x.yaml: fp8.amax_history_length: unknown key"),
+        ({"precision": "fp12"}, "x.yaml: precision: 'fp12' is not allowed (allowed: fp32, fp16, bf16, fp8)"),
+        (
+            {"fp8": {"scaling": "delayed", "amax_history_len": 0}},
+            "x.yaml: fp8.amax_history_len: 0 is out of range (allowed: >= 1)",
+        ),
+        ({"fp8": {"scaling": "delayed", "amax_history_len": "long"}}, "x.yaml: fp8.amax_history_len: "),
+        ({"fp8": {"scaling": "delayed", "format": "E5M2"}}, "x.yaml: fp8.format: pure E5M2 training is refused"),
+        (
+            {"fp8": {"scaling": "mxfp8", "amax_history_len": 16}},
+            "x.yaml: fp8.amax_history_len: does not apply to scaling 'mxfp8' (it applies to: delayed)",
+        ),
+        (
+            {"fp8": {"scaling": "current", "mx_rounding": "floor"}},
+            "x.yaml: fp8.mx_rounding: does not apply to scaling 'current'",
+        ),
+        (
+            {"fp8": {"scaling": "mxfp8", "block_size": 16}},
+            "x.yaml: fp8.block_size: 16 is not supported for mxfp8 (allowed: 32)",
+        ),
+        (
+            {"fp8": {"scaling": "wavelet"}},
+            "x.yaml: fp8.scaling: 'wavelet' is not allowed (allowed: delayed, current, mxfp8, blockwise)",
+        ),
+        ({"fp8": {"scaling": "delayed", "margin": -1}}, "x.yaml: fp8.margin: -1 is out of range (allowed: >= 0)"),
+        (
+            {"fp8": {"scaling": "delayed", "backend": "msamp"}},
+            "x.yaml: fp8.backend: 'msamp' is not allowed (allowed: auto, transformer_engine, torchao, emulated)",
+        ),
+        ({"precision": "bf16"}, "x.yaml: fp8: only applies to precision fp8 (precision is bf16); remove it"),
+        ({"precision": "bf16", "fp8": None, "loss_scale": {}}, "x.yaml: loss_scale: only applies to precision fp16"),
+        ({"hardware": ["hopper", "pascal"]}, "x.yaml: hardware.1: 'pascal' is not allowed (allowed: cpu, mps, volta"),
+        (
+            {"clipping": {"method": "zclip", "percentile": 5}},
+            "x.yaml: clipping.percentile: does not apply to method 'zclip' (it applies to: autoclip)",
+        ),
+        ({"clipping": {"method": "zclip", "alpha": 1.5}}, "x.yaml: clipping.alpha: 1.5 is out of range (allowed: < 1)"),
+        (
+            {"distributed": {"strategy": "ddp", "zero_stage": 2}},
+            "x.yaml: distributed.zero_stage: only applies to strategy deepspeed",
+        ),
+        (
+            {"distributed": {"strategy": "horovod"}},
+            "x.yaml: distributed.strategy: 'horovod' is not allowed (allowed: none, ddp, fsdp2, deepspeed)",
+        ),
+        (
+            {"health": {"detectors": {"loss_spike": {"reaction": "panic"}}}},
+            "x.yaml: health.detectors.loss_spike.reaction: 'panic' is not allowed (allowed: log, warn, skip_step, stop, fallback, lower_lr)",
+        ),
+        (
+            {"health": {"detectors": {"loss_spike": {"reaction": "lower_lr"}}}},
+            "x.yaml: health.detectors.loss_spike.lr_factor: is required when reaction is lower_lr",
+        ),
+        (
+            {"health": {"detectors": {"cosmic_ray": {}}}},
+            "x.yaml: health.detectors.cosmic_ray: unknown key (allowed: nonfinite_loss,",
+        ),
+        ({"fp8": "yes"}, "x.yaml: fp8: expected a mapping, got 'yes'"),
+        ({"name": "has space"}, "x.yaml: name: 'has space' is not a valid name"),
+    ],
+)
+def test_each_mistake_is_one_line_naming_the_dotted_key(patch, expected):
+    data = {**BASE, **patch}
+    problems = _problems(data)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(expected), problems[0]
+
+
+def test_several_mistakes_give_several_lines():
+    problems = _problems(
+        {"name": "t", "precision": "fp16", "tf32": "maybe", "loss_scale": {"growth_interval": 0}, "oops": 1}
+    )
+    keys = sorted(p.split(": ")[1] for p in problems)
+    assert keys == ["loss_scale.growth_interval", "oops", "tf32"]
+
+
+def test_missing_required_keys():
+    assert _problems({"description": "x"}) == ["x.yaml: name: is required", "x.yaml: precision: is required"]
+
+
+def test_deepspeed_rules():
+    problems = _problems(
+        {
+            "name": "t",
+            "precision": "fp16",
+            "loss_scale": {"init_scale": 1000.0},
+            "distributed": {"strategy": "deepspeed"},
+        }
+    )
+    assert problems == [
+        "x.yaml: loss_scale.init_scale: 1000 must be a power of two with DeepSpeed (initial_scale_power)"
+    ]
+    r = resolve_recipe({"name": "t", "precision": "fp16", "distributed": {"strategy": "deepspeed"}})
+    assert r.distributed.zero_stage == 1
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_extends_by_relative_path_and_null_removes(tmp_path):
+    _write(tmp_path, "base.yaml", "name: base\nprecision: fp8\nfp8: {scaling: delayed, amax_history_len: 16}\n")
+    child = _write(
+        tmp_path, "child.yaml", "name: child\nextends: base.yaml\nfp8: {scaling: mxfp8, amax_history_len: null}\n"
+    )
+    r = load_recipe_file(child)
+    assert r.fp8.scaling == "mxfp8" and r.fp8.amax_history_len is None and r.fp8.block_size == 32
+    bad = _write(tmp_path, "bad.yaml", "name: bad\nextends: base.yaml\nfp8: {scaling: mxfp8}\n")
+    with pytest.raises(RecipeError) as exc:
+        load_recipe_file(bad)
+    assert [str(p) for p in exc.value.problems] == [
+        f"{bad}: fp8.amax_history_len: does not apply to scaling 'mxfp8' (it applies to: delayed); remove it (set it to null in a recipe that extends another)"
+    ]
+
+
+def test_extends_cycle_and_missing(tmp_path):
+    a = _write(tmp_path, "a.yaml", "name: a\nextends: b.yaml\nprecision: bf16\n")
+    _write(tmp_path, "b.yaml", "name: b\nextends: a.yaml\nprecision: bf16\n")
+    with pytest.raises(RecipeError) as exc:
+        load_recipe_file(a)
+    (p,) = exc.value.problems
+    assert p.key == "extends" and "cycle:" in p.message and p.message.count("a.yaml") == 2
+    m = _write(tmp_path, "m.yaml", "name: m\nextends: no-such-recipe\nprecision: bf16\n")
+    with pytest.raises(RecipeError) as exc:
+        load_recipe_file(m)
+    assert str(exc.value).startswith(
+        f"{m}: extends: 'no-such-recipe': no such recipe (allowed: a YAML path or one of: auto, a100-bf16"
+    )
+    s = _write(tmp_path, "s.yaml", "name: s\nextends: s.yaml\nprecision: bf16\n")
+    with pytest.raises(RecipeError, match="cycle"):
+        load_recipe_file(s)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("name: [unclosed\n", "invalid YAML: line 2, column 1"),
+        ("", "the document is empty"),
+        ("# only a comment\n", "the document is empty"),
+        ("- a\n- b\n", "expected a mapping at the top level, got list"),
+        ("just a string\n", "expected a mapping at the top level, got str"),
+        ("name: x\nprecision: !!python/object/apply:os.system ['touch /tmp/hf_mp_pwned']\n", "refused YAML tag"),
+        ("1: x\nprecision: bf16\n", "keys must be strings"),
+    ],
+)
+def test_broken_yaml_documents(tmp_path, text, expected):
+    p = _write(tmp_path, "r.yaml", text)
+    with pytest.raises(RecipeError) as exc:
+        load_recipe_file(p)
+    assert len(exc.value.problems) == 1
+    assert expected in str(exc.value), str(exc.value)
+    assert not Path("/tmp/hf_mp_pwned").exists()
+
+
+def test_yaml_round_trip_of_custom_recipe():
+    r = resolve_recipe(
+        {
+            "name": "custom",
+            "precision": "fp8",
+            "fp8": {"scaling": "current", "keep_in_bf16": ["*.mlp.*"], "epsilon": 1e-12},
+        }
+    )
+    text = r.to_yaml()
+    assert yaml.safe_load(text)["fp8"]["keep_in_bf16"] == ["*.mlp.*"]
+    assert Recipe.from_yaml(text) == r
