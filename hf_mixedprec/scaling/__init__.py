@@ -1,0 +1,31 @@
+"""Pure FP8 / MXFP8 scaling math (torch only, no nn.Module, no host-device sync).
+
+* :mod:`.fp8` per-tensor quantize/dequantize, current scaling (TE Float8CurrentScaling, torchao tensorwise),
+  delayed scaling (TE DelayedScaling), NaN-ignoring amax.
+* :mod:`.mx` MXFP8 blocks with E8M0 scales (OCP MX v1.0 FLOOR, TE/hardware RCEIL).
+* :mod:`.blockwise` 1x128 / 128x128 tiles (TE Float8BlockScaling, DeepSeek-V3).
+* :mod:`.stats` saturation, underflow, SQNR and MX clamp fractions for health monitoring.
+"""
+
+from hf_mixedprec.scaling.blockwise import dequantize_blockwise, quantize_blockwise
+from hf_mixedprec.scaling.fp8 import current_scale, delayed_update, dequantize_fp8, quantize_fp8, tensor_amax
+from hf_mixedprec.scaling.mx import E8M0_NAN, dequantize_mxfp8, mx_scale_codes, quantize_mxfp8
+from hf_mixedprec.scaling.stats import mx_clamp_fraction, saturation_fraction, sqnr_db, underflow_fraction
+
+__all__ = [
+    "E8M0_NAN",
+    "current_scale",
+    "delayed_update",
+    "dequantize_blockwise",
+    "dequantize_fp8",
+    "dequantize_mxfp8",
+    "mx_clamp_fraction",
+    "mx_scale_codes",
+    "quantize_blockwise",
+    "quantize_fp8",
+    "quantize_mxfp8",
+    "saturation_fraction",
+    "sqnr_db",
+    "tensor_amax",
+    "underflow_fraction",
+]

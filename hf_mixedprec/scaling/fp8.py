@@ -1,0 +1,240 @@
+"""Per-tensor FP8 scaling math: quantize/dequantize, current scaling, delayed scaling, amax.
+
+Everything here is a pure torch function on device tensors: no ``.item()``, no python branching on tensor
+values, so it can run every step without a host-device sync.  Conventions follow Transformer Engine (TE):
+
+* ``scale`` multiplies: ``q = saturate(round_nearest_even(x * scale))`` and dequantization multiplies by
+  ``scale_inv = 1 / scale`` (TE stores ``scale_inv`` and dequantizes as ``q * scale_inv``).
+* ``fmt`` is ``"e4m3"`` / ``"e5m2"`` (any case) or a :class:`~hf_mixedprec.formats.NumberFormat`.
+
+Divisions that define a scale are done tensor/tensor (``torch.div``), never ``python_float / tensor``:
+the latter is ``reciprocal() * x`` in torch (two roundings), and tensor/CPU-scalar division is a multiply
+by the reciprocal on CUDA; a correctly rounded float32 quotient is what TE computes and (by the
+double-rounding theorem, 53 >= 2*24 + 2) what torchao's float64 path produces.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+
+from hf_mixedprec.formats import E4M3, E5M2, FLOAT32_MAX, NumberFormat, get_format
+
+__all__ = [
+    "FP8Format",
+    "current_scale",
+    "delayed_update",
+    "dequantize_fp8",
+    "quantize_fp8",
+    "tensor_amax",
+]
+
+#: What the ``fmt`` arguments accept.
+FP8Format = str | NumberFormat
+
+_AMAX_ALGOS = ("max", "most_recent")
+_F32_MANTISSA_BITS = 23
+_F32_BIAS = 127
+_F32_NAN_BITS = 0x7FC00000
+
+
+def _fp8_format(fmt: FP8Format, arg: str = "fmt") -> NumberFormat:
+    """Resolve ``fmt`` to E4M3 or E5M2, raising ValueError that names ``arg`` otherwise."""
+    allowed = "'e4m3' or 'e5m2' (any case) or hf_mixedprec.formats.E4M3/E5M2"
+    try:
+        f = get_format(fmt)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{arg}={fmt!r} is not an FP8 format; allowed: {allowed}") from exc
+    if f not in (E4M3, E5M2):
+        raise ValueError(f"{arg}={fmt!r} is not an FP8 format; allowed: {allowed}")
+    return f
+
+
+def _float32_bits(value: float) -> int:
+    """The IEEE bits of ``value`` rounded to float32 (python side, no tensors)."""
+    return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+def _float32_ceil(value: float) -> float:
+    """Smallest float32 >= ``value`` for finite non-negative ``value`` (python side)."""
+    bits = _float32_bits(value)
+    as_f32 = struct.unpack("<f", struct.pack("<I", bits))[0]
+    if as_f32 < value:
+        bits += 1
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def _f32_exponent_field(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unbiased exponent, mantissa field) of float32 ``x`` from its bits, as int32.
+
+    For normal ``x`` the exponent is exactly ``floor(log2(|x|))`` (no rounding, unlike ``torch.log2``);
+    zero and subnormals give -127, inf and NaN give 128.
+    """
+    bits = x.contiguous().view(torch.int32)
+    exp = torch.bitwise_and(torch.bitwise_right_shift(bits, _F32_MANTISSA_BITS), 0xFF) - _F32_BIAS
+    mant = torch.bitwise_and(bits, (1 << _F32_MANTISSA_BITS) - 1)
+    return exp, mant
+
+
+def _exp2_int(k: torch.Tensor) -> torch.Tensor:
+    """Exactly ``2.0**k`` as float32 for integer ``k`` in [-149, 127], built from bits (no exp2 rounding)."""
+    k = k.to(torch.int32)
+    normal = torch.bitwise_left_shift(torch.clamp(k + _F32_BIAS, 1, 254), _F32_MANTISSA_BITS)
+    subnormal = torch.bitwise_left_shift(torch.ones_like(k), torch.clamp(k + 149, 0, 22))
+    return torch.where(k >= -126, normal, subnormal).view(torch.float32)
+
+
+def _floor_pow2(x: torch.Tensor) -> torch.Tensor:
+    """``2**floor(log2(x))`` for positive normal float32 ``x``, exact (clears the mantissa bits).
+
+    Current-scaling scales are always normal (``fp8_max / FLT_MAX`` > 2**-126), so clearing the mantissa
+    is the exact rule; ``torch.exp2(torch.floor(torch.log2(x)))`` can round up for ``x`` just below a
+    power of two.
+    """
+    bits = x.contiguous().view(torch.int32)
+    return torch.bitwise_and(bits, ~((1 << _F32_MANTISSA_BITS) - 1)).view(torch.float32)
+
+
+def _as_scale(scale: torch.Tensor | float) -> torch.Tensor | float:
+    """A float32 tensor for tensor scales; python numbers stay python (no host-to-device copy)."""
+    if isinstance(scale, torch.Tensor):
+        return scale.to(torch.float32)
+    return float(scale)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float, fmt: FP8Format) -> torch.Tensor:
+    """Quantize ``x`` to FP8: ``saturate(round_nearest_even(float32(x) * scale))`` (TE DelayedScaling rule).
+
+    The product is computed in float32, clamped to ``±fmt.max`` (so ``±inf`` becomes ``±max``, NaN stays
+    NaN) and cast with round-to-nearest-even.  ``scale`` broadcasts against ``x`` (0-d for per-tensor).
+    Returns a tensor of ``fmt``'s float8 dtype.
+    """
+    f = _fp8_format(fmt)
+    y = x.to(torch.float32) * _as_scale(scale)
+    return torch.clamp(y, -f.max, f.max).to(f.dtype)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dequantize FP8 ``q``: ``float32(q) * (1 / scale)``, returned as ``dtype``.
+
+    TE semantics ("dequantize with 1/scale"): TE keeps ``scale_inv = 1/scale`` next to the data and
+    multiplies by it.  For power-of-two scales this equals ``q / scale`` exactly; for other scales it can
+    differ from a true division in the last float32 bit.
+    """
+    s = _as_scale(scale)
+    if isinstance(s, torch.Tensor):
+        inv = torch.reciprocal(s)
+    else:
+        inv = 1.0 / s if s != 0.0 else math.copysign(math.inf, s)
+    return (q.to(torch.float32) * inv).to(dtype)
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max(|x|)`` ignoring NaN elements, as a 0-d float32 tensor on ``x``'s device (TE: amax ignores NaN).
+
+    Infinite elements count (amax is then inf).  An empty or all-NaN tensor gives 0.
+    """
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    if not x.dtype.is_floating_point or x.element_size() == 1:
+        x = x.to(torch.float32)
+    a = torch.abs(x)
+    a = torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype, device=a.device), a)
+    return torch.amax(a).to(torch.float32)
+
+
+def _check_epsilon(epsilon: float) -> float:
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
+        raise ValueError(f"epsilon={epsilon!r} must be a python float in [0, {FLOAT32_MAX}]")
+    eps = float(epsilon)
+    if not (0.0 <= eps <= FLOAT32_MAX):
+        raise ValueError(f"epsilon={epsilon!r} must be a finite float in [0, {FLOAT32_MAX}]")
+    return eps
+
+
+def current_scale(amax: torch.Tensor, *, fmt: FP8Format, epsilon: float = 0.0, power_2: bool = False) -> torch.Tensor:
+    """Current-scaling scale from ``amax`` (TE ``Float8CurrentScaling``, torchao "tensorwise").
+
+    ``a = max(amax, epsilon)``; if ``a`` is 0, inf or NaN (or negative) the scale is 1.0, else
+    ``fmt.max / a`` rounded once to float32, with an infinite result replaced by FLT_MAX; with ``power_2``
+    the scale is rounded down to ``2**floor(log2(scale))`` exactly (mantissa bits cleared, as TE does).
+    Elementwise over ``amax``; returns float32 of ``amax``'s shape.
+
+    ``epsilon`` is applied as the exact real number (``amax < epsilon`` -> ``fmt.max / epsilon`` rounded
+    once to float32), which is what torchao's float64 ``clamp(amax, 1e-12)`` does; so
+    ``current_scale(amax, fmt=..., epsilon=1e-12)`` equals ``torchao.float8.float8_utils.amax_to_scale``
+    bit for bit on finite non-negative amax (torchao gives NaN for NaN amax and 0 for inf amax, where
+    this function follows TE and gives 1.0).
+    """
+    f = _fp8_format(fmt)
+    eps = _check_epsilon(epsilon)
+    a = amax.to(torch.float32)
+    fmax = torch.full_like(a, f.max)
+    scale = torch.div(fmax, a)
+    valid = torch.isfinite(a) & (a > 0)
+    if eps > 0.0:
+        below = a < _float32_ceil(eps)  # exact "a < eps" since the threshold is float32-representable
+        scale = torch.where(below, f.max / eps, scale)
+        valid = valid | below
+    scale = torch.where(torch.isinf(scale), FLOAT32_MAX, scale)
+    if power_2:
+        scale = _floor_pow2(scale)
+    return torch.where(valid, scale, torch.ones_like(scale))
+
+
+def delayed_update(
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    *,
+    fmt: FP8Format,
+    margin: int = 0,
+    algo: str = "max",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One delayed-scaling step for many quantizers at once (TE ``DelayedScaling`` semantics).
+
+    Shapes: ``amax_history`` ``[L, *q]`` with the newest amax in the LAST row, ``scale`` and ``amax``
+    ``[*q]`` (usually ``q = (n,)``).  Per quantizer with new amax ``a``:
+
+    * ``a == 0``: nothing changes (no roll, scale kept);
+    * otherwise the history rolls (row 0 dropped, ``a`` appended as row -1) and
+      ``amax_used = max(new history)`` for ``algo="max"`` or ``a`` for ``"most_recent"``;
+      ``scale = (fmt.max / amax_used) / 2**margin`` if ``amax_used`` is finite and > 0, else the previous
+      scale; an infinite scale becomes FLT_MAX.
+
+    NaN amax: a NaN entry is non-zero, so it rolls into the history like any other value.  ``torch.amax``
+    propagates NaN, so with ``"max"`` the scale stays frozen while a NaN (or inf) is in the window (L
+    steps), and with ``"most_recent"`` for that one step.  Returns new float32 tensors; inputs are not
+    modified.
+    """
+    f = _fp8_format(fmt)
+    if algo not in _AMAX_ALGOS:
+        raise ValueError(f"algo={algo!r} is not supported; allowed: {', '.join(map(repr, _AMAX_ALGOS))}")
+    if isinstance(margin, bool) or not isinstance(margin, int) or not (0 <= margin <= 127):
+        raise ValueError(f"margin={margin!r} must be an int in [0, 127] (TE DelayedScaling.margin)")
+    if amax_history.dim() < 1 or amax_history.shape[0] < 1:
+        raise ValueError(f"amax_history must have shape [L, *q] with L >= 1, got {tuple(amax_history.shape)}")
+    q_shape = tuple(amax_history.shape[1:])
+    if tuple(scale.shape) != q_shape or tuple(amax.shape) != q_shape:
+        raise ValueError(
+            f"scale and amax must have shape {q_shape} (amax_history.shape[1:]), "
+            f"got scale {tuple(scale.shape)} and amax {tuple(amax.shape)}"
+        )
+    hist = amax_history.to(torch.float32)
+    prev = scale.to(torch.float32)
+    a = amax.to(torch.float32)
+
+    update = a != 0
+    rolled = torch.cat([hist[1:], a.unsqueeze(0)], dim=0)
+    new_hist = torch.where(update.unsqueeze(0), rolled, hist)
+    used = torch.amax(rolled, dim=0) if algo == "max" else a
+
+    cand = torch.div(torch.full_like(used, f.max), used)
+    if margin != 0:
+        cand = cand * math.ldexp(1.0, -margin)  # exact: multiplying by 2**-margin == dividing by 2**margin
+    cand = torch.where(torch.isinf(cand), FLOAT32_MAX, cand)
+    ok = update & torch.isfinite(used) & (used > 0)
+    new_scale = torch.where(ok, cand, prev)
+    return new_hist, new_scale
