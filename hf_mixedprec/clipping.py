@@ -1,0 +1,608 @@
+"""Gradient clippers with device-side state: fixed norm, ZClip, AutoClip and AGC.
+
+Every clipper clips gradients in place with :meth:`Clipper.clip_` and returns a :class:`ClipResult` of 0-d
+tensors on the gradients' device. Nothing here reads a tensor value on the host (no ``.item()``, no
+``if tensor``, no boolean-mask indexing): every decision is a ``torch.where`` and all statistics live in device
+tensors, so a training step never waits for the GPU because of clipping. Read the result's tensors only when a
+log is due (:meth:`ClipResult.as_floats` does that, and syncs).
+
+Non-finite norms (inf/NaN, e.g. an FP16 overflow step that ``GradScaler`` will skip) are ignored by every
+clipper: the gradients are left exactly as they are (multiplied by exactly 1.0, never by NaN or 0), the
+statistics do not change and ``clipped`` is False.
+
+Use it after the gradients are unscaled and before ``optimizer.step()`` (in ``Trainer``: after
+``accelerator.clip_grad_norm_``, e.g. in ``on_pre_optimizer_step``). Pass ``total_norm`` when the global norm is
+already known (Accelerate returns it after unscaling; under FSDP the local gradients are only shards, so the
+reduced norm must be passed in).
+
+Torch only: no transformers, no trainer.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AGC",
+    "CLIP_METHODS",
+    "STATE_VERSION",
+    "AutoClip",
+    "ClipResult",
+    "Clipper",
+    "NormClipper",
+    "ZClip",
+    "global_grad_norm",
+    "make_clipper",
+]
+
+STATE_VERSION = 1
+"""Version of the dict written by :meth:`Clipper.state_dict`; :meth:`Clipper.load_state_dict` checks it."""
+
+_COEF_EPS = 1e-6
+"""Added to the norm in the scale factor ``threshold / (norm + 1e-6)``, as ``torch.nn.utils.clip_grad_norm_``."""
+
+Params = Tensor | Iterable[Tensor] | Iterable[tuple[str, Tensor]]
+"""``model.parameters()``, ``model.named_parameters()``, a list of either, or one tensor."""
+
+
+@dataclass(frozen=True)
+class ClipResult:
+    """What one :meth:`Clipper.clip_` call did; 0-d tensors on the gradients' device (reading them syncs).
+
+    ``total_norm``: global L2 norm of the gradients before clipping (float32).
+    ``threshold``: the global norm the gradients were clipped to; +inf when the rule sets no bound this step
+    (ZClip below its z threshold, during its warm-up without ``max_norm``); NaN for AGC (per-unit thresholds).
+    ``clipped``: bool, whether any gradient was scaled down.
+    ``clipped_fraction``: AGC only, the fraction of units (weight rows, 1-D params) that were scaled.
+    """
+
+    total_norm: Tensor
+    threshold: Tensor
+    clipped: Tensor
+    clipped_fraction: Tensor | None = None
+
+    def as_floats(self) -> dict[str, float]:
+        """The values as Python numbers for logging. This syncs with the device: call it only when a log is due."""
+        out = {
+            "total_norm": float(self.total_norm),
+            "threshold": float(self.threshold),
+            "clipped": float(self.clipped),
+        }
+        if self.clipped_fraction is not None:
+            out["clipped_fraction"] = float(self.clipped_fraction)
+        return out
+
+
+def _split_params(parameters: Params) -> tuple[list[str] | None, list[Tensor]]:
+    """Names (or None when unnamed) and tensors, from parameters or (name, parameter) pairs."""
+    if isinstance(parameters, Tensor):
+        return None, [parameters]
+    items = list(parameters)
+    pairs = [isinstance(x, tuple) for x in items]
+    if items and all(pairs):
+        names: list[str] = []
+        params: list[Tensor] = []
+        for item in items:
+            if len(item) != 2 or not isinstance(item[0], str) or not isinstance(item[1], Tensor):
+                raise TypeError(f"expected (name, parameter) pairs as from model.named_parameters(), got {item!r}")
+            names.append(item[0])
+            params.append(item[1])
+        return names, params
+    if any(pairs):
+        raise TypeError("parameters mix (name, parameter) pairs and bare tensors; pass one kind")
+    for item in items:
+        if not isinstance(item, Tensor):
+            raise TypeError(f"expected tensors or parameters, got {type(item).__name__}")
+    return None, items
+
+
+def _by_device(tensors: Sequence[Tensor]) -> dict[torch.device, list[Tensor]]:
+    groups: dict[torch.device, list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return groups
+
+
+def _norms_f32(tensors: list[Tensor]) -> list[Tensor]:
+    try:
+        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    except (TypeError, RuntimeError):  # older torch without the dtype argument, or an unsupported layout
+        return [torch.linalg.vector_norm(t, 2, dtype=torch.float32) for t in tensors]
+
+
+def global_grad_norm(grads: Sequence[Tensor]) -> Tensor:
+    """L2 norm of all ``grads`` taken together, in float32, on the first gradient's device (no host sync).
+
+    Per-tensor norms then the norm of the norms, as ``torch.nn.utils.clip_grad_norm_`` does (bit-identical to
+    it for float32 gradients); FP16/BF16 gradients are reduced in float32 so the norm itself cannot overflow.
+    """
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    first = grads[0].device
+    norms: list[Tensor] = []
+    for group in _by_device(grads).values():
+        norms.extend(_norms_f32(group))
+    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2)
+
+
+def _mul_(grads: list[Tensor], coef: Tensor) -> None:
+    """Multiply all grads in place by a 0-d coefficient (exactly 1.0 leaves them bit for bit unchanged)."""
+    for device, group in _by_device(grads).items():
+        torch._foreach_mul_(group, coef.to(device))
+
+
+def _scale_to(grads: list[Tensor], norm: Tensor, threshold: Tensor, valid: Tensor) -> Tensor:
+    """Scale grads by ``threshold / (norm + 1e-6)`` where ``norm > threshold`` (and the step is valid)."""
+    clipped = valid & (norm > threshold)
+    coef = torch.where(clipped, threshold / (norm + _COEF_EPS), 1.0)
+    _mul_(grads, coef)
+    return clipped
+
+
+def _check_float(name: str, value: Any, *, low: float, high: float = math.inf, low_open: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    ok_low = v > low if low_open else v >= low
+    if not (ok_low and v <= high) or math.isnan(v):
+        bound = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high != math.inf else "")
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    return v
+
+
+def _check_int(name: str, value: Any, *, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+class Clipper:
+    """Base class: gathers the gradients, computes the global norm and keeps device-side state.
+
+    Subclasses implement :meth:`_clip` (the rule) and list their state tensors in ``_state_names``; a Python
+    counter of calls (``steps``) is the only host-side state, since it is known without reading the device.
+    """
+
+    _state_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self) -> None:
+        self.steps: int = 0
+        """Number of :meth:`clip_` calls so far (host side; counts non-finite steps too)."""
+        self._device = torch.device("cpu")
+
+    # -- the rule ---------------------------------------------------------------------------------------------
+
+    def _clip(
+        self, names: list[str] | None, params: list[Tensor], grads: list[Tensor], norm: Tensor, valid: Tensor
+    ) -> ClipResult:
+        raise NotImplementedError
+
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments (plain Python values)."""
+        return {}
+
+    # -- public API -------------------------------------------------------------------------------------------
+
+    def clip_(self, parameters: Params, *, total_norm: Tensor | float | None = None) -> ClipResult:
+        """Clip the gradients of ``parameters`` in place and update the statistics; no host-device sync.
+
+        ``parameters``: ``model.parameters()``, ``model.named_parameters()`` (needed for AGC name excludes), a
+        list of either, or one tensor; parameters without a gradient are skipped. ``total_norm``: the global
+        gradient norm when already computed (after unscaling, reduced over ranks); otherwise it is computed
+        here in float32. A call with no gradients and no ``total_norm`` changes nothing.
+        """
+        names, params = _split_params(parameters)
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            device = grads[0].device
+        elif isinstance(total_norm, Tensor):
+            device = total_norm.device
+        else:
+            device = self._device
+        self.to(device)
+        self.steps += 1
+        if total_norm is None:
+            norm = global_grad_norm(grads).to(device)
+            has_any = bool(grads)  # host fact: whether there was anything to measure
+        elif isinstance(total_norm, Tensor):
+            norm = total_norm.detach().to(device=device, dtype=torch.float32).reshape(())
+            has_any = True
+        else:
+            norm = torch.full((), float(total_norm), dtype=torch.float32, device=device)
+            has_any = True
+        valid = torch.isfinite(norm) if has_any else torch.zeros((), dtype=torch.bool, device=device)
+        return self._clip(names, params, grads, norm, valid)
+
+    def to(self, device: torch.device | str) -> Clipper:
+        """Move the state tensors to ``device`` (done automatically on the first :meth:`clip_`)."""
+        device = torch.device(device)
+        for name in self._state_names:
+            t = getattr(self, name)
+            if t.device != device:
+                setattr(self, name, t.to(device))
+        self._device = device
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly where this clipper is: version, type, config, steps, tensors."""
+        return {
+            "version": STATE_VERSION,
+            "type": type(self).__name__,
+            "config": self.config(),
+            "steps": self.steps,
+            "state": {name: getattr(self, name).detach().clone() for name in self._state_names},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (tensors are copied onto this clipper's device).
+
+        Raises ValueError when the version, the clipper type or the configuration differs, since continuing
+        ZClip's or AutoClip's statistics under other settings would not be the same run.
+        """
+        version = state_dict.get("version")
+        if version != STATE_VERSION:
+            raise ValueError(f"clipper state version {version!r} is not supported (expected {STATE_VERSION})")
+        kind = state_dict.get("type")
+        if kind != type(self).__name__:
+            raise ValueError(f"clipper state is for {kind!r}, not {type(self).__name__!r}")
+        saved, mine = state_dict.get("config", {}), self.config()
+        differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        if differ:
+            detail = ", ".join(f"{k}: saved {saved.get(k)!r}, now {mine.get(k)!r}" for k in differ)
+            raise ValueError(f"clipper state was saved with another configuration ({detail})")
+        tensors = state_dict.get("state", {})
+        missing = sorted(set(self._state_names) - set(tensors))
+        if missing:
+            raise ValueError(f"clipper state lacks {', '.join(missing)}")
+        for name in self._state_names:
+            current = getattr(self, name)
+            value = tensors[name].detach().to(device=self._device, dtype=current.dtype, copy=True)
+            self._check_loaded(name, value)
+            setattr(self, name, value)
+        self.steps = int(state_dict.get("steps", 0))
+
+    def _check_loaded(self, name: str, value: Tensor) -> None:
+        expected = getattr(self, name).shape
+        if value.shape != expected:
+            raise ValueError(f"clipper state {name} has shape {tuple(value.shape)}, expected {tuple(expected)}")
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({args})"
+
+
+class NormClipper(Clipper):
+    """Fixed-threshold global-norm clipping, the same as ``torch.nn.utils.clip_grad_norm_``.
+
+    coef = min(max_norm / (norm + 1e-6), 1), bit-identical to torch for float32 gradients; on a non-finite norm
+    the gradients are left untouched (torch would multiply them by 0 or NaN).
+    """
+
+    def __init__(self, max_norm: float = 1.0) -> None:
+        super().__init__()
+        self.max_norm = _check_float("max_norm", max_norm, low=0.0)
+
+    def config(self) -> dict[str, Any]:
+        return {"max_norm": self.max_norm}
+
+    def _clip(
+        self, names: list[str] | None, params: list[Tensor], grads: list[Tensor], norm: Tensor, valid: Tensor
+    ) -> ClipResult:
+        coef = torch.clamp(self.max_norm / (norm + _COEF_EPS), max=1.0)
+        coef = torch.where(valid, coef, 1.0)
+        _mul_(grads, coef)
+        threshold = torch.full((), self.max_norm, dtype=torch.float32, device=norm.device)
+        return ClipResult(total_norm=norm, threshold=threshold, clipped=coef < 1.0)
+
+
+class ZClip(Clipper):
+    """ZClip (Kumar et al., 2025, "ZClip: Adaptive Spike Mitigation for LLM Pre-Training"): z-score spike clipping.
+
+    Rules, as in the authors' reference implementation (bluorion-com/ZClip), with g the global norm:
+
+    * Warm-up: the first ``warmup_steps`` finite norms are stored in a device buffer and nothing is clipped
+      (except by ``max_norm``). On the step that stores the last of them, mu = mean(buffer) and
+      var = population variance mean((buffer - mu)**2) (divide by N, as the reference code). That step is still
+      not clipped; adaptive clipping starts with the next finite norm.
+    * After: sigma = sqrt(var), z = (g - mu) / (sigma + eps).
+      mode "zscore", clip_option "adaptive_scaling" (the paper's reciprocal rule): if z > z_thresh the
+      threshold is mu + z_thresh * sigma / (z / z_thresh) = mu + z_thresh**2 * sigma / z.
+      mode "zscore", clip_option "mean": if z > z_thresh the threshold is mu.
+      mode "percentile": the threshold is mu + z_thresh * sigma, applied when g exceeds it.
+      Otherwise no threshold (+inf).
+    * EMA with the clipped norm g_c (the threshold when the rule clipped, else g), mean first and the variance
+      with the *updated* mean (the reference code's order): mu <- alpha*mu + (1-alpha)*g_c;
+      var <- alpha*var + (1-alpha)*(g_c - mu)**2.
+    * ``max_norm`` (optional) caps the threshold at every step, warm-up included; it does not enter the EMA
+      (as in the reference, the statistics follow the ZClip rule alone).
+    * Scaling: when g > threshold the grads are multiplied by threshold / (g + 1e-6).
+    * Non-finite g: grads untouched, buffer, count, mu and var unchanged (such steps do not count for warm-up).
+
+    State (device tensors): ``buffer`` (warmup_steps,), ``count`` (int64, finite norms seen), ``mean``, ``var``.
+    """
+
+    _state_names = ("buffer", "count", "mean", "var")
+
+    def __init__(
+        self,
+        alpha: float = 0.97,
+        z_thresh: float = 2.5,
+        warmup_steps: int = 25,
+        mode: Literal["zscore", "percentile"] = "zscore",
+        clip_option: Literal["adaptive_scaling", "mean"] = "adaptive_scaling",
+        max_norm: float | None = None,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        self.alpha = _check_float("alpha", alpha, low=0.0, high=1.0)
+        if self.alpha == 1.0:
+            raise ValueError("alpha must be < 1 (alpha = 1 would never update the statistics)")
+        self.z_thresh = _check_float("z_thresh", z_thresh, low=0.0)
+        self.warmup_steps = _check_int("warmup_steps", warmup_steps, low=1)
+        if mode not in ("zscore", "percentile"):
+            raise ValueError(f"mode must be one of: zscore, percentile (got {mode!r})")
+        if clip_option not in ("adaptive_scaling", "mean"):
+            raise ValueError(f"clip_option must be one of: adaptive_scaling, mean (got {clip_option!r})")
+        self.mode = mode
+        self.clip_option = clip_option
+        self.max_norm = None if max_norm is None else _check_float("max_norm", max_norm, low=0.0)
+        self.eps = _check_float("eps", eps, low=0.0, low_open=False)
+        self.buffer = torch.zeros(self.warmup_steps, dtype=torch.float32)
+        self.count = torch.zeros((), dtype=torch.int64)
+        self.mean = torch.zeros((), dtype=torch.float32)
+        self.var = torch.zeros((), dtype=torch.float32)
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "alpha": self.alpha,
+            "z_thresh": self.z_thresh,
+            "warmup_steps": self.warmup_steps,
+            "mode": self.mode,
+            "clip_option": self.clip_option,
+            "max_norm": self.max_norm,
+            "eps": self.eps,
+        }
+
+    @property
+    def initialized(self) -> Tensor:
+        """Bool tensor: whether the warm-up is over (mean and var hold statistics)."""
+        return self.count >= self.warmup_steps
+
+    def _clip(
+        self, names: list[str] | None, params: list[Tensor], grads: list[Tensor], norm: Tensor, valid: Tensor
+    ) -> ClipResult:
+        g, mu, var, n = norm, self.mean, self.var, self.count
+        warm = n < self.warmup_steps
+        in_warmup = valid & warm
+        after = valid & ~warm
+
+        # Warm-up: store g at slot n, and initialise mean/var when the buffer is full.
+        slot = torch.arange(self.warmup_steps, device=g.device) == n
+        buffer = torch.where(in_warmup & slot, g, self.buffer)
+        count = n + valid.to(torch.int64)
+        init_now = in_warmup & (count == self.warmup_steps)
+        mu0 = buffer.mean()
+        var0 = (buffer - mu0).square().mean()
+
+        # The ZClip rule, with the statistics before this step.
+        std = var.sqrt()
+        if self.mode == "zscore":
+            z = (g - mu) / (std + self.eps)
+            spike = z > self.z_thresh
+            if self.clip_option == "adaptive_scaling":
+                rule = mu + (self.z_thresh * std) / (z / self.z_thresh)
+            else:
+                rule = mu
+        else:
+            rule = mu + self.z_thresh * std
+            spike = g > rule
+        spike = after & spike
+        g_c = torch.where(spike, rule, g)
+        mu1 = self.alpha * mu + (1.0 - self.alpha) * g_c
+        var1 = self.alpha * var + (1.0 - self.alpha) * (g_c - mu1).square()
+
+        self.buffer = buffer
+        self.count = count
+        self.mean = torch.where(init_now, mu0, torch.where(after, mu1, mu))
+        self.var = torch.where(init_now, var0, torch.where(after, var1, var))
+
+        threshold = torch.where(spike, rule, math.inf)
+        if self.max_norm is not None:
+            threshold = torch.clamp(threshold, max=self.max_norm)
+        clipped = _scale_to(grads, g, threshold, valid)
+        return ClipResult(total_norm=g, threshold=threshold, clipped=clipped)
+
+
+class AutoClip(Clipper):
+    """AutoClip (Seetharaman et al., 2020, "AutoClip: Adaptive Gradient Clipping for Source Separation Networks").
+
+    Threshold = the ``percentile``-th percentile of the history of finite global norms, the current one included;
+    when g > threshold the grads are multiplied by threshold / (g + 1e-6). The percentile is numpy's default
+    ("linear"): with the n sorted valid norms x, position h = (n - 1) * percentile / 100, i = floor(h),
+    t = h - i, result = x[i] + (x[i+1] - x[i]) * t, or x[i+1] - (x[i+1] - x[i]) * (1 - t) when t >= 0.5
+    (numpy's monotone lerp), computed in float64 (float32 on mps) and returned as float32.
+
+    The history is a device ring buffer of ``history_size`` norms (oldest overwritten) with a device count;
+    invalid slots are set to +inf before sorting, so the n valid norms come first and the position is computed
+    on the device. ``history_size=None`` keeps every norm: the buffer grows (doubling) on the host side, which
+    knows the number of calls, an upper bound on the number of finite norms. Non-finite norms are not recorded.
+    """
+
+    _state_names = ("history", "count")
+
+    def __init__(self, percentile: float = 10.0, history_size: int | None = 1000) -> None:
+        super().__init__()
+        self.percentile = _check_float("percentile", percentile, low=0.0, high=100.0, low_open=False)
+        self.history_size = None if history_size is None else _check_int("history_size", history_size, low=1)
+        capacity = self.history_size if self.history_size is not None else 64
+        self.history = torch.zeros(capacity, dtype=torch.float32)
+        self.count = torch.zeros((), dtype=torch.int64)
+
+    def config(self) -> dict[str, Any]:
+        return {"percentile": self.percentile, "history_size": self.history_size}
+
+    def _check_loaded(self, name: str, value: Tensor) -> None:
+        if name == "history" and self.history_size is None:
+            if value.ndim != 1:
+                raise ValueError(f"clipper state history must be 1-D, got shape {tuple(value.shape)}")
+            return
+        super()._check_loaded(name, value)
+
+    def _grow(self, needed: int) -> None:
+        capacity = self.history.numel()
+        if needed <= capacity:
+            return
+        while capacity < needed:
+            capacity *= 2
+        extra = torch.zeros(capacity - self.history.numel(), dtype=self.history.dtype, device=self.history.device)
+        self.history = torch.cat([self.history, extra])
+
+    def _clip(
+        self, names: list[str] | None, params: list[Tensor], grads: list[Tensor], norm: Tensor, valid: Tensor
+    ) -> ClipResult:
+        if self.history_size is None:
+            self._grow(self.steps)  # count <= steps, so the next slot always exists
+        g = norm
+        capacity = self.history.numel()
+        positions = torch.arange(capacity, device=g.device)
+        write_at = self.count % capacity if self.history_size is not None else self.count
+        history = torch.where(valid & (positions == write_at), g, self.history)
+        count = self.count + valid.to(torch.int64)
+        self.history, self.count = history, count
+
+        n = torch.clamp(count, max=capacity)
+        ordered = torch.where(positions < n, history, math.inf).sort().values
+        wide = torch.float32 if g.device.type == "mps" else torch.float64
+        h = (n - 1).clamp(min=0).to(wide) * (self.percentile / 100.0)
+        lo = torch.floor(h).to(torch.int64)
+        hi = torch.minimum(lo + 1, (n - 1).clamp(min=0))
+        t = h - lo.to(wide)
+        a = ordered.gather(0, lo.reshape(1)).reshape(()).to(wide)
+        b = ordered.gather(0, hi.reshape(1)).reshape(()).to(wide)
+        diff = b - a
+        value = torch.where(t >= 0.5, b - diff * (1.0 - t), a + diff * t)
+        threshold = torch.where(n > 0, value, math.inf).to(torch.float32)
+        clipped = _scale_to(grads, g, threshold, valid)
+        return ClipResult(total_norm=g, threshold=threshold, clipped=clipped)
+
+
+class AGC(Clipper):
+    """Adaptive Gradient Clipping (Brock et al., 2021, "High-Performance Large-Scale Image Recognition Without
+    Normalization", NFNets): unit-wise, relative to the weight norm.
+
+    For each parameter with ndim >= 2 and each output unit i (row i: reduce over all dims but 0):
+    max_i = clip_factor * max(||W_i||, eps); if ||G_i|| > max_i then G_i <- G_i * max_i / ||G_i||. Parameters with
+    ndim <= 1 (biases, norm gains) are one unit each, or skipped with ``include_1d=False``. Norms in float32.
+
+    ``exclude`` skips parameters by name (the paper does not clip the final classifier layer): a callable
+    ``name -> bool`` or glob patterns such as ``["lm_head.*"]``; it needs ``model.named_parameters()``.
+    ``ClipResult.threshold`` is NaN (there is no single threshold); ``clipped_fraction`` is the fraction of units
+    scaled and ``total_norm`` the global norm before clipping; when it is not finite nothing is scaled.
+    Rows must be whole: use it with unsharded parameters (single device, DDP), not FSDP shards.
+    """
+
+    def __init__(
+        self,
+        clip_factor: float = 0.01,
+        eps: float = 1e-3,
+        exclude: Callable[[str], bool] | Sequence[str] | None = None,
+        include_1d: bool = True,
+    ) -> None:
+        super().__init__()
+        self.clip_factor = _check_float("clip_factor", clip_factor, low=0.0)
+        self.eps = _check_float("eps", eps, low=0.0, low_open=False)
+        if isinstance(exclude, str):
+            exclude = [exclude]
+        if exclude is not None and not callable(exclude):
+            exclude = list(exclude)
+            for pattern in exclude:
+                if not isinstance(pattern, str):
+                    raise ValueError(f"exclude patterns must be strings, got {pattern!r}")
+        self.exclude = exclude
+        self.include_1d = bool(include_1d)
+
+    def config(self) -> dict[str, Any]:
+        exclude: Any = self.exclude
+        if callable(exclude):  # a stable description (a repr would hold a memory address)
+            exclude = f"callable {getattr(exclude, '__module__', '?')}.{getattr(exclude, '__qualname__', '?')}"
+        return {"clip_factor": self.clip_factor, "eps": self.eps, "exclude": exclude, "include_1d": self.include_1d}
+
+    def _excluded(self, name: str) -> bool:
+        if self.exclude is None:
+            return False
+        if callable(self.exclude):
+            return bool(self.exclude(name))
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.exclude)
+
+    def _clip(
+        self, names: list[str] | None, params: list[Tensor], grads: list[Tensor], norm: Tensor, valid: Tensor
+    ) -> ClipResult:
+        if self.exclude is not None and names is None:
+            raise ValueError("AGC exclude needs parameter names: pass model.named_parameters()")
+        device = norm.device
+        units_clipped = torch.zeros((), dtype=torch.int64, device=device)
+        units = 0
+        for i, p in enumerate(params):
+            grad = p.grad
+            if grad is None or (names is not None and self._excluded(names[i])):
+                continue
+            if p.ndim <= 1:
+                if not self.include_1d:
+                    continue
+                dims: tuple[int, ...] | None = None
+                units += 1
+            else:
+                dims = tuple(range(1, p.ndim))
+                units += p.shape[0]
+            w_norm = torch.linalg.vector_norm(p.detach(), 2, dim=dims, keepdim=True, dtype=torch.float32)
+            g_norm = torch.linalg.vector_norm(grad, 2, dim=dims, keepdim=True, dtype=torch.float32)
+            max_norm = torch.clamp(w_norm, min=self.eps) * self.clip_factor
+            trigger = (g_norm > max_norm) & valid.to(grad.device)
+            grad.mul_(torch.where(trigger, max_norm / g_norm, 1.0))
+            units_clipped = units_clipped + trigger.sum().to(device)
+        fraction = units_clipped.to(torch.float32) / max(units, 1)
+        return ClipResult(
+            total_norm=norm,
+            threshold=torch.full((), math.nan, dtype=torch.float32, device=device),
+            clipped=units_clipped > 0,
+            clipped_fraction=fraction,
+        )
+
+
+CLIP_METHODS: dict[str, type[Clipper] | None] = {
+    "none": None,
+    "norm": NormClipper,
+    "zclip": ZClip,
+    "autoclip": AutoClip,
+    "agc": AGC,
+}
+"""Method name (the recipe's ``clipping.method``) -> clipper class; "none" means no clipper."""
+
+
+def make_clipper(method: str, **params: Any) -> Clipper | None:
+    """Build the clipper for a recipe's ``clipping.method`` and parameters (``None`` for "none").
+
+    Parameter names are the recipe's (``max_norm``, ``alpha``, ``z_thresh``, ``warmup_steps``, ``percentile``,
+    ``history_size``, ``clip_factor``, ``eps``, plus ``mode``/``clip_option`` for ZClip and ``exclude``/
+    ``include_1d`` for AGC), so ``make_clipper(cfg.method, **cfg.params())`` works. Unknown methods or
+    parameter names raise ValueError naming them and the allowed values.
+    """
+    if method not in CLIP_METHODS:
+        raise ValueError(f"unknown clipping method {method!r} (allowed: {', '.join(CLIP_METHODS)})")
+    cls = CLIP_METHODS[method]
+    allowed = [] if cls is None else list(inspect.signature(cls.__init__).parameters)[1:]
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        accepted = ", ".join(allowed) if allowed else "none"
+        raise ValueError(
+            f"unknown parameter(s) {', '.join(map(repr, unknown))} for clipping method {method!r} (allowed: {accepted})"
+        )
+    return None if cls is None else cls(**params)
