@@ -12,7 +12,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -144,6 +144,48 @@ def cmd_detect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from hf_mixedprec.simulate import simulate
+
+    recipe = _load(args.recipe)
+    if recipe.precision != "fp8":
+        fp8 = ", ".join(n for n in builtin_recipe_names() if load_recipe_file(n).precision == "fp8")
+        raise UsageError(
+            f"--recipe: {recipe.name!r} has precision {recipe.precision}; simulate rehearses FP8 recipes (allowed: "
+            f"an fp8 recipe, e.g. {fp8})"
+        )
+    for flag, value, low in (
+        ("--steps", args.steps, 2),
+        ("--seq-len", args.seq_len, 2),
+        ("--batch-size", args.batch_size, 1),
+    ):
+        if value < low:
+            raise UsageError(f"{flag}: {value} is out of range (allowed: >= {low})")
+    if not args.lr > 0:
+        raise UsageError(f"--lr: {args.lr} is out of range (allowed: > 0)")
+    if args.model is not None:
+        _check_model_dir(args.model)
+    result = simulate(
+        recipe,
+        model_dir=args.model,
+        steps=args.steps,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+    )
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
+    return 0
+
+
+def _check_model_dir(path: str) -> None:
+    p = Path(path)
+    if not p.is_dir():
+        raise UsageError(f"--model: {path!r} is not a directory (allowed: a local save_pretrained folder)")
+    if not (p / "config.json").is_file():
+        raise UsageError(f"--model: {path!r} has no config.json (allowed: a local save_pretrained folder)")
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from hf_mixedprec.integrations.accelerate import child_env, plan_launch
 
@@ -243,13 +285,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments for the script")
     s.set_defaults(func=cmd_launch)
 
-    for register in _EXTRA_COMMANDS:
-        register(sub)
+    s = sub.add_parser(
+        "simulate",
+        help="rehearse an FP8 recipe on any hardware and get per-layer advice",
+        description="Train a few steps with the emulated FP8 backend (the recipe's scaling, exact quantization) and "
+        "the same steps in BF16; print per-layer amax, saturation, underflow, SQNR (and MX clamp), and which layers "
+        "to keep in BF16 and why. Runs on CPU in well under a minute with the default model.",
+    )
+    s.add_argument("--recipe", required=True, metavar="NAME|PATH", help="an fp8 recipe name or YAML file")
+    s.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a local save_pretrained causal-LM directory (default: a small Llama built from a config)",
+    )
+    s.add_argument("--steps", type=int, default=20, metavar="N", help="training steps (default 20, at least 2)")
+    s.add_argument("--seq-len", type=int, default=128, metavar="N", help="tokens per sequence (default 128)")
+    s.add_argument("--batch-size", type=int, default=8, metavar="N", help="sequences per step (default 8)")
+    s.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.set_defaults(func=cmd_simulate)
     return p
-
-
-#: Later modules (simulate, finetune, report) register their subcommands here.
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -130,6 +130,9 @@ class FP8Config(_Section):
         None, description="mxfp8 only: rceil (TE/hardware, never saturates) or floor (OCP spec, may saturate)."
     )
     block_size: int | None = Field(None, ge=1, description="mxfp8: 32 (OCP MX); blockwise: 128 (TE).")
+    torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = Field(
+        None, description="backend torchao only: torchao's float8 recipe name (default tensorwise)."
+    )
     keep_in_bf16: tuple[str, ...] = Field(
         (), description="Module name patterns (fnmatch globs on the dotted name) kept in high precision."
     )
@@ -163,6 +166,18 @@ class FP8Config(_Section):
                     f"does not apply to scaling {scaling!r} (it applies to: {', '.join(users)}); remove it"
                     " (set it to null in a recipe that extends another)",
                 )
+        backend = data.get("backend", "auto")
+        if backend == "torchao":
+            if scaling != "current":
+                raise _rule(
+                    "scaling",
+                    f"{scaling!r} is not available with backend torchao (allowed: current; torchao dropped delayed "
+                    "scaling and has no TE-style mxfp8/blockwise training; use backend transformer_engine or emulated)",
+                )
+            if data.get("torchao_recipe") is None:
+                data["torchao_recipe"] = "tensorwise"
+        elif data.get("torchao_recipe") is not None:
+            raise _rule("torchao_recipe", f"only applies to backend torchao (backend is {backend!r}); remove it")
         size = data.get("block_size")
         allowed = _ALLOWED_BLOCK_SIZE.get(scaling)
         if allowed and isinstance(size, int) and size not in allowed:

@@ -1,0 +1,277 @@
+"""Emulated FP8 training on any device: exact quantize-dequantize, GEMMs in float32.
+
+``EmulatedFP8Linear`` replaces an ``nn.Linear`` (keeping the same Parameter objects, so an optimizer built
+before conversion stays valid) and quantizes exactly what an FP8 GEMM would see:
+
+- forward ``y = x @ W.T``: input and weight in the forward format (E4M3);
+- backward ``dx = dy @ W`` and ``dW = dy.T @ x``: the output gradient in the backward format (E5M2 for
+  HYBRID, E4M3 for E4M3), the saved input and weight as quantized in the forward.
+
+Scalings (DESIGN.md): *delayed* uses scales from an amax history kept as buffers (``fp8_amax_history``
+``[L, 3]`` and ``fp8_scale`` ``[3]`` for input, weight, grad-output; saved in the state_dict) and updated once
+per optimizer step by :func:`fp8_step` (amaxes all-reduced with MAX across ranks, as TE's ``reduce_amax``);
+*current* scales each tensor by its amax now; *mxfp8* gives every 32 elements along each GEMM's contraction
+dim an E8M0 scale, so the backward GEMMs need columnwise blocks quantized again from high precision (as TE
+does); *blockwise* uses 1x128 tiles for activations and gradients (columnwise 1x128 for the wgrad GEMM)
+and 128x128 blocks for weights. The GEMMs run in float32, like an FP8 tensor-core GEMM with FP32
+accumulation, and the output is cast to the autocast (or input) dtype.
+
+Health statistics (amax, saturation, underflow, SQNR, MX clamp) are recorded into device tensors only when
+``record_stats`` is set, so steps that don't log pay nothing and nothing syncs with the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hf_mixedprec.formats import NumberFormat, get_format
+from hf_mixedprec.recipe import FP8Config
+from hf_mixedprec.scaling import (
+    current_scale,
+    delayed_update,
+    dequantize_blockwise,
+    dequantize_fp8,
+    dequantize_mxfp8,
+    quantize_blockwise,
+    quantize_fp8,
+    quantize_mxfp8,
+    sqnr_db,
+    tensor_amax,
+)
+
+__all__ = ["EmulatedFP8Linear", "EmulationSpec", "fp8_step", "iter_emulated"]
+
+ROLES = ("input", "weight", "grad")
+
+
+@dataclass(frozen=True)
+class EmulationSpec:
+    """The numerics an :class:`EmulatedFP8Linear` reproduces (derived from a recipe's ``fp8`` section)."""
+
+    scaling: str
+    fwd_format: str = "e4m3"
+    bwd_format: str = "e5m2"
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
+    epsilon: float = 0.0
+    power_2_scales: bool = False
+    mx_rounding: str = "rceil"
+    block_size: int = 32
+
+    @classmethod
+    def from_config(cls, cfg: FP8Config) -> EmulationSpec:
+        opts = cfg.options()
+        return cls(
+            scaling=cfg.scaling,
+            fwd_format="e4m3",
+            bwd_format="e5m2" if cfg.format == "HYBRID" else "e4m3",
+            **{k: v for k, v in opts.items() if v is not None},
+        )
+
+
+def _pad_to(t: Tensor, dim: int, multiple: int) -> tuple[Tensor, int]:
+    size = t.shape[dim]
+    pad = (-size) % multiple
+    if pad == 0:
+        return t, size
+    shape = list(t.shape)
+    shape[dim] = pad
+    return torch.cat([t, t.new_zeros(shape)], dim=dim), size
+
+
+class _Quantized:
+    """A quantize-dequantize result with what the health statistics need."""
+
+    __slots__ = ("codes", "data", "deq")
+
+    def __init__(self, deq: Tensor, data: Tensor, codes: Tensor | None = None):
+        self.deq, self.data, self.codes = deq, data, codes
+
+
+class EmulatedFP8Linear(nn.Module):
+    """An ``nn.Linear`` whose GEMMs see exactly the FP8 values a real FP8 GEMM would (see module docs)."""
+
+    def __init__(self, linear: nn.Linear, spec: EmulationSpec):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.spec = spec
+        self.fwd_fmt: NumberFormat = get_format(spec.fwd_format)
+        self.bwd_fmt: NumberFormat = get_format(spec.bwd_format)
+        dev = linear.weight.device
+        if spec.scaling == "delayed":
+            self.register_buffer("fp8_amax_history", torch.zeros(spec.amax_history_len, 3, device=dev))
+            self.register_buffer("fp8_scale", torch.ones(3, device=dev))
+            self.register_buffer("fp8_amax_pending", torch.zeros(3, device=dev), persistent=False)
+        self.record_stats = False
+        self.stats: dict[str, Tensor] = {}
+
+    def extra_repr(self) -> str:
+        fmt = f"{self.spec.fwd_format}/{self.spec.bwd_format}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, scaling={self.spec.scaling}, {fmt}"
+
+    # -- quantization ------------------------------------------------------------------------------
+    def _fmt(self, role: int) -> NumberFormat:
+        return self.bwd_fmt if role == 2 else self.fwd_fmt
+
+    def _qdq_tensorwise(self, t: Tensor, role: int) -> _Quantized:
+        fmt = self._fmt(role)
+        amax = tensor_amax(t)
+        if self.spec.scaling == "delayed":
+            if self.training:
+                pending = self.fp8_amax_pending
+                pending[role] = torch.maximum(pending[role], amax)
+            scale = self.fp8_scale[role]
+        else:
+            scale = current_scale(amax, fmt=fmt, epsilon=self.spec.epsilon, power_2=self.spec.power_2_scales)
+        q = quantize_fp8(t, scale, fmt)
+        return _Quantized(dequantize_fp8(q, scale), q)
+
+    def _qdq_blocked(self, t: Tensor, role: int, dim: int, weight_block: bool = False) -> _Quantized:
+        """Block-scaled quantize-dequantize of a 2-D tensor along ``dim`` (MXFP8 or 1x128 / 128x128 tiles)."""
+        fmt = self._fmt(role)
+        if self.spec.scaling == "mxfp8":
+            bs = self.spec.block_size
+            padded, size = _pad_to(t, dim, bs)
+            data, codes = quantize_mxfp8(padded, fmt=fmt.name, block_size=bs, rounding=self.spec.mx_rounding, dim=dim)
+            deq = dequantize_mxfp8(data, codes, block_size=bs, dim=dim).narrow(dim, 0, size)
+            return _Quantized(deq, data.narrow(dim, 0, size), codes)
+        # blockwise: weights in 128x128 blocks (orientation-free); activations / grads in 1x128 along `dim`
+        if weight_block:
+            data, scales = quantize_blockwise(t, tile=(128, 128), fmt=fmt.name, power_2=self.spec.power_2_scales)
+            return _Quantized(dequantize_blockwise(data, scales, tile=(128, 128)), data)
+        src = t if dim in (-1, t.dim() - 1) else t.transpose(0, 1)
+        data, scales = quantize_blockwise(src, tile=(1, 128), fmt=fmt.name, power_2=self.spec.power_2_scales)
+        deq = dequantize_blockwise(data, scales, tile=(1, 128))
+        if src is not t:
+            deq, data = deq.transpose(0, 1), data.transpose(0, 1)
+        return _Quantized(deq, data)
+
+    def _record(self, role: int, t: Tensor, q: _Quantized) -> None:
+        """Device-side health statistics of one quantization (no host sync)."""
+        fmt = self._fmt(role)
+        name = ROLES[role]
+        finite = torch.isfinite(t)
+        nonzero = (t != 0) & finite
+        mag = q.data.float().abs()
+        clipped = (mag >= fmt.max) & (t.abs() > q.deq.abs()) & finite
+        n_finite = finite.sum().clamp_min(1)
+        self.stats[f"{name}_amax"] = tensor_amax(t)
+        self.stats[f"{name}_saturation"] = clipped.sum() / n_finite
+        self.stats[f"{name}_underflow"] = (nonzero & (q.deq == 0)).sum() / nonzero.sum().clamp_min(1)
+        self.stats[f"{name}_sqnr_db"] = sqnr_db(torch.where(finite, t, 0.0), torch.where(finite, q.deq, 0.0))
+        if q.codes is not None:
+            # stats are recorded for rowwise blocks (along the last dim); code 0 is a clamp only for a
+            # block that is not all zero, and 254 is the top of the E8M0 range
+            bs = self.spec.block_size
+            codes = q.codes.to(torch.int32)
+            block_amax = torch.where(finite, t.abs(), 0.0).reshape(*t.shape[:-1], -1, bs).amax(-1)
+            clamp = (codes == 254) | ((codes == 0) & (block_amax > 0))
+            self.stats[f"{name}_mx_clamp"] = clamp.float().mean()
+
+    def quantize_for(self, t: Tensor, role: int, *, gemm: str) -> _Quantized:
+        """Quantize ``t`` (2-D, float32) for one GEMM operand.
+
+        ``gemm`` is "fprop" (contraction over the last dim of x and W), "dgrad" (over the last dim of dy and
+        the first dim of W) or "wgrad" (over the first, token dim of dy and x).
+        """
+        if self.spec.scaling in ("delayed", "current"):
+            q = self._qdq_tensorwise(t, role)
+        else:
+            weight_block = role == 1 and self.spec.scaling == "blockwise"
+            dim = 0 if (gemm == "wgrad" or (gemm == "dgrad" and role == 1)) else -1
+            q = self._qdq_blocked(t, role, dim, weight_block)
+        if self.record_stats and gemm != "wgrad" and not (role == 1 and gemm == "dgrad"):
+            self._record(role, t, q)
+        return q
+
+    # -- forward -----------------------------------------------------------------------------------
+    def forward(self, x: Tensor) -> Tensor:
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            out_dtype = torch.get_autocast_dtype(device_type)
+        else:
+            out_dtype = x.dtype
+        with torch.autocast(device_type=device_type, enabled=False):
+            return _EmulatedFP8Fn.apply(x, self.weight, self.bias, self, out_dtype)
+
+
+class _EmulatedFP8Fn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, mod: EmulatedFP8Linear, out_dtype: torch.dtype
+    ) -> Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        w = weight.float()
+        xq = mod.quantize_for(x2, 0, gemm="fprop").deq
+        wq = mod.quantize_for(w, 1, gemm="fprop").deq
+        y = xq @ wq.t()
+        if bias is not None:
+            y = y + bias.float()
+        if mod.spec.scaling in ("delayed", "current"):
+            x_w, w_d = xq, wq  # a per-tensor scale serves both orientations
+        else:
+            x_w = mod.quantize_for(x2, 0, gemm="wgrad").deq
+            w_d = wq if mod.spec.scaling == "blockwise" else mod.quantize_for(w, 1, gemm="dgrad").deq
+        ctx.save_for_backward(x_w, w_d)
+        ctx.mod = mod
+        ctx.meta = (lead, x.dtype, weight.dtype, bias is not None, bias.dtype if bias is not None else None)
+        return y.to(out_dtype).reshape(*lead, y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
+        x_w, w_d = ctx.saved_tensors
+        mod: EmulatedFP8Linear = ctx.mod
+        lead, x_dtype, w_dtype, has_bias, b_dtype = ctx.meta
+        g2 = gy.reshape(-1, gy.shape[-1]).float()
+        g_d = mod.quantize_for(g2, 2, gemm="dgrad").deq
+        g_w = g_d if mod.spec.scaling in ("delayed", "current") else mod.quantize_for(g2, 2, gemm="wgrad").deq
+        gx = (g_d @ w_d).to(x_dtype).reshape(*lead, w_d.shape[1])
+        gw = (g_w.t() @ x_w).to(w_dtype)
+        gb = g2.sum(0).to(b_dtype) if has_bias else None
+        return gx, gw, gb, None, None
+
+
+def iter_emulated(model: nn.Module) -> Iterator[tuple[str, EmulatedFP8Linear]]:
+    for name, mod in model.named_modules():
+        if isinstance(mod, EmulatedFP8Linear):
+            yield name, mod
+
+
+@torch.no_grad()
+def fp8_step(model: nn.Module) -> None:
+    """Advance delayed scaling by one optimizer step: reduce pending amaxes (MAX over ranks), update.
+
+    Call once per optimizer step (the Trainer callback and the Accelerate plugin do). Layers with
+    current, MXFP8 or blockwise scaling have nothing to update. No host sync.
+    """
+    mods = [m for _, m in iter_emulated(model) if m.spec.scaling == "delayed"]
+    if not mods:
+        return
+    pending = torch.stack([m.fp8_amax_pending for m in mods])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(pending, op=dist.ReduceOp.MAX)
+    for i, m in enumerate(mods):
+        fmts = (m.fwd_fmt, m.fwd_fmt, m.bwd_fmt)
+        for role, fmt in enumerate(fmts):
+            hist, scale = delayed_update(
+                m.fp8_amax_history[:, role : role + 1],
+                m.fp8_scale[role : role + 1],
+                pending[i, role : role + 1],
+                fmt=fmt,
+                margin=m.spec.margin,
+                algo=m.spec.amax_compute_algo,
+            )
+            m.fp8_amax_history[:, role : role + 1] = hist
+            m.fp8_scale[role : role + 1] = scale
+        m.fp8_amax_pending.zero_()

@@ -1,0 +1,95 @@
+"""torchao backend: torchao float8 training (tensorwise, rowwise, rowwise_with_gw_hp) with our layer filter.
+
+torchao's tensorwise recipe is current scaling: scale = fp8_max / clamp(amax, 1e-12), E4M3 for inputs and
+weights, E5M2 for gradients (HYBRID). Its rowwise recipes use E4M3 everywhere with power-of-2 scales; the
+recipe must say so (``format: E4M3``, ``power_2_scales: true``) rather than be silently overridden.
+Off CUDA (or below compute capability 8.9) torchao runs with ``emulate=True``, which keeps its exact
+casting numerics but does the GEMM in high precision. torchao keeps the original Parameter objects, so an
+optimizer built before conversion stays valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_mixedprec.fp8.policy import LayerDecision
+from hf_mixedprec.recipe import Recipe
+
+__all__ = ["TORCHAO_INSTALL_HINT", "convert_torchao", "torchao_config"]
+
+log = logging.getLogger("hf_mixedprec")
+
+TORCHAO_INSTALL_HINT = "torchao is not installed: pip install 'hf_mixedprec[torchao]'"
+
+#: torchao clamps amax at this value before computing a tensorwise scale.
+TORCHAO_AMAX_EPS = 1e-12
+
+
+def _emulate_needed(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) < (8, 9)
+
+
+def torchao_config(recipe: Recipe, *, emulate: bool) -> Any:
+    """Build torchao's ``Float8LinearConfig`` for ``recipe``; refuse what torchao cannot express."""
+    try:
+        from torchao.float8 import Float8LinearConfig
+    except ImportError as exc:
+        raise ImportError(TORCHAO_INSTALL_HINT) from exc
+    fp8 = recipe.fp8
+    assert fp8 is not None
+    if fp8.scaling != "current":
+        raise ValueError(
+            f"fp8.scaling: {fp8.scaling!r} is not available with backend torchao (allowed: current; use "
+            "backend transformer_engine or emulated for delayed, mxfp8 and blockwise)"
+        )
+    name = fp8.torchao_recipe or "tensorwise"
+    cfg = Float8LinearConfig.from_recipe_name(name)
+    if fp8.epsilon not in (None, 0.0, TORCHAO_AMAX_EPS):
+        raise ValueError(
+            f"fp8.epsilon: {fp8.epsilon:g} cannot be set with backend torchao, which always clamps amax at 1e-12 "
+            "(allowed: 0.0 or 1e-12; or backend emulated)"
+        )
+    if name == "tensorwise":
+        if fp8.format == "E4M3":
+            e4m3 = dataclasses.replace(cfg.cast_config_grad_output, target_dtype=torch.float8_e4m3fn)
+            cfg = dataclasses.replace(cfg, cast_config_grad_output=e4m3)
+        cfg = dataclasses.replace(cfg, round_scales_to_power_of_2=bool(fp8.power_2_scales))
+    else:
+        if fp8.format != "E4M3":
+            raise ValueError(
+                f"fp8.format: {fp8.format!r} does not match torchao's {name} recipe, which uses E4M3 for every "
+                f"tensor (allowed: E4M3 with torchao_recipe {name})"
+            )
+        if not fp8.power_2_scales:
+            raise ValueError(
+                f"fp8.power_2_scales: false does not match torchao's {name} recipe, which rounds scales to powers "
+                f"of two (allowed: true with torchao_recipe {name})"
+            )
+    return dataclasses.replace(cfg, emulate=emulate)
+
+
+def convert_torchao(model: nn.Module, recipe: Recipe, decisions: list[LayerDecision]) -> list[str]:
+    """Convert the planned Linears with torchao; return notes for the report."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as exc:
+        raise ImportError(TORCHAO_INSTALL_HINT) from exc
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    emulate = _emulate_needed(device)
+    notes = []
+    if emulate:
+        notes.append(
+            f"torchao runs with emulate=True on {device.type} (exact FP8 casts, high-precision GEMMs: no speed-up)"
+        )
+    cfg = torchao_config(recipe, emulate=emulate)
+    wanted = {d.name for d in decisions if d.fp8 and d.reason != "already FP8"}
+    convert_to_float8_training(model, config=cfg, module_filter_fn=lambda mod, fqn: fqn in wanted)
+    return notes

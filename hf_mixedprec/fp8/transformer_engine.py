@@ -1,0 +1,173 @@
+"""Transformer Engine backend: recipe -> TE recipe object, Linear swap, and the autocast around forward.
+
+Transformer Engine is imported lazily (only inside :func:`build_te_recipe` and :func:`convert_te`), so the
+rest of the package, and :func:`te_recipe_spec`, work without it. The spec targets the TE 2.x recipe classes
+in ``transformer_engine.common.recipe`` (DESIGN.md lists their fields):
+
+- ``DelayedScaling(margin, fp8_format, amax_history_len, amax_compute_algo, reduce_amax, ...)``
+- ``Float8CurrentScaling(fp8_format, use_power_2_scales, ...)``: TE never forwards an amax epsilon, so a
+  recipe with ``fp8.epsilon > 0`` is refused here rather than silently ignored.
+- ``MXFP8BlockScaling(fp8_format, margin, ...)``: TE and the hardware use the RCEIL rule only.
+- ``Float8BlockScaling(fp8_format, use_f32_scales, x_block_scaling_dim=1, w_block_scaling_dim=2,
+  grad_block_scaling_dim=1)``: 1x128 tiles for activations and gradients, 128x128 blocks for weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_mixedprec.fp8.policy import LayerDecision
+from hf_mixedprec.recipe import Recipe
+
+__all__ = ["TE_INSTALL_HINT", "build_te_recipe", "convert_te", "te_recipe_spec"]
+
+log = logging.getLogger("hf_mixedprec")
+
+TE_INSTALL_HINT = (
+    "Transformer Engine is not installed: pip install 'hf_mixedprec[transformer-engine]' on a CUDA machine "
+    "(compute capability >= 8.9), or set fp8.backend: emulated to rehearse the recipe anywhere"
+)
+
+
+def te_recipe_spec(recipe: Recipe) -> tuple[str, dict[str, Any]]:
+    """The TE recipe class name and its keyword arguments for ``recipe`` (pure; needs no TE).
+
+    ``fp8_format`` is given by name ("HYBRID" or "E4M3"); :func:`build_te_recipe` turns it into TE's
+    ``Format`` enum.
+    """
+    if recipe.precision != "fp8" or recipe.fp8 is None:
+        raise ValueError(f"recipe {recipe.name!r} has precision {recipe.precision}, not fp8: no TE recipe")
+    fp8 = recipe.fp8
+    fmt = fp8.format
+    if fp8.scaling == "delayed":
+        return "DelayedScaling", {
+            "margin": fp8.margin,
+            "fp8_format": fmt,
+            "amax_history_len": fp8.amax_history_len,
+            "amax_compute_algo": fp8.amax_compute_algo,
+            "reduce_amax": True,
+            "fp8_dpa": False,
+            "fp8_mha": False,
+        }
+    if fp8.scaling == "current":
+        if fp8.epsilon:
+            raise ValueError(
+                f"fp8.epsilon: {fp8.epsilon:g} has no effect with backend transformer_engine (Float8CurrentScaling "
+                "never forwards an amax epsilon to its quantizers) (allowed: 0.0, or backend torchao/emulated)"
+            )
+        return "Float8CurrentScaling", {
+            "fp8_format": fmt,
+            "use_power_2_scales": bool(fp8.power_2_scales),
+            "fp8_dpa": False,
+            "fp8_mha": False,
+        }
+    if fp8.scaling == "mxfp8":
+        if fp8.mx_rounding != "rceil":
+            raise ValueError(
+                f"fp8.mx_rounding: {fp8.mx_rounding!r} is not what Transformer Engine does (allowed: rceil with "
+                "backend transformer_engine; use backend emulated to study the OCP floor rule)"
+            )
+        return "MXFP8BlockScaling", {"fp8_format": fmt, "margin": fp8.margin, "fp8_dpa": False, "fp8_mha": False}
+    if fp8.scaling == "blockwise":
+        return "Float8BlockScaling", {
+            "fp8_format": fmt,
+            "use_f32_scales": not fp8.power_2_scales,
+            "x_block_scaling_dim": 1,
+            "w_block_scaling_dim": 2,
+            "grad_block_scaling_dim": 1,
+        }
+    raise ValueError(f"fp8.scaling: {fp8.scaling!r} has no Transformer Engine recipe")
+
+
+def _import_te() -> Any:
+    try:
+        import transformer_engine.common.recipe as te_recipe
+        import transformer_engine.pytorch as te
+    except ImportError as exc:
+        raise ImportError(TE_INSTALL_HINT) from exc
+    return te, te_recipe
+
+
+def build_te_recipe(recipe: Recipe) -> Any:
+    """Instantiate the TE recipe object for ``recipe`` (imports Transformer Engine).
+
+    In TE 2.x, ``Float8CurrentScaling`` and ``Float8BlockScaling`` derive their per-tensor ``QParams``
+    (``fp8_quant_fwd_inp`` / ``_fwd_weight`` / ``_bwd_grad``) from environment variables when the class is
+    defined, so the constructor's ``use_power_2_scales`` / ``use_f32_scales`` alone do not reach the
+    quantizers. Where the recipe has ``QParams``, they are set explicitly from the recipe.
+    """
+    _, te_recipe = _import_te()
+    cls_name, kwargs = te_recipe_spec(recipe)
+    kwargs = dict(kwargs)
+    kwargs["fp8_format"] = getattr(te_recipe.Format, kwargs["fp8_format"])
+    rec = getattr(te_recipe, cls_name)(**kwargs)
+    qparams = getattr(te_recipe, "QParams", None)
+    if qparams is not None and cls_name in ("Float8CurrentScaling", "Float8BlockScaling"):
+        assert recipe.fp8 is not None
+        q = qparams(power_2_scale=bool(recipe.fp8.power_2_scales), amax_epsilon=0.0)
+        for attr in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+            if hasattr(rec, attr):
+                setattr(rec, attr, q)
+    return rec
+
+
+def _te_autocast(te: Any, te_rec: Any) -> Any:
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=True, recipe=te_rec)
+    return te.fp8_autocast(enabled=True, fp8_recipe=te_rec)  # TE < 2.8 spelling
+
+
+def convert_te(
+    model: nn.Module, recipe: Recipe, decisions: list[LayerDecision], optimizer: torch.optim.Optimizer | None = None
+) -> list[str]:
+    """Swap the planned Linears for ``te.Linear`` (weights copied), wrap ``forward`` in TE's autocast.
+
+    TE Linears own new parameters, so parameter identity is not kept; pass ``optimizer`` to have its
+    parameter groups pointed at the new parameters. Returns notes for the report.
+    """
+    te, _ = _import_te()
+    te_rec = build_te_recipe(recipe)
+    notes: list[str] = []
+    mapping: dict[int, nn.Parameter] = {}
+    modules = dict(model.named_modules())
+    for d in decisions:
+        if not d.fp8 or d.reason == "already FP8":
+            continue
+        old = modules[d.name]
+        assert isinstance(old, nn.Linear)
+        new = te.Linear(
+            old.in_features,
+            old.out_features,
+            bias=old.bias is not None,
+            params_dtype=old.weight.dtype,
+            device=old.weight.device,
+        )
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+            if old.bias is not None:
+                new.bias.copy_(old.bias)
+        new.weight.requires_grad_(old.weight.requires_grad)
+        mapping[id(old.weight)] = new.weight
+        if old.bias is not None:
+            mapping[id(old.bias)] = new.bias
+        parent_name, _, child = d.name.rpartition(".")
+        setattr(modules[parent_name] if parent_name else model, child, new)
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+    else:
+        notes.append("transformer_engine creates new parameters: build the optimizer after convert()")
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with _te_autocast(te, te_rec):
+            return inner(*args, **kwargs)
+
+    model.forward = forward  # type: ignore[method-assign]
+    return notes

@@ -1,0 +1,118 @@
+"""Small models and text that exist on any machine: no hub downloads, nothing from outside the install.
+
+``tiny_llama`` builds a ``LlamaForCausalLM`` from a config; ``builtin_text`` gathers English prose from the
+docstrings of Python's own standard library (present on every Python install); ``byte_batches`` turns text
+into fixed-length token batches with a byte-level vocabulary (256 ids), so no tokenizer is needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+import torch
+
+__all__ = ["builtin_text", "byte_batches", "tiny_llama", "tiny_llama_config"]
+
+_STDLIB_MODULES = (
+    "argparse",
+    "asyncio",
+    "collections",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "email",
+    "enum",
+    "fractions",
+    "functools",
+    "heapq",
+    "http.client",
+    "inspect",
+    "io",
+    "itertools",
+    "json",
+    "logging",
+    "os",
+    "pathlib",
+    "pickle",
+    "random",
+    "re",
+    "shutil",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "zipfile",
+)
+
+
+def tiny_llama_config(**overrides: Any) -> Any:
+    """A small Llama config whose Linear dims are multiples of 32 (FP8 and MXFP8 friendly)."""
+    from transformers import LlamaConfig
+
+    cfg: dict[str, Any] = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "attn_implementation": "eager",
+    }
+    cfg.update(overrides)
+    return LlamaConfig(**cfg)
+
+
+def tiny_llama(seed: int = 0, **overrides: Any) -> Any:
+    """A freshly initialised ``LlamaForCausalLM`` (float32) built from :func:`tiny_llama_config`."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_llama_config(**overrides))
+
+
+def builtin_text(min_chars: int = 200_000) -> str:
+    """English prose from the standard library's docstrings, in a fixed order (deterministic per Python)."""
+    parts: list[str] = []
+    total = 0
+    for name in _STDLIB_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:  # pragma: no cover - a trimmed Python
+            continue
+        objs = [mod] + [obj for _, obj in sorted(vars(mod).items()) if inspect.isclass(obj) or inspect.isfunction(obj)]
+        for obj in objs:
+            doc = inspect.getdoc(obj)
+            if doc and len(doc) > 80:
+                parts.append(doc)
+                total += len(doc)
+        if total >= min_chars:
+            break
+    return "\n\n".join(parts)
+
+
+def byte_batches(text: str, *, seq_len: int, batch_size: int, n_batches: int, seed: int = 0) -> list[torch.Tensor]:
+    """``n_batches`` LongTensors ``[batch_size, seq_len]`` of UTF-8 bytes cut at random offsets of ``text``."""
+    data = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+    if data.numel() <= seq_len:
+        raise ValueError(f"text has {data.numel()} bytes, fewer than seq_len={seq_len}")
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_batches):
+        starts = torch.randint(0, data.numel() - seq_len, (batch_size,), generator=g)
+        out.append(torch.stack([data[s : s + seq_len] for s in starts.tolist()]))
+    return out

@@ -1,0 +1,256 @@
+"""FP8 readiness on any hardware: a few training steps in emulated FP8, per-layer numerics, advice.
+
+``simulate(recipe)`` trains a copy of the model for a few steps with the emulated backend (the recipe's
+scaling, format and keep rules, exact quantization), and the same steps in BF16 for reference. Every few
+steps it samples each FP8 layer's amax, saturation (values clipped at the FP8 max), underflow (non-zero
+values that quantize to zero), SQNR of quantize-dequantize and, for MXFP8, the fraction of blocks whose
+E8M0 scale sits at the clamp. Layers that cross the recipe's ``health.detectors`` thresholds for
+``fp8_saturation``, ``fp8_underflow``, ``fp8_sqnr`` or ``mx_clamp`` are recommended for ``keep_in_bf16``.
+Published FP8 divergences start from outliers that saturate E4M3 first, so saturation leads the list.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated
+from hf_mixedprec.recipe import Recipe
+
+__all__ = ["LayerNumerics", "SimulationResult", "default_simulation_model", "simulate"]
+
+ROLES = ("input", "weight", "grad")
+METRICS = ("amax", "saturation", "underflow", "sqnr_db", "mx_clamp")
+
+
+@dataclass
+class LayerNumerics:
+    """Worst values seen over the sampled steps for one FP8 layer."""
+
+    name: str
+    stats: dict[str, dict[str, float]]  # role -> metric -> value (max, but min for sqnr_db)
+    keep_reasons: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            **self.stats,
+            "recommend_keep": bool(self.keep_reasons),
+            "reasons": self.keep_reasons,
+        }
+
+
+@dataclass
+class SimulationResult:
+    recipe: str
+    scaling: str
+    format: str
+    steps: int
+    model: str
+    fp8_losses: list[float]
+    bf16_losses: list[float]
+    layers: list[LayerNumerics]
+    conversion: ConversionReport
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def recommended(self) -> list[LayerNumerics]:
+        return [layer for layer in self.layers if layer.keep_reasons]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recipe": self.recipe,
+            "scaling": self.scaling,
+            "format": self.format,
+            "backend": "emulated",
+            "steps": self.steps,
+            "model": self.model,
+            "loss": {"fp8": self.fp8_losses, "bf16": self.bf16_losses},
+            "layers": [layer.to_dict() for layer in self.layers],
+            "recommend_keep_in_bf16": [layer.name for layer in self.recommended],
+            "conversion": self.conversion.to_dict(),
+            "seconds": round(self.seconds, 2),
+            "notes": self.notes,
+        }
+
+    def table(self) -> str:
+        fl, bl = self.fp8_losses, self.bf16_losses
+        lines = [
+            f"simulate: recipe {self.recipe} (scaling={self.scaling}, format={self.format}, backend=emulated), "
+            f"model {self.model}, {self.steps} steps in {self.seconds:.1f}s",
+            f"loss: fp8 {fl[0]:.4f} -> {fl[-1]:.4f}   bf16 {bl[0]:.4f} -> {bl[-1]:.4f}   "
+            f"(final gap {fl[-1] - bl[-1]:+.4f})",
+            "",
+        ]
+        width = max([len(layer.name) for layer in self.layers] + [5])
+        hdr = f"{'layer':<{width}}  {'amax in/w/grad':>26}  {'sat% in/w/grad':>20}  {'undfl% in/w/grad':>20}  {'SQNR dB min':>11}"
+        if self.scaling == "mxfp8":
+            hdr += f"  {'clamp%':>6}"
+        lines += [hdr + "  keep?"]
+        for layer in self.layers:
+            s = layer.stats
+            amax = "/".join(f"{s[r]['amax']:.3g}" for r in ROLES)
+            sat = "/".join(f"{100 * s[r]['saturation']:.2f}" for r in ROLES)
+            und = "/".join(f"{100 * s[r]['underflow']:.1f}" for r in ROLES)
+            sq = min(s[r]["sqnr_db"] for r in ROLES)
+            row = f"{layer.name:<{width}}  {amax:>26}  {sat:>20}  {und:>20}  {sq:>11.1f}"
+            if self.scaling == "mxfp8":
+                row += f"  {100 * max(s[r].get('mx_clamp', 0.0) for r in ROLES):>6.2f}"
+            lines.append(row + ("  KEEP" if layer.keep_reasons else "  -"))
+        lines.append("")
+        kept = [d for d in self.conversion.layers if not d.fp8]
+        lines.append("already kept in high precision: " + ", ".join(f"{d.name} ({d.reason})" for d in kept))
+        if self.recommended:
+            lines.append("recommend keeping in BF16:")
+            for layer in self.recommended:
+                lines.append(f"  {layer.name}: {'; '.join(layer.keep_reasons)}")
+            pats = ", ".join(f'"{layer.name}"' for layer in self.recommended)
+            lines.append(f"  -> add to your recipe:  fp8: {{keep_in_bf16: [{pats}]}}")
+        else:
+            lines.append("recommendation: no layer crossed the recipe's FP8 health thresholds; the recipe looks safe")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def default_simulation_model(seed: int = 0) -> Any:
+    """The default model: a small Llama (4 layers, hidden 256) built from a config, float32."""
+    from hf_mixedprec.integrations.models import tiny_llama
+
+    return tiny_llama(
+        seed=seed,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
+
+
+def _load_model(model_dir: str | None) -> tuple[Any, str]:
+    if model_dir is None:
+        return default_simulation_model(), "tiny-llama (4 layers, hidden 256, built from a config)"
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    return model, str(path)
+
+
+def _batches(model: Any, steps: int, seq_len: int, batch_size: int, seed: int) -> list[torch.Tensor]:
+    from hf_mixedprec.integrations.models import builtin_text, byte_batches
+
+    vocab = int(getattr(model.config, "vocab_size", 256))
+    batches = byte_batches(builtin_text(), seq_len=seq_len, batch_size=batch_size, n_batches=steps, seed=seed)
+    return [b % vocab for b in batches]
+
+
+def _train(model: Any, batches: list[torch.Tensor], lr: float, sample_at: set[int], collect: Any = None) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    mods = [m for _, m in iter_emulated(model)]
+    for i, b in enumerate(batches):
+        for m in mods:
+            m.record_stats = i in sample_at
+        with torch.autocast("cpu" if b.device.type == "cpu" else b.device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=b, labels=b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        fp8_step(model)
+        losses.append(loss.detach())
+        if collect is not None and i in sample_at:
+            collect()
+    for m in mods:
+        m.record_stats = False
+    return [float(v) for v in torch.stack(losses).float().tolist()]
+
+
+def simulate(
+    recipe: Recipe,
+    *,
+    model_dir: str | None = None,
+    steps: int = 20,
+    seq_len: int = 128,
+    batch_size: int = 8,
+    lr: float = 1e-3,
+    seed: int = 0,
+) -> SimulationResult:
+    """Rehearse ``recipe``'s FP8 numerics with the emulated backend (see module docs)."""
+    if recipe.precision != "fp8" or recipe.fp8 is None:
+        raise ValueError(f"recipe {recipe.name!r} has precision {recipe.precision!r}; simulate rehearses fp8 recipes")
+    start = time.perf_counter()
+    notes = []
+    if recipe.fp8.backend != "emulated":
+        notes.append(f"fp8.backend {recipe.fp8.backend!r} replaced by 'emulated' for the rehearsal (same numerics)")
+    model, model_name = _load_model(model_dir)
+    model.train()
+    batches = _batches(model, steps, seq_len, batch_size, seed)
+    # sample after the first step: delayed scaling starts from scale 1, which says nothing about the recipe
+    every = max(1, steps // 5)
+    sample_at = {i for i in range(1, steps) if i % every == 0 or i == steps - 1}
+
+    ref = _load_model(model_dir)[0]
+    ref.load_state_dict(model.state_dict())
+    torch.manual_seed(seed)
+    bf16_losses = _train(ref, batches, lr, set())
+    del ref
+
+    report = convert(model, recipe, backend="emulated")
+    agg: dict[str, dict[str, dict[str, float]]] = {}
+
+    def collect() -> None:
+        for name, m in iter_emulated(model):
+            layer = agg.setdefault(name, {r: {} for r in ROLES})
+            for key, value in m.stats.items():
+                role, _, metric = key.partition("_")
+                v = float(value)
+                if not math.isfinite(v) and metric != "sqnr_db":
+                    v = float("inf")
+                old = layer[role].get(metric)
+                if old is None:
+                    layer[role][metric] = v
+                elif metric == "sqnr_db":
+                    layer[role][metric] = min(old, v)
+                else:
+                    layer[role][metric] = max(old, v)
+
+    torch.manual_seed(seed)
+    fp8_losses = _train(model, batches, lr, sample_at, collect)
+    det = recipe.health.detectors
+    layers = []
+    for name, roles in agg.items():
+        reasons = []
+        for role in ROLES:
+            st = roles[role]
+            if det.fp8_saturation.enabled and st.get("saturation", 0.0) > (det.fp8_saturation.threshold or 0):
+                reasons.append(
+                    f"{role} saturation {100 * st['saturation']:.3f}% > {100 * det.fp8_saturation.threshold:g}%"
+                )
+            if det.fp8_underflow.enabled and st.get("underflow", 0.0) > (det.fp8_underflow.threshold or 1):
+                reasons.append(
+                    f"{role} underflow {100 * st['underflow']:.1f}% > {100 * det.fp8_underflow.threshold:g}%"
+                )
+            if det.fp8_sqnr.enabled and st.get("sqnr_db", math.inf) < (det.fp8_sqnr.threshold or 0):
+                reasons.append(f"{role} SQNR {st['sqnr_db']:.1f} dB < {det.fp8_sqnr.threshold:g} dB")
+            if det.mx_clamp.enabled and st.get("mx_clamp", 0.0) > (det.mx_clamp.threshold or 1):
+                reasons.append(f"{role} MX blocks at the E8M0 clamp {100 * st['mx_clamp']:.2f}%")
+        layers.append(LayerNumerics(name, roles, reasons))
+    return SimulationResult(
+        recipe=recipe.name,
+        scaling=recipe.fp8.scaling,
+        format=recipe.fp8.format,
+        steps=steps,
+        model=model_name,
+        fp8_losses=fp8_losses,
+        bf16_losses=bf16_losses,
+        layers=layers,
+        conversion=report,
+        seconds=time.perf_counter() - start,
+        notes=notes,
+    )
