@@ -167,6 +167,6 @@ def test_mxfp8_config():
 
 def test_num_processes_flag_overrides_recipe():
     r = resolve_recipe({"name": "x", "precision": "bf16"})
-    plan = plan_launch(r, "t.py", [], config_dir="/tmp/y", num_processes=2)
+    plan = plan_launch(r, "t.py", [], config_dir="/tmp/y", num_processes=2, device_type="cuda")
     acc = yaml.safe_load(plan.files["/tmp/y/accelerate_config.yaml"])
     assert acc["num_processes"] == 2 and acc["distributed_type"] == "MULTI_GPU"

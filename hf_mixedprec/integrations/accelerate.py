@@ -6,12 +6,19 @@ Key names are Accelerate's own (``fp8_config`` keys are the ones its launcher tu
 ``DelayedScaling`` and ``MXFP8BlockScaling``; for current and blockwise scaling, and for the torchao and
 emulated backends, the config asks Accelerate for BF16 and hf_mixedprec applies FP8 itself in the child
 (from the recipe exported in ``HF_MIXEDPREC_RECIPE``). The config's header says which case applies.
+
+Several processes on a machine without CUDA are started with ``torch.distributed.run`` instead of
+``accelerate launch``: Accelerate 1.15 sends ``--cpu`` and ``MULTI_CPU`` jobs to its simple launcher, which
+starts exactly one process unless given an MPI hostfile (``--mpirun_hostfile``), so ``--num_processes 2`` ran
+one process. ``torch.distributed.run`` starts the ranks on loopback and exports ``RANK``/``WORLD_SIZE``/
+``LOCAL_RANK``; with ``ACCELERATE_USE_CPU=true`` Accelerate's state then picks ``MULTI_CPU`` over gloo.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +29,7 @@ import yaml
 from hf_mixedprec.integrations.deepspeed import deepspeed_config
 from hf_mixedprec.recipe import RECIPE_ENV, Recipe
 
-__all__ = ["LaunchPlan", "accelerate_config", "fp8_via_accelerate", "plan_launch"]
+__all__ = ["LaunchPlan", "accelerate_config", "fp8_via_accelerate", "plan_launch", "uses_torch_distributed_run"]
 
 _DIST_TYPE = {"none": "NO", "ddp": "MULTI_GPU", "fsdp2": "FSDP", "deepspeed": "DEEPSPEED"}
 
@@ -118,10 +125,78 @@ class LaunchPlan:
             Path(path).write_text(text, encoding="utf-8")
 
 
+def uses_torch_distributed_run(recipe: Recipe, num_processes: int, device_type: str) -> bool:
+    """True when the launch goes through ``torch.distributed.run`` rather than ``accelerate launch``.
+
+    That is several data-parallel processes on one machine without CUDA: Accelerate's launcher would start
+    only one of them (see the module docstring). DeepSpeed, FSDP and multi-machine launches keep
+    ``accelerate launch``.
+    """
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type {device_type!r} is not supported (allowed: 'cpu', 'cuda')")
+    return (
+        device_type == "cpu"
+        and num_processes > 1
+        and recipe.distributed.strategy in ("none", "ddp")
+        and recipe.distributed.num_machines == 1
+    )
+
+
+def _detect_device_type() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _loopback_ifname() -> str | None:
+    """The network interface holding 127.0.0.1 (``lo`` on Linux, ``lo0`` on macOS), for gloo; None if unknown."""
+    try:
+        import psutil  # an Accelerate dependency
+
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs):
+                return name
+    except Exception:
+        return None
+    return None
+
+
+def _cpu_threads_per_process(num_processes: int) -> int:
+    """What ``accelerate launch`` gives each CPU process: physical cores shared out (torch.distributed.run gives 1)."""
+    try:
+        import psutil
+
+        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    except ImportError:
+        cores = os.cpu_count() or 1
+    return max(1, cores // num_processes)
+
+
 def plan_launch(
-    recipe: Recipe, script: str, script_args: list[str], *, config_dir: str, num_processes: int | None = None
+    recipe: Recipe,
+    script: str,
+    script_args: list[str],
+    *,
+    config_dir: str,
+    num_processes: int | None = None,
+    device_type: str | None = None,
+    master_port: int | None = None,
 ) -> LaunchPlan:
-    """Plan an ``accelerate launch`` of ``script`` under ``recipe``: config files, argv and child env."""
+    """Plan the launch of ``script`` under ``recipe``: config files, argv and child env.
+
+    ``device_type`` (``"cuda"`` or ``"cpu"``; default: ``"cuda"`` when ``torch.cuda.is_available()``) decides
+    the launcher: ``accelerate launch --config_file`` normally, ``torch.distributed.run`` for several processes
+    without CUDA (:func:`uses_torch_distributed_run`). ``master_port`` is the loopback rendezvous port of the
+    latter (default: a free one).
+    """
+    if device_type is None:
+        device_type = _detect_device_type()
     cdir = Path(config_dir).resolve()
     recipe_path = cdir / "recipe.yaml"
     acc_path = cdir / "accelerate_config.yaml"
@@ -137,11 +212,47 @@ def plan_launch(
         recipe, num_processes=num_processes, deepspeed_config_file=str(ds_path) if ds_path else None
     )
     notes += acc_notes
-    header = "".join(f"# {line}\n" for line in [f"accelerate launch config for recipe {recipe.name!r}", *notes])
+    nproc = int(acc_cfg["num_processes"])
+    env = {RECIPE_ENV: str(recipe_path)}
+    if not uses_torch_distributed_run(recipe, nproc, device_type):
+        title = f"accelerate launch config for recipe {recipe.name!r}"
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(acc_path),
+            script,
+            *script_args,
+        ]
+    else:
+        acc_cfg.update(distributed_type="MULTI_CPU", use_cpu=True)
+        notes.append(
+            f"no CUDA device: {nproc} CPU processes are started with torch.distributed.run (gloo, loopback "
+            "127.0.0.1), not accelerate launch, whose launcher starts only one process for --cpu/MULTI_CPU "
+            "unless given an MPI hostfile; ACCELERATE_USE_CPU=true makes Accelerate in each process pick "
+            "MULTI_CPU, and ACCELERATE_MIXED_PRECISION carries this file's mixed_precision"
+        )
+        title = f"Accelerate settings for recipe {recipe.name!r} (exported as ACCELERATE_* variables)"
+        port = master_port if master_port is not None else _free_loopback_port()
+        command = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "1",
+            "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1",
+            "--master_port", str(port),
+            script, *script_args,
+        ]  # fmt: skip
+        env["ACCELERATE_USE_CPU"] = "true"
+        env["ACCELERATE_MIXED_PRECISION"] = str(acc_cfg.get("mixed_precision", "no"))
+        if "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(_cpu_threads_per_process(nproc))
+        ifname = _loopback_ifname()
+        if ifname is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+            env["GLOO_SOCKET_IFNAME"] = ifname
+    header = "".join(f"# {line}\n" for line in [title, *notes])
     files[str(acc_path)] = header + yaml.safe_dump(acc_cfg, sort_keys=False)
     files[str(recipe_path)] = recipe.to_yaml()
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(acc_path), script, *script_args]
-    env = {RECIPE_ENV: str(recipe_path)}
     return LaunchPlan(command, env, files, notes)
 
 
