@@ -9,11 +9,18 @@ cannot run there: that is reported as a fallback note, never silently.
 from __future__ import annotations
 
 import math
+import socket
+import sys
 from typing import Any
 
 from hf_mixedprec.recipe import Recipe
 
-__all__ = ["deepspeed_config"]
+__all__ = [
+    "deepspeed_config",
+    "deepspeed_cpu_env",
+    "install_deepspeed_cpu_accelerator",
+    "read_deepspeed_scaler",
+]
 
 
 def deepspeed_config(recipe: Recipe, *, zero_stage: int | None = None) -> tuple[dict[str, Any], list[str]]:
@@ -63,3 +70,174 @@ def deepspeed_config(recipe: Recipe, *, zero_stage: int | None = None) -> tuple[
             "(set clipping.method: norm to choose it, or use ddp/fsdp2 for adaptive clipping)"
         )
     return cfg, notes
+
+
+# --- DeepSpeed on a CPU-only host (tests, CI) ---------------------------------------------------------------------
+
+
+def deepspeed_cpu_env(master_port: int | None = None) -> dict[str, str]:
+    """Environment for a single-process DeepSpeed run on CPU (``os.environ.update`` it before building the Trainer).
+
+    ``DS_ACCELERATOR=cpu`` makes DeepSpeed pick its CPU accelerator even where a GPU exists (its communication
+    backend is then gloo, oneCCL being absent). The rendezvous variables are required: without ``RANK`` /
+    ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` in the environment, ``deepspeed.init_distributed()``
+    (called by TrainingArguments when ``deepspeed=`` is set) falls back to MPI discovery and fails with
+    ``ModuleNotFoundError: No module named 'mpi4py'``. ``master_port=None`` picks a free local port.
+    """
+    if master_port is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            master_port = s.getsockname()[1]
+    return {
+        "DS_ACCELERATOR": "cpu",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+
+
+def install_deepspeed_cpu_accelerator(*, fp16: bool = True, shm_comm: bool = False) -> Any:
+    """Install (``deepspeed.accelerator.set_accelerator``) a DeepSpeed CPU accelerator fit for FP16 tests; return it.
+
+    Call it before TrainingArguments / ``deepspeed.initialize`` (``deepspeed.init_distributed`` already asks the
+    accelerator for its op builders). It is process-wide, so prefer a subprocess in test suites.
+
+    Why it exists (DeepSpeed 0.19.8): ``DeepSpeedEngine._do_sanity_check`` raises
+    ``ValueError("Type fp16 is not supported on your device.")`` when ``get_accelerator().is_fp16_supported()``
+    is false, and ``CPU_Accelerator`` answers with ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``, which is
+    true only on CPUs with native FP16 arithmetic (AVX512-FP16 / AMX-FP16, e.g. Xeon Sapphire Rapids). CPUs
+    with only AVX512-BF16 (AMD Zen 4, for one) are refused although PyTorch runs every FP16 op the model needs
+    on them (more slowly, converting through FP32). ``fp16=True`` reports FP16 as supported (and so adds
+    ``torch.float16`` to ``supported_dtypes()``); nothing else about the accelerator changes. This is for
+    exercising the FP16 loss-scaling path on CPU, not for speed.
+
+    ``shm_comm=False`` hides DeepSpeed's shared-memory all-reduce op (``ShareMemCommBuilder``): the
+    ``TorchBackend`` constructor JIT-compiles it (about 50 s with a C++ toolchain, a failure without one) even
+    for a single process, where it has nothing to reduce; without it DeepSpeed uses torch.distributed (gloo).
+    """
+    from deepspeed.accelerator import set_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    class _TestCPUAccelerator(CPU_Accelerator):
+        def is_fp16_supported(self) -> bool:
+            return True if fp16 else super().is_fp16_supported()
+
+        def get_op_builder(self, class_name: str) -> Any:
+            if class_name == "ShareMemCommBuilder" and not shm_comm:
+                return None
+            return super().get_op_builder(class_name)
+
+    accel = _TestCPUAccelerator()
+    set_accelerator(accel)
+    return accel
+
+
+# --- Reading DeepSpeed's loss scaler --------------------------------------------------------------------------------
+
+
+def _as_float(value: Any) -> float:
+    return float(value.item() if hasattr(value, "item") else value)
+
+
+def _as_int(value: Any) -> int | None:
+    if value is None:
+        return None
+    return int(value.item() if hasattr(value, "item") else value)
+
+
+def read_deepspeed_scaler(obj: Any) -> dict[str, Any] | None:
+    """The state of DeepSpeed's FP16 loss scaler behind ``obj``, or None where there is no DeepSpeed scaler.
+
+    ``obj`` may be the optimizer a Trainer callback receives (Accelerate's ``DeepSpeedOptimizerWrapper``, an
+    ``AcceleratedOptimizer``), a ``DeepSpeedEngine`` (``trainer.model_wrapped``), a DeepSpeed optimizer (ZeRO
+    stage 1/2/3 ``DeepSpeedZeroOptimizer*``, stage-0 ``FP16_Optimizer`` / ``FP16_UnfusedOptimizer``) or the
+    scaler itself. Returns ``{"loss_scale", "overflow", "skipped_steps", "hysteresis", "dynamic"}``:
+
+    - ``loss_scale``: the scale the next backward multiplies the loss by (``cur_scale``; an external scale set
+      with ``set_loss_scale`` wins, as in DeepSpeed's own ``loss_scale`` property).
+    - ``overflow``: whether the last optimizer step found inf/NaN gradients and was skipped (``optimizer.overflow``;
+      it is only rewritten at accumulation boundaries).
+    - ``skipped_steps``: the engine's count of skipped steps (``engine.skipped_steps``); None when only the
+      optimizer is at hand (ZeRO optimizers keep no link to their engine; stage-0 FP16 optimizers do).
+    - ``hysteresis``: ``cur_hysteresis`` of ZeRO's ``DynamicLossScaler``, the overflows still tolerated before the
+      next back-off; None for a static scale and for the stage-0 FP16 optimizers, which ignore ``hysteresis``.
+    - ``dynamic``: whether the scale is dynamic (config ``fp16.loss_scale: 0``).
+
+    DeepSpeed's dynamic scaler (``deepspeed/runtime/fp16/loss_scaler.py``, config ``fp16.*``): the scale starts at
+    ``2**initial_scale_power`` (default 16). On an overflow the step is skipped; if ``cur_hysteresis`` is 1 (or
+    ``hysteresis`` is 1) the scale is divided by 2, never below ``min_loss_scale`` (default 1), otherwise only
+    ``cur_hysteresis`` drops by one (and stays down after the halving). On the ``loss_scale_window``-plus-first
+    consecutive clean step (default window 1000) the scale doubles and ``cur_hysteresis`` refills to
+    ``hysteresis`` (default 2; ``consecutive_hysteresis: true`` refills it after every clean step instead). An
+    overflow with the scale already at ``min_loss_scale`` raises "Current loss scale already at minimum - cannot
+    decrease scale anymore. Exiting run." The stage-0 FP16 optimizers halve on every overflow.
+
+    Meant for logging steps: it reads Python attributes and calls ``.item()`` only on a tensor value. BF16 / FP32
+    runs (ZeRO keeps a fixed ``LossScaler(1.0)`` there) and DeepSpeed's ``torch_autocast`` mode (whose scale lives
+    in a torch ``GradScaler``, ``optimizer.torch_autocast_gradscaler``) give None; handed a scaler object itself,
+    it reports that object as it is.
+    """
+    if "deepspeed" not in sys.modules:  # nothing can be a DeepSpeed object
+        return None
+    import torch
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaleConfig, LossScalerBase
+
+    engine = None
+    for _ in range(8):  # unwrap Accelerate wrappers and the engine down to the DeepSpeed optimizer
+        if isinstance(obj, DeepSpeedEngine):
+            engine = obj
+            obj = obj.optimizer
+        elif (
+            isinstance(obj, LossScalerBase)
+            or isinstance(getattr(obj, "loss_scaler", None), LossScalerBase)
+            or isinstance(getattr(obj, "loss_scale_config", None), LossScaleConfig)
+        ):
+            break
+        else:
+            inner = getattr(obj, "optimizer", None)
+            if inner is None or inner is obj:
+                return None
+            obj = inner
+    else:
+        return None
+
+    if engine is None and isinstance(getattr(obj, "deepspeed", None), DeepSpeedEngine):
+        engine = obj.deepspeed  # stage-0 FP16 optimizers keep their engine
+    skipped = _as_int(getattr(engine, "skipped_steps", None)) if engine is not None else None
+    overflow = bool(getattr(obj, "overflow", False))
+
+    if isinstance(obj, LossScalerBase):  # the scaler itself: it records the iteration of its last overflow
+        scaler, custom = obj, False
+        overflow = (
+            isinstance(obj, DynamicLossScaler) and obj.cur_iter > 0 and obj.last_overflow_iter == obj.cur_iter - 1
+        )
+    elif isinstance(getattr(obj, "loss_scale_config", None), LossScaleConfig):  # FP16_Optimizer / Unfused
+        cfg = obj.loss_scale_config
+        if not cfg.use_grad_scaling:
+            return None
+        custom = bool(getattr(obj, "custom_loss_scaler", False))
+        scale = obj.external_loss_scale if custom else cfg.cur_scale
+        return {
+            "loss_scale": _as_float(scale),
+            "overflow": overflow,
+            "skipped_steps": skipped,
+            "hysteresis": None,
+            "dynamic": bool(cfg.dynamic_loss_scale) and not custom,
+        }
+    else:  # ZeRO optimizers
+        scaler = obj.loss_scaler
+        custom = bool(getattr(obj, "custom_loss_scaler", False))
+        if getattr(obj, "dtype", torch.float16) != torch.float16 and not custom:
+            return None  # bf16 / fp32: DeepSpeed keeps a LossScaler(1.0) that never scales
+    dynamic = isinstance(scaler, DynamicLossScaler) and bool(scaler.dynamic) and not custom
+    scale = obj.external_loss_scale if custom else scaler.cur_scale
+    return {
+        "loss_scale": _as_float(scale),
+        "overflow": overflow,
+        "skipped_steps": skipped,
+        "hysteresis": _as_int(scaler.cur_hysteresis) if dynamic else None,
+        "dynamic": dynamic,
+    }
