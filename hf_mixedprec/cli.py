@@ -202,6 +202,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
     plan = plan_launch(
         recipe, args.script, list(args.script_args), config_dir=config_dir, num_processes=args.num_processes
     )
+    if args.rehearse:
+        from hf_mixedprec.loader import REHEARSE_ENV
+
+        plan.env[REHEARSE_ENV] = "1"
+        plan.notes.append(
+            f"REHEARSAL: {REHEARSE_ENV}=1 is exported; the script's load_recipe() rehearses {recipe.name!r}"
+        )
     if args.dry_run:
         print("# command")
         print(shlex.join(plan.command))
@@ -214,7 +221,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return 0
     from hf_mixedprec.hardware import check_recipe
 
-    check_recipe(recipe, detect())
+    if not args.rehearse:
+        check_recipe(recipe, detect())
     plan.write()
     for note in plan.notes:
         print(f"{PROG}: {note}", file=sys.stderr)
@@ -270,10 +278,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "launch",
-        help="run a training script with `accelerate launch` under a recipe",
+        help="run a training script under a recipe (accelerate launch; torch.distributed.run for multi-process CPU)",
         description="Write an `accelerate launch` config (and a DeepSpeed config when the recipe uses DeepSpeed) "
         "for the recipe, export the recipe to the child in HF_MIXEDPREC_RECIPE so that `load_recipe()` picks it "
-        "up, and run `accelerate launch` (no shell).",
+        "up, and run `accelerate launch` (no shell). Without a CUDA GPU and with several processes it runs "
+        "`python -m torch.distributed.run` instead, because `accelerate launch --cpu` starts only one process.",
+    )
+    s.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="rehearse a recipe this machine cannot run natively (exports HF_MIXEDPREC_REHEARSE=1 to the script)",
     )
     s.add_argument(
         "--recipe", required=True, metavar="NAME|PATH", help="a built-in recipe name, `auto`, or a YAML file"

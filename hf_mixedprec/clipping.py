@@ -371,6 +371,18 @@ class ZClip(Clipper):
             "eps": self.eps,
         }
 
+    def boundary(self) -> Tensor:
+        """The norm above which the next step would be clipped: ``mu + z_thresh * sigma`` (inf in warm-up).
+
+        ``max_norm`` caps it. This is what monitoring plots against the grad norm; the value a clipped step
+        is scaled to (the reciprocal rule) is lower and is reported in :class:`ClipResult`.
+        """
+        edge = self.mean + self.z_thresh * self.var.clamp_min(0).sqrt()
+        edge = torch.where(self.initialized, edge, torch.full_like(edge, float("inf")))
+        if self.max_norm is not None:
+            edge = edge.clamp(max=self.max_norm)
+        return edge
+
     @property
     def initialized(self) -> Tensor:
         """Bool tensor: whether the warm-up is over (mean and var hold statistics)."""

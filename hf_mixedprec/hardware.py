@@ -236,9 +236,11 @@ def check_recipe(recipe: Recipe, info: HardwareInfo) -> None:
         )
     except HardwareRefusal:
         instead = "a recipe with precision: fp32"
-    rehearse = ""
+    rehearse = (
+        "; or rehearse it on this machine (--rehearse, load_recipe(..., rehearse=True) or HF_MIXEDPREC_REHEARSE=1)"
+    )
     if recipe.precision == "fp8":
-        rehearse = f"; to see its FP8 numerics on any machine first: `hf-mixedprec simulate --recipe {recipe.name}`"
+        rehearse += f", and see its FP8 numerics per layer with `hf-mixedprec simulate --recipe {recipe.name}`"
     raise HardwareRefusal(
         f"recipe {recipe.name!r} needs {missing}, which {info.describe()} lacks; use {instead!r} instead{rehearse}"
     )

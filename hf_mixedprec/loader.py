@@ -2,7 +2,9 @@
 
 Precedence for what to load: the argument, else the recipe ``hf-mixedprec launch`` exported to this process
 (``HF_MIXEDPREC_RECIPE``), else ``auto``. ``auto`` picks the built-in recipe for the detected hardware and
-logs every fallback it made. A recipe the hardware cannot run is refused (:class:`HardwareRefusal`).
+logs every fallback it made. A recipe the hardware cannot run is refused (:class:`HardwareRefusal`) unless
+it is rehearsed: ``rehearse=True``, else ``HF_MIXEDPREC_REHEARSE=1`` in the environment (the CLI's
+``--rehearse`` sets it for child processes). Rehearsal is logged and recorded, never silent.
 """
 
 from __future__ import annotations
@@ -13,7 +15,23 @@ import os
 from hf_mixedprec.hardware import HardwareInfo, auto_recipe_name, check_recipe, detect
 from hf_mixedprec.recipe import RECIPE_ENV, Recipe, load_recipe_file
 
-__all__ = ["load_recipe", "resolve_auto"]
+__all__ = ["REHEARSE_ENV", "load_recipe", "rehearse_from_env", "resolve_auto"]
+
+#: Set to 1 to rehearse recipes this machine cannot run natively.
+REHEARSE_ENV = "HF_MIXEDPREC_REHEARSE"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+def rehearse_from_env() -> bool:
+    """``HF_MIXEDPREC_REHEARSE`` as a bool; anything but a clear yes/no is an error naming the variable."""
+    raw = os.environ.get(REHEARSE_ENV, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{REHEARSE_ENV}={raw!r} is not a boolean (allowed: 1, 0, true, false, yes, no, on, off)")
+
 
 log = logging.getLogger("hf_mixedprec")
 
@@ -33,6 +51,7 @@ def resolve_auto(info: HardwareInfo | None = None) -> tuple[str, list[str]]:
 def load_recipe(
     name_or_path: str | os.PathLike[str] | None = None,
     *,
+    rehearse: bool | None = None,
     check_hardware: bool = True,
     hardware: HardwareInfo | None = None,
 ) -> Recipe:
@@ -52,6 +71,11 @@ def load_recipe(
         recipe = load_recipe_file(name)
     else:
         recipe = load_recipe_file(name_or_path)
+    if rehearse is None:
+        rehearse = rehearse_from_env()
+    if rehearse:
+        log.warning("hf_mixedprec: REHEARSAL: recipe %r runs on this machine's hardware with emulation", recipe.name)
+        return recipe.rehearsed(True)
     if check_hardware:
         check_recipe(recipe, info or detect())
     return recipe

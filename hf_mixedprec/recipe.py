@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 __all__ = [
@@ -401,6 +401,38 @@ class Recipe(_Section):
                 if ls.max_scale is not None:
                     raise _rule("loss_scale.max_scale", "DeepSpeed's scaler has no ceiling; remove it")
         return self
+
+    _rehearse: bool = PrivateAttr(default=False)
+
+    # -- run-time use -----------------------------------------------------------------------------
+    @property
+    def rehearse(self) -> bool:
+        """Whether this recipe is rehearsed (run for hardware this machine lacks; see ``load_recipe``)."""
+        return self._rehearse
+
+    def rehearsed(self, flag: bool = True) -> Recipe:
+        """A copy of this recipe marked for rehearsal (``flag=True``) or for native execution."""
+        copy = self.model_copy()
+        copy._rehearse = flag
+        return copy
+
+    def callbacks(self, **kwargs: Any) -> list[Any]:
+        """Trainer callbacks that apply this recipe: ``Trainer(..., callbacks=recipe.callbacks())``."""
+        from hf_mixedprec.integrations.trainer import recipe_callbacks
+
+        return recipe_callbacks(self, **kwargs)
+
+    def training_args(self, **overrides: Any) -> Any:
+        """``TrainingArguments`` whose precision and clipping flags agree with this recipe."""
+        from hf_mixedprec.integrations.trainer import training_args
+
+        return training_args(self, **overrides)
+
+    def accelerator(self, **accelerator_kwargs: Any) -> Any:
+        """An ``accelerate.Accelerator`` configured by this recipe (see ``hf_mixedprec.make_accelerator``)."""
+        from hf_mixedprec.integrations.accelerate_plugin import make_accelerator
+
+        return make_accelerator(self, **accelerator_kwargs)
 
     # -- serialisation ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -593,3 +593,20 @@ def test_make_clipper_errors_name_the_problem():
 def test_constructor_validation(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
         cls(**kwargs)
+
+
+def test_zclip_boundary_is_mean_plus_z_sigma_after_warmup():
+    import math
+
+    z = ZClip(warmup_steps=5, z_thresh=2.5)
+    assert z.boundary().item() == math.inf
+    for g in (1.0, 2.0, 3.0, 4.0, 5.0):  # warm-up: mean 3, population variance 2
+        p = torch.zeros(1, requires_grad=True)
+        p.grad = torch.tensor([g])
+        z.clip_([p])
+    assert z.boundary().item() == pytest.approx(3.0 + 2.5 * math.sqrt(2.0), rel=1e-6)
+    capped = ZClip(warmup_steps=1, max_norm=0.5)
+    p = torch.zeros(1, requires_grad=True)
+    p.grad = torch.tensor([1.0])
+    capped.clip_([p])
+    assert capped.boundary().item() == 0.5

@@ -70,6 +70,7 @@ def test_fp8_refused_without_fp8_hardware(hw, name):
     instead = {"cpu": "cpu-bf16", "V100": "v100-fp16", "A100": "a100-bf16"}[hw]
     assert f"use {instead!r} instead" in msg
     assert f"hf-mixedprec simulate --recipe {name}" in msg
+    assert "rehearse it on this machine (--rehearse, load_recipe(..., rehearse=True) or HF_MIXEDPREC_REHEARSE=1)" in msg
     assert "\n" not in msg
 
 

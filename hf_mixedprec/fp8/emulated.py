@@ -235,10 +235,12 @@ class _EmulatedFP8Fn(torch.autograd.Function):
         lead, x_dtype, w_dtype, has_bias, b_dtype = ctx.meta
         g2 = gy.reshape(-1, gy.shape[-1]).float()
         g_d = mod.quantize_for(g2, 2, gemm="dgrad").deq
-        g_w = g_d if mod.spec.scaling in ("delayed", "current") else mod.quantize_for(g2, 2, gemm="wgrad").deq
-        gx = (g_d @ w_d).to(x_dtype).reshape(*lead, w_d.shape[1])
-        gw = (g_w.t() @ x_w).to(w_dtype)
-        gb = g2.sum(0).to(b_dtype) if has_bias else None
+        gx = (g_d @ w_d).to(x_dtype).reshape(*lead, w_d.shape[1]) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:  # frozen weights (e.g. a PEFT base layer) need no wgrad GEMM
+            g_w = g_d if mod.spec.scaling in ("delayed", "current") else mod.quantize_for(g2, 2, gemm="wgrad").deq
+            gw = (g_w.t() @ x_w).to(w_dtype)
+        gb = g2.sum(0).to(b_dtype) if has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None
 
 

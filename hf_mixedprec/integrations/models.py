@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["builtin_text", "byte_batches", "tiny_llama", "tiny_llama_config"]
+__all__ = ["builtin_text", "byte_batches", "tiny_llama", "tiny_llama_config", "train_tokenizer"]
 
 _STDLIB_MODULES = (
     "argparse",
@@ -116,3 +116,22 @@ def byte_batches(text: str, *, seq_len: int, batch_size: int, n_batches: int, se
         starts = torch.randint(0, data.numel() - seq_len, (batch_size,), generator=g)
         out.append(torch.stack([data[s : s + seq_len] for s in starts.tolist()]))
     return out
+
+
+def train_tokenizer(text: str, vocab_size: int = 512) -> Any:
+    """A byte-level BPE tokenizer trained on ``text`` on the spot (``tokenizers``), as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|pad|>", "<|bos|>", "<|eos|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([text[i : i + 2000] for i in range(0, len(text), 2000)], trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>", eos_token="<|eos|>")

@@ -1,0 +1,242 @@
+"""Trainer integration: ``Trainer(..., callbacks=recipe.callbacks())`` applies a recipe to an unchanged script.
+
+``MixedPrecisionCallback`` reaches its Trainer at ``on_init_end`` (still inside ``Trainer.__init__``, before
+the model is prepared) and:
+
+- refuses a recipe the hardware cannot run (unless rehearsed) and ``TrainingArguments`` that contradict it;
+- FP16: installs a real ``torch.amp.GradScaler`` with the recipe's loss-scale settings on the Trainer's
+  Accelerator, so ``accelerator.backward`` scales the loss, Trainer's gradient-norm step unscales, the
+  optimizer step is skipped on overflow, and Trainer saves and restores the scaler with checkpoints. Where
+  Accelerate would not autocast (it ignores fp16 on CPU), the model's forward runs under autocast(float16);
+- FP8: converts the model's Linears (emulated when rehearsing), recording the conversion report;
+- clipping: the recipe's clipper replaces Trainer's fixed ``max_grad_norm`` (set to 0, said in the log);
+- after each optimizer step advances FP8 delayed scaling; at logging steps logs ``mp/...`` metrics.
+
+Its state (clipper statistics, counters) is saved in ``trainer_state.json`` through Transformers'
+``ExportableState`` and restored on resume; FP8 amax histories live in the model's state_dict.
+Works for ``Trainer`` and subclasses such as TRL's ``SFTTrainer``; with PEFT models only the frozen base
+Linears go to FP8 (LoRA adapters stay in high precision).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import ExportableState
+
+from hf_mixedprec.hardware import check_recipe, detect
+from hf_mixedprec.integrations.accelerate_plugin import enable_native_fp16
+from hf_mixedprec.recipe import Recipe, resolve_recipe
+from hf_mixedprec.runtime import MixedPrecisionRuntime
+
+__all__ = ["MixedPrecisionCallback", "attach", "recipe_callbacks", "training_args"]
+
+log = logging.getLogger("hf_mixedprec")
+
+RUNTIME_ATTR = "_hf_mixedprec_runtime"
+TRAINER_ATTR = "_hf_mixedprec_trainer"
+
+
+def training_args(recipe: Recipe, **overrides: Any) -> TrainingArguments:
+    """``TrainingArguments`` with precision and clipping flags that agree with ``recipe``.
+
+    Rehearsed FP16 on CPU keeps ``fp16=False`` (Accelerate would silently ignore it there); the callback
+    supplies autocast and the GradScaler. A conflicting override is an error that names the key.
+    """
+    wanted: dict[str, Any] = {"bf16": recipe.precision in ("bf16", "fp8"), "fp16": False}
+    on_cuda = torch.cuda.is_available() and not overrides.get("use_cpu", False)
+    if recipe.precision == "fp16":
+        wanted["fp16"] = on_cuda
+    if recipe.clipping.method != "none":
+        wanted["max_grad_norm"] = 0.0  # the recipe's clipper does the clipping
+    for key, value in wanted.items():
+        if key in overrides and overrides[key] != value and not (key == "fp16" and not value):
+            raise ValueError(
+                f"TrainingArguments.{key}={overrides[key]!r} contradicts recipe {recipe.name!r} "
+                f"(precision {recipe.precision}, clipping {recipe.clipping.method}) (allowed: {value!r})"
+            )
+    if recipe.tf32 and on_cuda:
+        wanted["tf32"] = True
+    if not on_cuda and wanted["bf16"] and "use_cpu" not in overrides:
+        wanted["use_cpu"] = True  # TrainingArguments refuses bf16 without a GPU unless told it is a CPU run
+    wanted.update(overrides)
+    return TrainingArguments(**wanted)
+
+
+def recipe_callbacks(recipe: Recipe, *, rehearse: bool | None = None) -> list[TrainerCallback]:
+    """The callbacks for ``Trainer(callbacks=...)``."""
+    return [MixedPrecisionCallback(recipe=recipe, rehearse=recipe.rehearse if rehearse is None else rehearse)]
+
+
+def _find_trainer() -> Trainer | None:
+    """The Trainer whose ``__init__`` is running (``on_init_end`` is called from inside it)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, Trainer):
+            return obj
+        frame = frame.f_back
+    return None
+
+
+def attach(trainer: Trainer, recipe: Recipe, *, rehearse: bool | None = None) -> MixedPrecisionCallback:
+    """Apply ``recipe`` to an already constructed ``trainer`` (the explicit form of ``callbacks=``)."""
+    cb = MixedPrecisionCallback(recipe=recipe, rehearse=recipe.rehearse if rehearse is None else rehearse)
+    trainer.add_callback(cb)
+    cb.setup(trainer)
+    return cb
+
+
+class MixedPrecisionCallback(TrainerCallback, ExportableState):
+    """Applies a recipe inside a Trainer (see module docs)."""
+
+    def __init__(self, recipe: Recipe | dict[str, Any], rehearse: bool = False):
+        self.recipe = recipe if isinstance(recipe, Recipe) else resolve_recipe(recipe, source="<checkpoint>")
+        self.rehearse = bool(rehearse)
+        self.restored: dict[str, Any] | None = None  # set by Trainer when resuming from a checkpoint
+        self.runtime: MixedPrecisionRuntime | None = None
+        self.trainer: Trainer | None = None
+        self.deepspeed = False
+
+    # -- ExportableState ------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        payload = self.runtime.state_dict() if self.runtime is not None else self.restored
+        return {
+            "args": {"recipe": self.recipe.to_dict(), "rehearse": self.rehearse},
+            "attributes": {"restored": payload},
+        }
+
+    # -- setup -------------------------------------------------------------------------------------------
+    def on_init_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer is None:
+            trainer = _find_trainer()
+            if trainer is None:
+                raise RuntimeError(
+                    "MixedPrecisionCallback must be passed to a transformers Trainer (callbacks=recipe.callbacks()); "
+                    "for an existing trainer use hf_mixedprec.integrations.trainer.attach(trainer, recipe)"
+                )
+            self.setup(trainer)
+
+    def setup(self, trainer: Trainer) -> None:
+        """Install the recipe on ``trainer`` (before its model is prepared)."""
+        self.trainer = trainer
+        recipe, args = self.recipe, trainer.args
+        model = trainer.model
+        device = args.device
+        if not self.rehearse:
+            check_recipe(recipe, detect())
+        self._check_args(args)
+        rt = MixedPrecisionRuntime(recipe, device=device, rehearse=self.rehearse)
+        self.runtime = rt
+        acc = trainer.accelerator
+        rt.apply_tf32()
+        setattr(model, RUNTIME_ATTR, rt)
+        setattr(model, TRAINER_ATTR, weakref.ref(trainer))
+        if getattr(args, "deepspeed", None):
+            self._setup_deepspeed(trainer, rt)
+            return
+        if recipe.precision == "fp16":
+            scaler = rt.make_grad_scaler()
+            if acc.native_amp and acc.mixed_precision == "fp16":
+                acc.scaler = scaler  # same path, the recipe's loss-scale settings
+            else:
+                enable_native_fp16(acc, scaler)
+                rt.note(
+                    f"fp16 autocast and GradScaler enabled on {device.type} through Accelerate's native-AMP path "
+                    f"(Accelerate's mixed_precision was {'no' if not args.fp16 else 'fp16'!r} and ignores fp16 there)"
+                )
+        elif recipe.precision in ("bf16", "fp8") and not (acc.native_amp and acc.mixed_precision == "bf16"):
+            rt.wrap_forward_with_autocast(model)
+            rt.note(
+                f"bf16 autocast installed by hf_mixedprec (Accelerate's mixed_precision is {acc.mixed_precision!r})"
+            )
+        if recipe.precision == "fp8":
+            report = rt.convert_model(model)
+            if report is not None:
+                log.info("hf_mixedprec: %s", report)
+        if rt.clipper is not None and args.max_grad_norm:
+            rt.note(
+                f"clipping.method {recipe.clipping.method!r} replaces Trainer's max_grad_norm="
+                f"{args.max_grad_norm:g} (set to 0)"
+            )
+            args.max_grad_norm = 0.0
+
+    def _setup_deepspeed(self, trainer: Trainer, rt: MixedPrecisionRuntime) -> None:
+        """DeepSpeed owns loss scaling and clipping: monitor its scaler, apply nothing that would fight it."""
+        from hf_mixedprec.integrations.deepspeed import read_deepspeed_scaler
+
+        self.deepspeed = True
+        rt.external_scaler = lambda: read_deepspeed_scaler(trainer.model_wrapped)
+        rt.note(
+            "DeepSpeed owns loss scaling (its dynamic scaler, with hysteresis) and clipping; hf_mixedprec reads "
+            "its loss scale, overflow and skipped steps for the logs"
+        )
+        if rt.clipper is not None:
+            clip = self.recipe.clipping.method
+            rt.note(
+                f"FALLBACK: clipping.method {clip!r} is not applied under DeepSpeed, which clips inside "
+                f"engine.step() with its fixed gradient_clipping ({trainer.args.max_grad_norm:g} here)"
+            )
+            rt.clipper = None
+
+    def _check_args(self, args: TrainingArguments) -> None:
+        p = self.recipe.precision
+        if args.fp16 and p != "fp16":
+            raise ValueError(
+                f"TrainingArguments.fp16=True contradicts recipe {self.recipe.name!r} (precision {p}); "
+                "remove fp16=True or build the arguments with recipe.training_args(...)"
+            )
+        if args.bf16 and p in ("fp16", "fp32"):
+            raise ValueError(
+                f"TrainingArguments.bf16=True contradicts recipe {self.recipe.name!r} (precision {p}); "
+                "remove bf16=True or build the arguments with recipe.training_args(...)"
+            )
+        if getattr(args, "deepspeed", None) and p not in ("fp16", "bf16"):
+            raise ValueError(
+                f"recipe {self.recipe.name!r} (precision {p}) cannot run under DeepSpeed here "
+                "(allowed: fp16 or bf16 recipes; build the config with deepspeed_config(recipe))"
+            )
+
+    def _runtime(self, model: Any) -> MixedPrecisionRuntime:
+        if self.runtime is None:  # a fresh instance made by Trainer when restoring callback state
+            self.runtime = getattr(model, RUNTIME_ATTR)
+            self.trainer = getattr(model, TRAINER_ATTR)()
+        return self.runtime
+
+    # -- training ------------------------------------------------------------------------------------------
+    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+        rt = self._runtime(model)
+        payload = self.restored
+        if payload is None and state.global_step > 0:
+            # Trainer restores callback objects only with restore_callback_states_from_checkpoint=True, but
+            # the checkpoint's trainer_state.json (loaded into `state`) always holds what state() returned
+            stored = (state.stateful_callbacks or {}).get(type(self).__name__)
+            if isinstance(stored, list):
+                stored = stored[0] if stored else None
+            payload = (stored or {}).get("attributes", {}).get("restored")
+        if payload is not None:
+            rt.load_state_dict(payload)
+            self.restored = None
+
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
+        if self.deepspeed:
+            return
+        model, optimizer = kw["model"], kw.get("optimizer")
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self._runtime(model).before_optimizer_step(model.parameters(), inner)
+
+    def on_optimizer_step(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
+        if self.deepspeed:
+            self._runtime(kw["model"]).steps += 1
+            return
+        self._runtime(kw["model"]).after_optimizer_step(kw["model"], kw.get("optimizer"))
+
+    def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
+        if control.should_log and self.trainer is not None:
+            self.trainer.log(self._runtime(kw["model"]).metrics())
+            control.should_log = True  # Trainer.log() cleared it; Trainer's own loss log is still due
