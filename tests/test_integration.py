@@ -134,16 +134,25 @@ def test_conflicting_training_args_are_refused(tmp_path):
         recipe.training_args(output_dir=str(tmp_path), bf16=True)
 
 
-def test_sft_trainer_with_recipe(tmp_path):
+THREE = ["cpu-bf16", "v100-fp16", "h100-fp8-delayed"]
+
+
+def _load(name):
+    return hf_mixedprec.load_recipe(name, rehearse=name != "cpu-bf16")
+
+
+@pytest.mark.parametrize("name", THREE)
+def test_sft_trainer_with_recipe(tmp_path, name):
     from datasets import Dataset as HFDataset
     from trl import SFTConfig, SFTTrainer
 
     tok = train_tokenizer(builtin_text(), vocab_size=512)
     text = builtin_text()
     ds = HFDataset.from_dict({"text": [text[i : i + 400] for i in range(0, 400 * 64, 400)]})
-    recipe = hf_mixedprec.load_recipe("h100-fp8-current", rehearse=True)
+    recipe = _load(name)
     model = tiny_llama(vocab_size=len(tok))
-    cfg = SFTConfig(
+    cfg = recipe.training_args(
+        args_class=SFTConfig,
         output_dir=str(tmp_path),
         max_steps=12,
         per_device_train_batch_size=4,
@@ -152,39 +161,45 @@ def test_sft_trainer_with_recipe(tmp_path):
         report_to=[],
         save_strategy="no",
         max_length=64,
-        bf16=True,
-        use_cpu=True,
-        max_grad_norm=0.0,
         disable_tqdm=True,
     )
     tr = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=recipe.callbacks())
-    assert isinstance(tr.model.model.layers[1].mlp.up_proj, EmulatedFP8Linear)
+    fp8 = isinstance(tr.model.model.layers[1].mlp.up_proj, EmulatedFP8Linear)
+    assert fp8 == (name == "h100-fp8-delayed")
     tr.train()
     loss = _logs(tr, "loss")
     assert loss[-1] < loss[0] - 0.5 and _logs(tr, "mp/grad_norm")
+    if name == "v100-fp16":
+        assert _logs(tr, "mp/loss_scale")[-1] == 65536.0
 
 
-def test_peft_lora_keeps_adapters_in_high_precision(tmp_path):
+@pytest.mark.parametrize("name", THREE)
+def test_peft_lora_keeps_adapters_in_high_precision(tmp_path, name):
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(tiny_llama(), LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"]))
-    recipe = hf_mixedprec.load_recipe("h100-fp8-delayed", rehearse=True)
+    recipe = _load(name)
     tr = _trainer(recipe, tmp_path, model=model, steps=10)
-    rep = model._hf_mixedprec_runtime.fp8_report
     q = "base_model.model.model.layers.0.self_attn.q_proj"
-    assert rep.decision(f"{q}.base_layer").fp8 is True
-    assert rep.decision(f"{q}.lora_A.default").fp8 is False
-    assert rep.decision(f"{q}.lora_A.default").reason.startswith("LoRA adapter")
-    assert rep.decision("base_model.model.lm_head").fp8 is False
+    if name == "h100-fp8-delayed":
+        rep = model._hf_mixedprec_runtime.fp8_report
+        assert rep.decision(f"{q}.base_layer").fp8 is True
+        assert rep.decision(f"{q}.lora_A.default").fp8 is False
+        assert rep.decision(f"{q}.lora_A.default").reason.startswith("LoRA adapter")
+        assert rep.decision("base_model.model.lm_head").fp8 is False
     lora_b = dict(model.named_parameters())[f"{q}.lora_B.default.weight"]
-    before = lora_b.detach().clone()
+    base = dict(model.named_parameters())[f"{q}.base_layer.weight"]
+    before, base_before = lora_b.detach().clone(), base.detach().clone()
     tr.train()
     assert not torch.equal(before, lora_b)  # adapters train
+    assert torch.equal(base_before, base)  # the frozen base does not
     loss = _logs(tr, "loss")
     assert loss[-1] < loss[0]
+    if name == "v100-fp16":
+        assert _logs(tr, "mp/loss_scale")[-1] == 65536.0
 
 
-@pytest.mark.parametrize("recipe", ["cpu-bf16", "v100-fp16", "h100-fp8-delayed"])
+@pytest.mark.parametrize("recipe", THREE)
 def test_accelerate_loop_with_plugin(tmp_path, recipe):
     out = tmp_path / recipe
     cmd = [

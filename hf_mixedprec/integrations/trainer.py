@@ -42,8 +42,8 @@ RUNTIME_ATTR = "_hf_mixedprec_runtime"
 TRAINER_ATTR = "_hf_mixedprec_trainer"
 
 
-def training_args(recipe: Recipe, **overrides: Any) -> TrainingArguments:
-    """``TrainingArguments`` with precision and clipping flags that agree with ``recipe``.
+def training_args(recipe: Recipe, *, args_class: type | None = None, **overrides: Any) -> TrainingArguments:
+    """``TrainingArguments`` (or ``args_class``, e.g. TRL's ``SFTConfig``) whose flags agree with ``recipe``.
 
     Rehearsed FP16 on CPU keeps ``fp16=False`` (Accelerate would silently ignore it there); the callback
     supplies autocast and the GradScaler. A conflicting override is an error that names the key.
@@ -65,7 +65,7 @@ def training_args(recipe: Recipe, **overrides: Any) -> TrainingArguments:
     if not on_cuda and wanted["bf16"] and "use_cpu" not in overrides:
         wanted["use_cpu"] = True  # TrainingArguments refuses bf16 without a GPU unless told it is a CPU run
     wanted.update(overrides)
-    return TrainingArguments(**wanted)
+    return (args_class or TrainingArguments)(**wanted)
 
 
 def recipe_callbacks(recipe: Recipe, *, rehearse: bool | None = None) -> list[TrainerCallback]:
