@@ -293,7 +293,10 @@ class DetectorsConfig(_Section):
         "threshold: z-score of the grad norm over the last `window` steps.", threshold=6.0, window=128
     )
     tiny_update: DetectorConfig = _det(
-        "threshold: update/weight ratio under which BF16 weights stop changing.", threshold=1e-3, reaction="log"
+        "threshold: RMS(update)/RMS(weight) of parameters stored in BF16/FP16, measured on sampled steps; "
+        "below about 2e-3 BF16 rounds updates away.",
+        threshold=1e-3,
+        reaction="log",
     )
     fp8_saturation: DetectorConfig = _det(
         "threshold: fraction of a layer's values clipped at the FP8 max.", threshold=0.001, reaction="warn"
@@ -313,7 +316,9 @@ class HealthConfig(_Section):
     """Scale-health monitoring: how often FP8 statistics are sampled, and the detectors."""
 
     enabled: bool = Field(True, description="Whether health monitoring runs at all.")
-    fp8_sample_every: int = Field(50, ge=1, description="Collect per-layer FP8 statistics every N optimizer steps.")
+    fp8_sample_every: int = Field(
+        50, ge=1, description="Collect per-layer FP8 statistics (and the tiny_update probe) every N optimizer steps."
+    )
     detectors: DetectorsConfig = Field(default_factory=DetectorsConfig)
 
 

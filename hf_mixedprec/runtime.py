@@ -22,10 +22,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper
-from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step
+from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated
+from hf_mixedprec.health import HealthEvent, HealthMonitor, layers_to_bf16
 from hf_mixedprec.recipe import Recipe
 
 __all__ = ["MixedPrecisionRuntime", "compute_dtype"]
@@ -33,6 +36,8 @@ __all__ = ["MixedPrecisionRuntime", "compute_dtype"]
 log = logging.getLogger("hf_mixedprec")
 
 STATE_VERSION = 1
+#: Elements per parameter tensor sampled (strided) to measure the update size on sampled steps.
+UPDATE_PROBE = 4096
 
 
 def compute_dtype(recipe: Recipe) -> torch.dtype | None:
@@ -55,9 +60,23 @@ class MixedPrecisionRuntime:
         self._skipped = torch.zeros((), dtype=torch.int64, device=self.device)
         self._last: ClipResult | None = None
         self._found_inf = torch.zeros((), device=self.device)
-        self._corrected_skip = False
         #: Under DeepSpeed the engine owns loss scaling and clipping; this reads its scaler for the metrics.
         self.external_scaler: Any = None
+        self.monitor: HealthMonitor | None = (
+            HealthMonitor(recipe.health, device=self.device) if recipe.health.enabled else None
+        )
+        self.guard = False  # a scale-1 GradScaler that only exists to skip steps exactly (bf16/fp8)
+        self.events: list[dict[str, Any]] = []
+        self.stop_requested: str | None = None
+        self.fallback_recipe: str | None = None
+        self._loss_sum = torch.zeros((), device=self.device)
+        self._loss_n = torch.zeros((), device=self.device)
+        self._sampling = False
+        self._fp8_metrics: dict[str, float] = {}
+        self._update_probe: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        self._optimizer_skips_itself = False
+        self._schedule_rewound = 0  # skipped steps already taken back out of the LR schedule
+        self._noted_schedule = False
         if self.rehearse:
             self.note(f"REHEARSAL: recipe {recipe.name!r} ({recipe.precision}) is rehearsed on {self.device.type}")
 
@@ -67,6 +86,25 @@ class MixedPrecisionRuntime:
         log.warning("hf_mixedprec: %s", text)
 
     # -- setup -------------------------------------------------------------------------------------
+    def wants_guard(self) -> bool:
+        """Whether a bf16/fp8 run needs a scale-1 GradScaler to skip steps exactly (a skip_step reaction)."""
+        if self.recipe.precision == "fp16" or self.monitor is None:
+            return False
+        d = self.recipe.health.detectors
+        return any(getattr(d, n).enabled and getattr(d, n).reaction == "skip_step" for n in type(d).model_fields)
+
+    def make_guard_scaler(self) -> torch.amp.GradScaler:
+        """A GradScaler at scale 1 (multiplying by 1 is exact) whose only job is skipping flagged steps.
+
+        torch's GradScaler skips ``optimizer.step()`` when found-inf is set (inside the optimizer for AMP-aware
+        ones such as AdamW, without a host read); the scale is reset to 1 after every step.
+        """
+        self.guard = True
+        self.scaler = torch.amp.GradScaler(
+            self.device.type, init_scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2**30
+        )
+        return self.scaler
+
     def make_grad_scaler(self) -> torch.amp.GradScaler | None:
         """A real ``torch.amp.GradScaler`` with the recipe's loss-scale settings (fp16 only)."""
         ls = self.recipe.loss_scale
@@ -118,6 +156,27 @@ class MixedPrecisionRuntime:
         model.forward = forward  # type: ignore[method-assign]
         model._hf_mixedprec_autocast = True  # type: ignore[attr-defined]
 
+    def watch_loss(self, model: nn.Module) -> None:
+        """Capture the raw loss each forward (before Trainer's NaN filter) for the loss detectors."""
+        if self.monitor is None or getattr(model, "_hf_mixedprec_loss_hook", False):
+            return
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+            if isinstance(loss, torch.Tensor) and module.training:
+                self._loss_sum = self._loss_sum + loss.detach().float().reshape(()).to(self._loss_sum.device)
+                self._loss_n = self._loss_n + 1
+
+        model.register_forward_hook(hook)
+        model._hf_mixedprec_loss_hook = True  # type: ignore[attr-defined]
+
+    def begin_step(self, model: nn.Module) -> None:
+        """Before the step's forward passes: turn FP8 statistics on for sampled steps only."""
+        every = self.recipe.health.fp8_sample_every
+        self._sampling = self.monitor is not None and (self.steps + 1) % every == 0
+        for _, m in iter_emulated(model):
+            m.record_stats = self._sampling
+
     def apply_tf32(self) -> None:
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = self.recipe.tf32
@@ -145,34 +204,206 @@ class MixedPrecisionRuntime:
         if found is None:
             norm = total_norm if total_norm is not None else global_grad_norm([p.grad for p in params])
             found = (~torch.isfinite(norm)).to(self._found_inf.dtype)
-        self._found_inf = found
         if self.clipper is not None:
             self._last = self.clipper.clip_(params, total_norm=total_norm)
+            norm = self._last.total_norm
+        else:
+            norm = total_norm if total_norm is not None else global_grad_norm([p.grad for p in params])
+        if self.monitor is not None:
+            loss = None
+            if self.recipe.health.detectors.loss_spike.enabled or self.recipe.health.detectors.nonfinite_loss.enabled:
+                loss = torch.where(self._loss_n > 0, self._loss_sum / self._loss_n.clamp_min(1), float("nan"))
+                if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                    dist.all_reduce(loss, op=dist.ReduceOp.SUM)  # one decision for every rank
+                    loss = loss / dist.get_world_size()
+            skip = self.monitor.pre_step(loss=loss, grad_norm=norm)
+            found = torch.maximum(found, skip.to(found.dtype))
+            self._mark_skip(optimizer, skip)
+        self._loss_sum = torch.zeros_like(self._loss_sum)
+        self._loss_n = torch.zeros_like(self._loss_n)
+        self._found_inf = found
+        self._probe_updates(params)
         return self._last
 
-    def after_optimizer_step(self, model: nn.Module, optimizer: Any = None) -> None:
-        """Advance FP8 delayed scaling, count skipped steps, and tell Accelerate whether the step was skipped.
+    def _probe_updates(self, params: list[Any]) -> None:
+        """On sampled steps, keep a strided sample (at most UPDATE_PROBE elements per tensor) of the BF16/FP16
+        parameters so that :meth:`after_optimizer_step` can measure the update (``tiny_update``)."""
+        self._update_probe = []
+        if self.monitor is None or not self._sampling or not self.recipe.health.detectors.tiny_update.enabled:
+            return
+        for p in params:
+            if p.dtype in (torch.bfloat16, torch.float16) and p.numel() > 0:
+                stride = max(1, p.numel() // UPDATE_PROBE)
+                self._update_probe.append((p, stride, p.detach().reshape(-1)[::stride].float().clone()))
 
-        torch's ``GradScaler.step`` lets optimizers that support AMP scaling (``_step_supports_amp_scaling``,
-        e.g. torch 2.x AdamW) skip an overflow step inside ``optimizer.step()``; Accelerate infers a skip
-        from ``step()`` not being called, so it reports none and Trainer would advance the LR schedule on
-        skipped steps. With a GradScaler this reads the scaler's found-inf once per optimizer step (FP16
-        loss scaling needs that host decision anyway) and corrects ``step_was_skipped``.
-        """
+    def _update_ratio(self) -> torch.Tensor | None:
+        if not self._update_probe:
+            return None
+        num = torch.zeros((), device=self._found_inf.device)
+        den = torch.zeros((), device=self._found_inf.device)
+        for p, stride, old in self._update_probe:
+            new = p.detach().reshape(-1)[::stride].float()
+            num = num + (new - old).pow(2).sum().to(num.device)
+            den = den + old.pow(2).sum().to(den.device)
+        self._update_probe = []
+        return (num / den.clamp_min(1e-30)).sqrt()
+
+    def _mark_skip(self, optimizer: torch.optim.Optimizer | None, skip: torch.Tensor) -> None:
+        """Fold a detector's skip flag into the GradScaler's found-inf so the step is skipped exactly."""
+        if self.scaler is None or optimizer is None:
+            return
+        state = self.scaler._per_optimizer_states[id(optimizer)]
+        if not state.get("found_inf_per_device"):
+            self.scaler.unscale_(optimizer)  # records found-inf; GradScaler.step will not unscale twice
+        for t in state["found_inf_per_device"].values():
+            t.copy_(torch.maximum(t, skip.to(t.dtype).to(t.device)))
+
+    def after_optimizer_step(self, model: nn.Module, optimizer: Any = None) -> None:
+        """Advance FP8 delayed scaling, update the monitor and count skipped steps (device only)."""
         fp8_step(model)
+        if self.monitor is not None:
+            ratio = self._update_ratio()
+            if ratio is not None:
+                self.monitor.observe_update(ratio, self._found_inf)
+            scale = self.scaler._scale if (self.scaler is not None and not self.guard) else None
+            self.monitor.post_step(skipped=self._found_inf, scale=scale)
+            if self._sampling:
+                self.monitor.observe_fp8({name: dict(m.stats) for name, m in iter_emulated(model)})
+        if self.guard and self.scaler is not None and self.scaler._scale is not None:
+            self.scaler._scale.fill_(1.0)  # the guard never scales
         if self.scaler is not None:
             self._skipped += self._found_inf.to(self._skipped.dtype)
-            if optimizer is not None and hasattr(optimizer, "_is_overflow"):
-                skipped = bool(self._found_inf.item())
-                if skipped and not optimizer._is_overflow:
-                    optimizer._is_overflow = True
-                    if not self._corrected_skip:
-                        self._corrected_skip = True
-                        self.note(
-                            "Accelerate reported an overflow step as taken (the optimizer skipped it itself); "
-                            "hf_mixedprec marks such steps skipped so the LR scheduler does not advance"
-                        )
+            inner = getattr(optimizer, "optimizer", optimizer)
+            self._optimizer_skips_itself = bool(getattr(inner, "_step_supports_amp_scaling", False))
         self.steps += 1
+
+    def rewind_schedule(self, optimizer: Any, scheduler: Any) -> int:
+        """Take skipped steps back out of the LR schedule; returns how many (host sync: log/save steps only).
+
+        torch's ``GradScaler.step`` lets optimizers that handle AMP scaling themselves
+        (``_step_supports_amp_scaling``, e.g. fused AdamW, Trainer's default) skip an overflow step inside
+        ``optimizer.step()`` without a host read. Accelerate infers a skip from ``step()`` not being called,
+        so it reports none and Trainer advances the LR schedule on skipped steps. Reading the skip flag every
+        step would add a host sync, so the schedule is corrected here instead, at logging and checkpoint
+        steps: between a skip and the next log the learning rate runs at most that many steps ahead.
+        Closed-form schedules (``LambdaLR``, which Trainer's schedules are) are rewound exactly; others are
+        left as they are, with a note.
+        """
+        if self.scaler is None or not self._optimizer_skips_itself:
+            return 0
+        new = int(self._skipped.item()) - self._schedule_rewound
+        if new <= 0:
+            return 0
+        self._schedule_rewound += new
+        if scheduler is None or not isinstance(getattr(scheduler, "scheduler", scheduler), LambdaLR):
+            if not self._noted_schedule:
+                self._noted_schedule = True
+                self.note(
+                    f"{new} skipped step(s) advanced the LR scheduler ({type(scheduler).__name__}): only "
+                    "LambdaLR-based schedules (Trainer's) can be rewound"
+                )
+            return 0
+        sched = getattr(scheduler, "scheduler", scheduler)
+        sched.last_epoch -= new
+        lrs = [base * fn(sched.last_epoch) for fn, base in zip(sched.lr_lambdas, sched.base_lrs)]
+        inner = getattr(optimizer, "optimizer", optimizer)
+        for group, lr in zip(inner.param_groups, lrs):
+            group["lr"] = lr
+        sched._last_lr = list(lrs)
+        return new
+
+    @property
+    def check_due(self) -> bool:
+        """Host-known: the last step was an FP8 sampling step, so its statistics should be checked now."""
+        return self._sampling
+
+    def check(self, model: nn.Module, optimizer: Any = None, scheduler: Any = None) -> list[HealthEvent]:
+        """Turn what the detectors latched into events and apply their reactions (host sync: check steps only)."""
+        if self.monitor is None:
+            return []
+        if self._sampling:
+            self._fp8_metrics = self._layer_metrics(model)
+        events = self.monitor.check()
+        fallback_layers: list[str] = []
+        for ev in events:
+            self.events.append({**ev.to_dict(), "at_step": self.steps})
+            text = f"health: step {ev.step}: {ev.detector}: {ev.message} -> {ev.reaction}"
+            if ev.reaction == "log":
+                log.info("hf_mixedprec: %s", text)
+            else:
+                log.warning("hf_mixedprec: %s", text)
+            if ev.reaction == "stop" and self.stop_requested is None:
+                self.stop_requested = f"{text}; {self._advice(ev)}"
+            elif ev.reaction == "lower_lr":
+                factor = getattr(self.recipe.health.detectors, ev.detector).lr_factor or 0.5
+                self._lower_lr(optimizer, scheduler, factor)
+                self.note(f"health: learning rate multiplied by {factor:g} after {ev.detector} at step {ev.step}")
+            elif ev.reaction == "fallback":
+                if ev.layer is not None:
+                    fallback_layers.append(ev.layer)
+                else:
+                    self._whole_model_fallback(model, ev)
+        if fallback_layers:
+            moved = layers_to_bf16(model, sorted(set(fallback_layers)))
+            if moved:
+                self.note(f"FALLBACK: FP8 layers moved to BF16 after health events: {', '.join(moved)}")
+        return events
+
+    def _advice(self, ev: HealthEvent) -> str:
+        if ev.detector in ("death_spiral", "scale_floor", "consecutive_skips", "skip_rate"):
+            return (
+                "FP16 loss scaling is collapsing (typical for models pretrained in BF16): train in BF16 "
+                "(a100-bf16 on Ampere or later, cpu-bf16 on CPU) or lower the learning rate"
+            )
+        if ev.detector.startswith("fp8") or ev.detector == "mx_clamp":
+            return f"run `hf-mixedprec simulate --recipe {self.recipe.name}` and keep the flagged layers in BF16"
+        return "check the data and the learning rate; a checkpoint was saved before stopping"
+
+    def _lower_lr(self, optimizer: Any, scheduler: Any, factor: float) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        for group in getattr(inner, "param_groups", []):
+            group["lr"] *= factor
+        if scheduler is not None and hasattr(scheduler, "base_lrs"):
+            scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+
+    def _whole_model_fallback(self, model: nn.Module, ev: HealthEvent) -> None:
+        if self.recipe.precision == "fp8":
+            moved = layers_to_bf16(model, [name for name, _ in iter_emulated(model)])
+            self.note(
+                f"FALLBACK: whole model moved from FP8 to BF16 after {ev.detector} at step {ev.step} "
+                f"({len(moved)} layers)"
+            )
+        elif self.recipe.precision == "fp16" and self.stop_requested is None:
+            from hf_mixedprec.hardware import detect, support_for
+
+            info = detect()
+            sup = support_for(info.device_type, info.capability, info.cuda_version)
+            self.fallback_recipe = (
+                ("cpu-bf16" if info.device_type != "cuda" else "a100-bf16") if "bf16" in sup.precisions else None
+            )
+            target = self.fallback_recipe or "a recipe with precision fp32"
+            self.stop_requested = (
+                f"health: step {ev.step}: {ev.detector}: {ev.message} -> fallback: FP16 cannot "
+                f"continue; a checkpoint was saved; resume it under {target}"
+            )
+            self.note(f"FALLBACK: FP16 -> {target} requested after {ev.detector} at step {ev.step}")
+
+    def _layer_metrics(self, model: nn.Module) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, m in iter_emulated(model):
+            st = m.stats
+            if not st:
+                continue
+            vals = {k: float(v) for k, v in st.items()}
+            out[f"mp/fp8/{name}/saturation"] = max(
+                vals.get(f"{r}_saturation", 0.0) for r in ("input", "weight", "grad")
+            )
+            out[f"mp/fp8/{name}/underflow"] = max(vals.get(f"{r}_underflow", 0.0) for r in ("input", "weight", "grad"))
+            out[f"mp/fp8/{name}/sqnr_db"] = min(
+                vals.get(f"{r}_sqnr_db", float("inf")) for r in ("input", "weight", "grad")
+            )
+            out[f"mp/fp8/{name}/input_amax"] = vals.get("input_amax", 0.0)
+        return out
 
     # -- reporting (host sync: only when a log is due) -----------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -185,8 +416,13 @@ class MixedPrecisionRuntime:
                 if ds.get("skipped_steps") is not None:
                     out["mp/skipped_steps"] = float(ds["skipped_steps"])
         if self.scaler is not None:
-            out["mp/loss_scale"] = float(self.scaler.get_scale())
+            if not self.guard:
+                out["mp/loss_scale"] = float(self.scaler.get_scale())
             out["mp/skipped_steps"] = float(self._skipped.item())
+        if self.monitor is not None:
+            out["mp/health_events"] = float(len(self.events))
+        out.update(self._fp8_metrics)
+        self._fp8_metrics = {}
         if self._last is not None:
             out["mp/grad_norm"] = float(self._last.total_norm.item())
             thr = float(self._last.threshold.item())
@@ -205,18 +441,39 @@ class MixedPrecisionRuntime:
         if self.clipper is not None:
             sd = self.clipper.state_dict()
             clip = {**sd, "state": {k: _to_json(v) for k, v in sd["state"].items()}}
-        return {"version": STATE_VERSION, "steps": self.steps, "skipped": int(self._skipped.item()), "clipper": clip}
+        return {
+            "version": STATE_VERSION,
+            "steps": self.steps,
+            "skipped": int(self._skipped.item()),
+            "schedule_rewound": self._schedule_rewound,
+            "clipper": clip,
+            "monitor": self.monitor.state_dict() if self.monitor is not None else None,
+            "events": list(self.events),
+            "stopped": self.stop_requested,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"hf_mixedprec runtime state version {state.get('version')!r} (expected {STATE_VERSION})")
         self.steps = int(state["steps"])
         self._skipped = torch.tensor(int(state["skipped"]), dtype=torch.int64, device=self.device)
+        self._schedule_rewound = int(state.get("schedule_rewound", 0))
         clip = state.get("clipper")
         if (clip is None) != (self.clipper is None):
             raise ValueError("checkpointed clipping state does not match the recipe's clipping.method")
         if clip is not None and self.clipper is not None:
             self.clipper.load_state_dict({**clip, "state": {k: _from_json(v) for k, v in clip["state"].items()}})
+        if state.get("monitor") is not None and self.monitor is not None:
+            if state.get("stopped"):
+                # the checkpoint was written by a stop reaction: start the detector windows afresh so the
+                # resumed run (often under a changed recipe, with other windows) is not stopped again by the
+                # same history
+                self.monitor.step = int(state["monitor"]["step"])
+                self.monitor.reset_windows()
+                self.note(f"resumed after a health stop ({state['stopped']}); detector windows start afresh")
+            else:
+                self.monitor.load_state_dict(state["monitor"])
+        self.events = list(state.get("events", []))
 
 
 def _to_json(t: Any) -> Any:

@@ -97,7 +97,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"log_history.rank{rank}.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()  # tear gloo down before interpreter exit
+        # every rank has written its log: wait for the others, then tear gloo down before interpreter exit
+        # (a rank that destroys its group while a peer is still in a collective can abort in gloo)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -82,6 +82,8 @@ class MixedPrecisionAccelerator(Accelerator):
                 )
             else:
                 self.mp.scaler = self.scaler
+        elif self.mp.wants_guard():
+            self.scaler = self.mp.make_guard_scaler()
         self.mp.apply_tf32()
         self._clipped_this_step = False
 
@@ -92,6 +94,9 @@ class MixedPrecisionAccelerator(Accelerator):
         if self.recipe.precision == "fp8" and not evaluation_mode:
             self.mp.convert_model(model)
         self._mp_model = model
+        if not evaluation_mode:
+            self.mp.watch_loss(model)
+            self.mp.begin_step(model)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
@@ -106,6 +111,9 @@ class MixedPrecisionAccelerator(Accelerator):
                     self.mp.before_optimizer_step(self._params(), opt.optimizer)
                 out = inner_step(*args, **kwargs)
                 self.mp.after_optimizer_step(self._mp_model, opt)
+                if self.mp.check_due:
+                    self.mp.check(self._mp_model, opt)
+                self.mp.begin_step(self._mp_model)
                 self._clipped_this_step = False
                 return out
             return inner_step(*args, **kwargs)
@@ -128,8 +136,17 @@ class MixedPrecisionAccelerator(Accelerator):
         return res.total_norm if res is not None else torch.zeros(())
 
     def mp_metrics(self) -> dict[str, float]:
-        """The recipe's metrics (``mp/...``); reads device values, so call it only when you log."""
+        """The recipe's metrics (``mp/...``) after checking the health detectors; reads device values, so
+        call it only when you log. Check :attr:`should_stop` afterwards."""
+        opt = self._optimizers[0] if self._optimizers else None
+        self.mp.rewind_schedule(opt, self._schedulers[0] if self._schedulers else None)
+        self.mp.check(self._mp_model, opt)
         return self.mp.metrics()
+
+    @property
+    def should_stop(self) -> str | None:
+        """Why a health reaction asked to stop (save a checkpoint, then stop), or None."""
+        return self.mp.stop_requested
 
 
 def make_accelerator(recipe: Recipe, **accelerator_kwargs: Any) -> MixedPrecisionAccelerator:

@@ -150,11 +150,15 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                     f"fp16 autocast and GradScaler enabled on {device.type} through Accelerate's native-AMP path "
                     f"(Accelerate's mixed_precision was {'no' if not args.fp16 else 'fp16'!r} and ignores fp16 there)"
                 )
-        elif recipe.precision in ("bf16", "fp8") and not (acc.native_amp and acc.mixed_precision == "bf16"):
+        elif rt.wants_guard():
+            acc.scaler = rt.make_guard_scaler()
+            rt.note("a scale-1 GradScaler guards the optimizer step so that skip_step reactions skip exactly")
+        if recipe.precision in ("bf16", "fp8") and not (acc.native_amp and acc.mixed_precision == "bf16"):
             rt.wrap_forward_with_autocast(model)
             rt.note(
                 f"bf16 autocast installed by hf_mixedprec (Accelerate's mixed_precision is {acc.mixed_precision!r})"
             )
+        rt.watch_loss(model)
         if recipe.precision == "fp8":
             report = rt.convert_model(model)
             if report is not None:
@@ -222,6 +226,16 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         if payload is not None:
             rt.load_state_dict(payload)
             self.restored = None
+        if rt.guard and rt.scaler is not None:
+            # Trainer restores scaler.pt into whatever scaler exists; a guard (e.g. resuming an FP16
+            # checkpoint under a BF16 recipe) must stay at scale 1
+            rt.scaler._init_scale = 1.0
+            if rt.scaler._scale is not None:
+                rt.scaler._scale.fill_(1.0)
+
+    def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
+        if not self.deepspeed:
+            self._runtime(kw["model"]).begin_step(kw["model"])
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         if self.deepspeed:
@@ -237,6 +251,25 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         self._runtime(kw["model"]).after_optimizer_step(kw["model"], kw.get("optimizer"))
 
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
+        rt = self._runtime(kw["model"])
+        if (control.should_log or control.should_save) and not self.deepspeed:
+            rt.rewind_schedule(kw.get("optimizer"), kw.get("lr_scheduler"))
+        if (control.should_log or rt.check_due) and not self.deepspeed:
+            rt.check(kw["model"], kw.get("optimizer"), kw.get("lr_scheduler"))
+            if rt.stop_requested and not control.should_training_stop:
+                control.should_save = True  # Trainer saves the checkpoint, then stops
+                control.should_training_stop = True
         if control.should_log and self.trainer is not None:
-            self.trainer.log(self._runtime(kw["model"]).metrics())
+            self.trainer.log(rt.metrics())
             control.should_log = True  # Trainer.log() cleared it; Trainer's own loss log is still due
+
+    def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
+        rt = self._runtime(kw["model"])
+        if rt.stop_requested:
+            ckpt = f"{args.output_dir}/checkpoint-{state.global_step}"
+            how = (
+                f"hf_mixedprec.load_recipe({rt.fallback_recipe!r}) and trainer.train(resume_from_checkpoint={ckpt!r})"
+                if rt.fallback_recipe
+                else f"trainer.train(resume_from_checkpoint={ckpt!r}) after changing what the message says"
+            )
+            rt.note(f"STOPPED: {rt.stop_requested}. Resume with {how}")

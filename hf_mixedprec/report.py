@@ -1,0 +1,160 @@
+"""The run report: ``health.json`` (events and per-step series) and PNG plots in the output directory.
+
+``write_run_report(out_dir, log_history=..., runtime=...)`` is called at the end of a run (``finetune`` does,
+and so can any Trainer script); ``hf-mixedprec report RUN_DIR`` rebuilds the plots from ``health.json``.
+Plots: loss scale, grad norm with the clip threshold, skipped steps, and per-layer FP8 saturation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["HEALTH_FILE", "build_plots", "health_document", "write_run_report"]
+
+HEALTH_FILE = "health.json"
+SERIES_KEYS = (
+    "loss",
+    "grad_norm",
+    "learning_rate",
+    "mp/loss_scale",
+    "mp/skipped_steps",
+    "mp/grad_norm",
+    "mp/clip_threshold",
+    "mp/clipped",
+    "mp/overflow",
+)
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no inf/NaN; keep them readable
+    return v
+
+
+def health_document(
+    log_history: list[dict[str, Any]], runtime: Any = None, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The content of ``health.json``: per-step series from the logs plus the runtime's notes and events."""
+    series: dict[str, dict[str, Any]] = {}
+    for row in log_history:
+        step = row.get("step")
+        if step is None:
+            continue
+        for key, value in row.items():
+            if key in SERIES_KEYS or key.startswith("mp/fp8/"):
+                series.setdefault(key, {})[str(step)] = _clean(value)
+    doc: dict[str, Any] = {
+        "version": 1,
+        "series": {k: dict(sorted(v.items(), key=lambda kv: int(kv[0]))) for k, v in series.items()},
+    }
+    if runtime is not None:
+        recipe = runtime.recipe
+        doc.update(
+            recipe=recipe.name,
+            precision=recipe.precision,
+            rehearsed=bool(runtime.rehearse),
+            notes=list(runtime.notes),
+            events=[dict(e) for e in getattr(runtime, "events", [])],
+            steps=runtime.steps,
+        )
+        if getattr(runtime, "fp8_report", None) is not None:
+            doc["fp8_conversion"] = runtime.fp8_report.to_dict()
+    if extra:
+        doc.update(extra)
+    return doc
+
+
+def _series(doc: dict[str, Any], key: str) -> tuple[list[int], list[float]]:
+    data = doc.get("series", {}).get(key, {})
+    xs, ys = [], []
+    for k, v in data.items():
+        try:
+            y = float(v)
+        except (TypeError, ValueError):
+            continue
+        xs.append(int(k))
+        ys.append(y)
+    return xs, ys
+
+
+def build_plots(run_dir: str | Path, doc: dict[str, Any] | None = None) -> list[Path]:
+    """Write the PNG plots for ``run_dir`` (from ``doc`` or its ``health.json``); return the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    if doc is None:
+        doc = json.loads((run_dir / HEALTH_FILE).read_text())
+    written: list[Path] = []
+
+    def save(fig: Any, name: str) -> None:
+        path = run_dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+
+    x, y = _series(doc, "mp/loss_scale")
+    if x:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.step(x, y, where="post")
+        ax.set_yscale("log", base=2)
+        ax.set(title="loss scale", xlabel="step", ylabel="scale")
+        for e in doc.get("events", []):
+            ax.axvline(e.get("step", 0), color="red", alpha=0.3, lw=1)
+        save(fig, "loss_scale.png")
+
+    x, y = _series(doc, "mp/grad_norm")
+    if not x:
+        x, y = _series(doc, "grad_norm")
+    if x:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.plot(x, y, label="grad norm (unscaled, before clipping)", lw=1)
+        tx, ty = _series(doc, "mp/clip_threshold")
+        if tx:
+            ax.plot(tx, ty, label="clip threshold", lw=1, ls="--")
+        ax.set_yscale("log")
+        ax.set(title="gradient norm", xlabel="step")
+        ax.legend(fontsize=8)
+        save(fig, "grad_norm.png")
+
+    x, y = _series(doc, "mp/skipped_steps")
+    if x:
+        fig, ax = plt.subplots(figsize=(7, 3))
+        ax.step(x, y, where="post", color="tab:red")
+        ax.set(title="skipped optimizer steps (cumulative)", xlabel="step")
+        save(fig, "skipped_steps.png")
+
+    sat = {k: _series(doc, k) for k in doc.get("series", {}) if k.startswith("mp/fp8/") and k.endswith("/saturation")}
+    if sat:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        top = sorted(sat.items(), key=lambda kv: -max(kv[1][1] or [0]))[:8]
+        for key, (sx, sy) in top:
+            ax.plot(sx, [100 * v for v in sy], label=key[len("mp/fp8/") : -len("/saturation")], lw=1, marker=".")
+        ax.set(title="FP8 saturation per layer (top 8)", xlabel="step", ylabel="% of values clipped")
+        ax.legend(fontsize=7)
+        save(fig, "fp8_saturation.png")
+    return written
+
+
+def write_run_report(
+    out_dir: str | Path, *, log_history: list[dict[str, Any]], runtime: Any = None, extra: dict[str, Any] | None = None
+) -> list[Path]:
+    """Write ``health.json``, the plots and (FP8) ``conversion_report.json`` into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = health_document(log_history, runtime, extra)
+    path = out / HEALTH_FILE
+    path.write_text(json.dumps(doc, indent=1))
+    written = [path]
+    if runtime is not None and getattr(runtime, "fp8_report", None) is not None:
+        conv = out / "conversion_report.json"
+        conv.write_text(runtime.fp8_report.to_json())
+        written.append(conv)
+    written += build_plots(out, doc)
+    return written

@@ -1,0 +1,354 @@
+"""Scale-health monitoring: exact detector rules, fault injection with reactions, FP8 fallback, no host sync."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback
+
+import hf_mixedprec
+from hf_mixedprec.fp8 import EmulatedFP8Linear
+from hf_mixedprec.health import HealthMonitor
+from hf_mixedprec.recipe import HealthConfig, resolve_recipe
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_integration import Bytes, _logs
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _health(**detectors) -> HealthConfig:
+    return HealthConfig.model_validate({"detectors": detectors})
+
+
+# -- detector rules, exact ---------------------------------------------------------------------------
+
+
+def test_grad_spike_zscore_rule():
+    mon = HealthMonitor(_health(grad_spike={"threshold": 3.0, "window": 10}))
+    norms = [1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0]  # mean 1.5, population std 0.5
+    for g in norms:
+        mon.pre_step(loss=None, grad_norm=torch.tensor(g))
+        mon.post_step(skipped=torch.tensor(0.0), scale=None)
+    assert mon.check() == []
+    mon.pre_step(loss=None, grad_norm=torch.tensor(2.99))  # z = 2.98: below 3
+    mon.post_step(skipped=torch.tensor(0.0), scale=None)
+    assert mon.check() == []
+    mon.pre_step(loss=None, grad_norm=torch.tensor(100.0))
+    mon.post_step(skipped=torch.tensor(0.0), scale=None)
+    (ev,) = mon.check()
+    assert ev.detector == "grad_spike" and ev.step == 10
+    # window now holds the 9 previous finite values (the spike itself is not recorded)
+    vals = [*norms, 2.99]
+    mean = sum(vals) / 9
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / 9)
+    assert ev.value == pytest.approx((100.0 - mean) / std, rel=1e-5)
+
+
+def test_nonfinite_loss_skip_flag_and_latch_reset():
+    mon = HealthMonitor(_health(nonfinite_loss={"reaction": "skip_step"}, skip_rate={"enabled": False}))
+    assert not mon.pre_step(loss=torch.tensor(2.0), grad_norm=torch.tensor(1.0)).item()
+    mon.post_step(skipped=torch.tensor(0.0), scale=None)
+    assert mon.pre_step(loss=torch.tensor(float("nan")), grad_norm=torch.tensor(1.0)).item()
+    mon.post_step(skipped=torch.tensor(1.0), scale=None)
+    events = mon.check()
+    assert [(e.detector, e.step, e.reaction) for e in events] == [("nonfinite_loss", 2, "skip_step")]
+    assert mon.check() == []  # latches cleared
+
+
+def test_skip_rate_consecutive_and_death_spiral():
+    mon = HealthMonitor(
+        _health(
+            skip_rate={"threshold": 0.25, "window": 8},
+            consecutive_skips={"threshold": 3},
+            death_spiral={"threshold": 3, "window": 6, "reaction": "stop"},
+            scale_floor={"threshold": 8.0},
+        )
+    )
+    scale = 64.0
+    fired = {}
+    # steps 1-2 clean, then persistent overflow: the scale halves every step
+    for step in range(1, 9):
+        overflow = step >= 3
+        mon.pre_step(loss=torch.tensor(1.0), grad_norm=torch.tensor(float("inf") if overflow else 1.0))
+        if overflow:
+            scale /= 2
+        mon.post_step(skipped=torch.tensor(float(overflow)), scale=torch.tensor(scale))
+        for e in mon.check():
+            fired.setdefault(e.detector, step)
+    # skip rate over a window of 8 counts filled steps: 1/3 > 0.25 at step 3
+    assert fired["skip_rate"] == 3
+    assert fired["consecutive_skips"] == 5  # 3 skips in a row: steps 3, 4, 5
+    # backoffs are counted from the second scale seen: steps 3, 4, 5 -> 3 backoffs, no growth
+    assert fired["death_spiral"] == 5
+    assert fired["scale_floor"] == 5  # 64 -> 32 (step 3), 16 (4), 8 (5): at the floor
+    assert scale == 1.0
+
+
+def test_tiny_update_rule():
+    mon = HealthMonitor(_health(tiny_update={"threshold": 1e-3}, skip_rate={"enabled": False}))
+    mon.observe_update(torch.tensor(2e-3), torch.tensor(0.0))
+    mon.post_step(skipped=torch.tensor(0.0), scale=None)
+    mon.observe_update(torch.tensor(0.0), torch.tensor(1.0))  # a skipped step changes nothing on purpose
+    mon.post_step(skipped=torch.tensor(1.0), scale=None)
+    assert mon.check() == []
+    mon.observe_update(torch.tensor(5e-4), torch.tensor(0.0))
+    mon.post_step(skipped=torch.tensor(0.0), scale=None)
+    (ev,) = [e for e in mon.check() if e.detector == "tiny_update"]
+    assert ev.step == 3 and ev.value == pytest.approx(5e-4, rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lr,fires", [(1e-7, True), (2e-3, False)])
+def test_tiny_update_on_bf16_weights(tmp_path, lr, fires):
+    recipe = _recipe("health: {fp8_sample_every: 2}", base="cpu-bf16")
+    from hf_mixedprec.integrations.models import tiny_llama
+
+    tr = _run(recipe, tmp_path, steps=4, model=tiny_llama().to(torch.bfloat16), learning_rate=lr)
+    events = [e for e in tr.model._hf_mixedprec_runtime.events if e["detector"] == "tiny_update"]
+    assert [e["step"] for e in events] == ([2, 4] if fires else [])
+    if fires:
+        assert all(e["value"] < 1e-3 for e in events)
+
+
+def test_monitor_state_round_trip():
+    cfg = _health(grad_spike={"threshold": 3.0, "window": 5})
+    a, b = HealthMonitor(cfg), HealthMonitor(cfg)
+    for g in (1.0, 1.5, 1.2, 1.1):
+        a.pre_step(loss=torch.tensor(g), grad_norm=torch.tensor(g))
+        a.post_step(skipped=torch.tensor(0.0), scale=torch.tensor(1024.0))
+    b.load_state_dict(a.state_dict())
+    assert json.dumps(b.state_dict()) == json.dumps(a.state_dict())
+    for mon in (a, b):
+        mon.pre_step(loss=torch.tensor(9.0), grad_norm=torch.tensor(9.0))
+        mon.post_step(skipped=torch.tensor(0.0), scale=torch.tensor(512.0))
+    assert [e.to_dict() for e in a.check()] == [e.to_dict() for e in b.check()]
+
+
+# -- fault injection through Trainer ----------------------------------------------------------------
+
+
+class Overflow(TrainerCallback):
+    """inf gradients (one weight) during the backward of the given optimizer steps (1-based); records weights."""
+
+    def __init__(self, steps):
+        self.steps, self.armed, self.unchanged = set(steps), False, {}
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        w = model.model.layers[0].mlp.down_proj.weight
+        w.register_hook(lambda g: torch.full_like(g, float("inf")) if self.armed else g)
+
+    def on_step_begin(self, args, state, control, model=None, **kw):
+        self.step = state.global_step + 1
+        self.armed = self.step in self.steps
+        self.before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def on_optimizer_step(self, args, state, control, model=None, **kw):
+        self.unchanged[self.step] = all(torch.equal(self.before[n], p) for n, p in model.named_parameters())
+
+
+def _run(recipe, tmp_path, *, steps, callbacks=(), model=None, resume=None, **targs):
+    from hf_mixedprec.integrations.models import tiny_llama
+
+    settings = {
+        "output_dir": str(tmp_path / "out"),
+        "max_steps": steps,
+        "per_device_train_batch_size": 4,
+        "learning_rate": 2e-3,
+        "logging_steps": 1,
+        "report_to": [],
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "seed": 0,
+    }
+    args = recipe.training_args(**{**settings, **targs})
+    tr = Trainer(
+        model=model or tiny_llama(), args=args, train_dataset=Bytes(), callbacks=[*callbacks, *recipe.callbacks()]
+    )
+    tr.train(resume_from_checkpoint=resume)
+    return tr
+
+
+def _recipe(extra: str, base: str = "v100-fp16"):
+    import yaml
+
+    data = {"name": "drill", "extends": base, **yaml.safe_load(extra)}
+    return resolve_recipe(data).rehearsed()
+
+
+@pytest.mark.slow
+def test_overflow_steps_are_skipped_exactly_and_counted(tmp_path):
+    inject = Overflow({4, 9})
+    tr = _run(hf_mixedprec.load_recipe("v100-fp16", rehearse=True), tmp_path, steps=12, callbacks=[inject])
+    skipped = _logs(tr, "mp/skipped_steps")
+    assert [i + 1 for i in range(12) if skipped[i] > (skipped[i - 1] if i else 0)] == [4, 9]
+    assert [s for s, same in inject.unchanged.items() if same] == [4, 9]  # bit for bit, only there
+    rt = tr.model._hf_mixedprec_runtime
+    grad_events = [e for e in rt.events if e["detector"] == "nonfinite_grad"]
+    assert [e["step"] for e in grad_events] == [4, 9]
+    assert _logs(tr, "mp/loss_scale")[-1] == 16384.0  # halved twice
+
+
+class LrUsed(TrainerCallback):
+    """The learning rate each optimizer step used."""
+
+    def __init__(self):
+        self.lr = {}
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
+        self.lr[state.global_step + 1] = optimizer.param_groups[0]["lr"]
+
+
+@pytest.mark.slow
+def test_skipped_steps_are_taken_out_of_the_lr_schedule_at_log_steps(tmp_path):
+    lr = LrUsed()
+    tr = _run(
+        hf_mixedprec.load_recipe("v100-fp16", rehearse=True),
+        tmp_path,
+        steps=12,
+        callbacks=[Overflow({2, 7}), lr],
+        logging_steps=5,
+        lr_scheduler_type="linear",
+    )
+    rt = tr.model._hf_mixedprec_runtime
+    # Trainer's default fused AdamW skips overflow steps itself, so Accelerate reports them as taken
+    assert rt._optimizer_skips_itself
+    # a skip is taken back out of the schedule at the next log step (5, 10): no host read on other steps
+    rewound = {k: sum(any(s <= log < k for log in (5, 10)) for s in (2, 7)) for k in range(1, 13)}
+    expected = {k: 2e-3 * (12 - ((k - 1) - rewound[k])) / 12 for k in range(1, 13)}
+    assert lr.lr == pytest.approx(expected, rel=1e-12)
+    assert tr.lr_scheduler.last_epoch == 10  # 12 steps, 2 skipped
+
+
+@pytest.mark.slow
+def test_death_spiral_stops_with_a_checkpoint_that_resumes(tmp_path):
+    recipe = _recipe("health: {detectors: {death_spiral: {threshold: 4, window: 10, reaction: stop}}}")
+    tr = _run(recipe, tmp_path, steps=20, callbacks=[Overflow(range(3, 21))], save_strategy="steps", save_steps=1000)
+    rt = tr.model._hf_mixedprec_runtime
+    spiral = [e for e in rt.events if e["detector"] == "death_spiral"]
+    assert spiral and spiral[0]["step"] == 6  # 4 backoffs (steps 3-6) without growth, within the window of 10
+    assert tr.state.global_step == 6  # stopped right there
+    ckpt = tmp_path / "out" / "checkpoint-6"
+    assert (ckpt / "trainer_state.json").exists() and (ckpt / "scaler.pt").exists()
+    assert any(n.startswith("STOPPED:") and "train in BF16" in n for n in rt.notes)
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    resumed = _run(recipe, tmp_path, steps=10, resume=str(ckpt))  # the drill is over: no more overflow
+    assert resumed.state.global_step == 10
+    assert all(math.isfinite(v) for v in _logs(resumed, "loss"))
+
+
+@pytest.mark.slow
+def test_fp16_fallback_continues_in_bf16(tmp_path):
+    recipe = _recipe("health: {detectors: {death_spiral: {threshold: 4, window: 10, reaction: fallback}}}")
+    tr = _run(recipe, tmp_path, steps=20, callbacks=[Overflow(range(3, 21))], save_strategy="steps", save_steps=1000)
+    rt = tr.model._hf_mixedprec_runtime
+    assert rt.fallback_recipe == "cpu-bf16" and tr.state.global_step == 6
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    bf16 = hf_mixedprec.load_recipe(rt.fallback_recipe)
+    resumed = _run(bf16, tmp_path, steps=14, resume=str(tmp_path / "out" / "checkpoint-6"))
+    loss = [r["loss"] for r in resumed.state.log_history if "loss" in r and r["step"] > 6]
+    assert resumed.state.global_step == 14 and len(loss) == 8
+    assert all(math.isfinite(v) for v in loss)
+    assert resumed.accelerator.mixed_precision == "bf16"
+    assert "mp/loss_scale" not in resumed.state.log_history[-2]  # no FP16 loss scaling any more
+
+
+class Outlier(TrainerCallback):
+    """From step ``at`` on, one input element of one FP8 layer becomes huge (an activation outlier)."""
+
+    def __init__(self, layer: str, at: int):
+        self.layer, self.at, self.on = layer, at, False
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        def pre(mod, args):
+            if not self.on:
+                return None
+            x = args[0].clone()
+            x[..., :8] = 3e4  # 8 of the layer's 128 input features
+            return (x,)
+
+        dict(model.named_modules())[self.layer].register_forward_pre_hook(pre)
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.on = state.global_step + 1 >= self.at
+
+
+@pytest.mark.slow
+def test_fp8_outlier_saturates_one_layer_and_fallback_moves_only_it(tmp_path):
+    recipe = _recipe(
+        "health: {fp8_sample_every: 1, detectors: {fp8_saturation: {threshold: 0.02, reaction: fallback}}}",
+        base="h100-fp8-delayed",
+    )
+    layer = "model.layers.1.mlp.down_proj"
+    tr = _run(recipe, tmp_path, steps=8, callbacks=[Outlier(layer, at=5)])
+    sat = [r.get(f"mp/fp8/{layer}/saturation") for r in tr.state.log_history if f"mp/fp8/{layer}/saturation" in r]
+    # early delayed-scaling steps clip a few values (up to ~0.5%) while the amax history grows, under the
+    # threshold; the outlier step (scaled with last step's amax) saturates 8/128 of the inputs
+    assert max(sat[:4]) < 0.02 < sat[4]
+    rt = tr.model._hf_mixedprec_runtime
+    fired = {e["layer"] for e in rt.events if e["detector"] == "fp8_saturation"}
+    assert fired == {layer}
+    kinds = {n: type(m) for n, m in tr.model.named_modules() if n.startswith("model.layers") and n.endswith("_proj")}
+    assert len(kinds) == 14  # 2 blocks x (q, k, v, o, gate, up, down)
+    assert kinds[layer] is nn.Linear
+    assert all(t is EmulatedFP8Linear for n, t in kinds.items() if n != layer)
+    assert all(math.isfinite(v) for v in _logs(tr, "loss")), (_logs(tr, "loss"), _logs(tr, "grad_norm"))
+
+
+# -- no host sync on non-logging steps ----------------------------------------------------------------
+
+
+class _SyncCounter:
+    """Counts host reads (.item(), .tolist(), .cpu(), bool/float/int of a tensor) made from hf_mixedprec code."""
+
+    NAMES = ("item", "tolist", "cpu", "__bool__", "__float__", "__int__", "numpy")
+
+    def __init__(self, monkeypatch):
+        self.step, self.hits = 0, []
+        pkg = str(Path(hf_mixedprec.__file__).parent)
+        for name in self.NAMES:
+            orig = getattr(torch.Tensor, name)
+
+            def wrapper(t, *a, _orig=orig, _name=name, **k):
+                frame = sys._getframe(1)
+                if frame.f_code.co_filename.startswith(pkg):
+                    self.hits.append((self.step, _name, f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"))
+                return _orig(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, wrapper)
+
+
+class _StepTracker(TrainerCallback):
+    def __init__(self, counter):
+        self.counter = counter
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.counter.step = state.global_step + 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cpu-bf16", "h100-fp8-delayed", "v100-fp16"])
+def test_no_host_sync_on_non_logging_steps(tmp_path, monkeypatch, name):
+    recipe = hf_mixedprec.load_recipe(name, rehearse=name != "cpu-bf16")
+    counter = _SyncCounter(monkeypatch)
+    _run(recipe, tmp_path, steps=12, callbacks=[_StepTracker(counter)], logging_steps=5)
+    off_log = [h for h in counter.hits if h[0] % 5 != 0 and h[0] != 0]
+    assert off_log == [], off_log
+    assert any(h[0] == 5 for h in counter.hits)  # logging steps do read (metrics)
