@@ -230,6 +230,66 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return subprocess.call(plan.command, env=child_env(plan))
 
 
+def cmd_finetune(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from hf_mixedprec.finetune import format_summary, run_finetune
+
+    # stdout carries only the summary (--json is parsed by scripts); libraries imported during the run
+    # (DeepSpeed's logger, for one) print to stdout, so the run's own output goes to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        summary = run_finetune(
+            recipe=args.recipe,
+            rehearse=True if args.rehearse else None,
+            model=args.model,
+            data=args.data,
+            text_field=args.text_field,
+            output_dir=args.output_dir,
+            max_steps=args.max_steps,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            seed=args.seed,
+            logging_steps=args.logging_steps,
+            save=not args.no_save,
+            resume=args.resume,
+        )
+    if "files" in summary:  # the main process (rank 0) prints; other ranks stay quiet
+        print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from hf_mixedprec.report import HEALTH_FILE, build_plots, summarize
+
+    run = Path(args.run_dir)
+    if not run.is_dir():
+        raise UsageError(f"RUN_DIR: {args.run_dir!r} is not a directory (allowed: a run's output directory)")
+    path = run / HEALTH_FILE
+    if not path.is_file():
+        raise UsageError(
+            f"RUN_DIR: {args.run_dir!r} has no {HEALTH_FILE} (allowed: a directory written by `{PROG} finetune` or "
+            "hf_mixedprec.report.write_run_report)"
+        )
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"RUN_DIR: {path} is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("version") != 1:
+        raise UsageError(f"RUN_DIR: {path} is not a health report of version 1")
+    files = build_plots(run, doc)
+    info = summarize(doc)
+    info["plots"] = [str(f) for f in files]
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for line in info["lines"]:
+            print(line)
+        for f in files:
+            print(f"plot: {f}")
+    return 0
+
+
 # -- parser ----------------------------------------------------------------------------------------
 
 
@@ -319,6 +379,72 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=cmd_simulate)
+
+    s = sub.add_parser(
+        "finetune",
+        help="fine-tune a causal LM with Trainer and a recipe; write a summary, health report and plots",
+        description="Fine-tune a causal LM with Hugging Face Trainer and the recipe's callbacks. Without --model "
+        "and --data it trains a small Llama built from a config on prose from Python's docstrings, with a tokenizer "
+        "trained on the spot (nothing is downloaded; about a minute on 2 CPU cores). Writes summary.json, "
+        "health.json, PNG plots, conversion_report.json (FP8) and the model + tokenizer into --output-dir, and "
+        "prints a short summary.",
+    )
+    s.add_argument(
+        "--recipe",
+        metavar="NAME|PATH",
+        help="a built-in recipe name, `auto`, or a YAML file (default: the recipe `hf-mixedprec launch` exported, "
+        "else auto)",
+    )
+    s.add_argument(
+        "--rehearse", action="store_true", help="rehearse a recipe this machine cannot run natively (emulation)"
+    )
+    s.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a local save_pretrained causal-LM folder; its tokenizer is used if it has one, else one is trained on "
+        "the data (default: a small Llama built from a config)",
+    )
+    s.add_argument(
+        "--data",
+        metavar="PATH",
+        help="a .txt file (one example per blank-line-separated paragraph), a .jsonl/.json/.csv/.parquet file with "
+        "a text column, or a datasets save_to_disk folder (its train split) (default: built-in prose)",
+    )
+    s.add_argument("--text-field", metavar="NAME", help="the column holding the text in --data (default: text)")
+    s.add_argument(
+        "--output-dir", default="runs/finetune", metavar="DIR", help="where the run's files go (default runs/finetune)"
+    )
+    s.add_argument("--max-steps", type=int, default=200, metavar="N", help="optimizer steps (default 200)")
+    s.add_argument("--seq-len", type=int, default=128, metavar="N", help="tokens per packed block (default 128)")
+    s.add_argument("--batch-size", type=int, default=8, metavar="N", help="blocks per step and process (default 8)")
+    s.add_argument("--lr", type=float, help="AdamW learning rate, linear decay (default 1e-3; 5e-5 with --model)")
+    s.add_argument("--seed", type=int, default=0, help="random seed for the model and data order (default 0)")
+    s.add_argument(
+        "--logging-steps",
+        type=int,
+        metavar="N",
+        help="log every N steps, and always step 1 (default: max-steps/10, between 1 and 10)",
+    )
+    s.add_argument("--no-save", action="store_true", help="do not save the trained model and tokenizer")
+    s.add_argument(
+        "--resume",
+        metavar="CHECKPOINT",
+        help="continue from a checkpoint folder (e.g. the checkpoint-N a health `stop` saved in --output-dir)",
+    )
+    s.add_argument("--json", action="store_true", help="print the summary as JSON (the content of summary.json)")
+    s.set_defaults(func=cmd_finetune)
+
+    s = sub.add_parser(
+        "report",
+        help="summarise a run's health.json and rebuild its PNG plots",
+        description="Read RUN_DIR/health.json (written at the end of `finetune`, or by "
+        "hf_mixedprec.report.write_run_report), print the run's health events and notes, and rebuild the plots "
+        "(loss_scale.png, grad_norm.png, skipped_steps.png, fp8_saturation.png; each only when the run has that "
+        "series) in RUN_DIR.",
+    )
+    s.add_argument("run_dir", metavar="RUN_DIR", help="a run's output directory")
+    s.add_argument("--json", action="store_true", help="print the summary as JSON")
+    s.set_defaults(func=cmd_report)
     return p
 
 
@@ -339,4 +465,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the imported module's main, so that `python -m hf_mixedprec.cli` and modules that import
+    # hf_mixedprec.cli (finetune raises its UsageError) share one class
+    from hf_mixedprec.cli import main as _main
+
+    sys.exit(_main())

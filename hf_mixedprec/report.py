@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HEALTH_FILE", "build_plots", "health_document", "write_run_report"]
+__all__ = ["HEALTH_FILE", "build_plots", "health_document", "summarize", "write_run_report"]
 
 HEALTH_FILE = "health.json"
 SERIES_KEYS = (
@@ -78,6 +78,36 @@ def _series(doc: dict[str, Any], key: str) -> tuple[list[int], list[float]]:
         xs.append(int(k))
         ys.append(y)
     return xs, ys
+
+
+def summarize(doc: dict[str, Any]) -> dict[str, Any]:
+    """What ``hf-mixedprec report`` prints: counts, the last value of the main series, events and notes."""
+    events = list(doc.get("events", []))
+    by_detector: dict[str, int] = {}
+    for e in events:
+        by_detector[e.get("detector", "?")] = by_detector.get(e.get("detector", "?"), 0) + 1
+    last: dict[str, float] = {}
+    for key in ("loss", "mp/loss_scale", "mp/skipped_steps", "mp/grad_norm", "mp/clip_threshold"):
+        xs, ys = _series(doc, key)
+        if xs:
+            last[key] = ys[-1]
+    head = f"recipe {doc.get('recipe', '?')} ({doc.get('precision', '?')}"
+    head += ", rehearsed)" if doc.get("rehearsed") else ")"
+    head += f", {doc.get('steps', '?')} optimizer steps"
+    lines = [head]
+    if last:
+        lines.append("last: " + ", ".join(f"{k} {v:g}" for k, v in last.items()))
+    lines.append(
+        f"health events: {len(events)}"
+        + (" (" + ", ".join(f"{k} x{v}" for k, v in sorted(by_detector.items())) + ")" if events else "")
+    )
+    for e in events:
+        where = f" [{e['layer']}]" if e.get("layer") else ""
+        lines.append(f"  step {e.get('step')}: {e.get('detector')}{where}: {e.get('message')} -> {e.get('reaction')}")
+    notes = list(doc.get("notes", []))
+    lines.append(f"notes: {len(notes)}")
+    lines += [f"  {n}" for n in notes]
+    return {"events": len(events), "by_detector": by_detector, "last": last, "notes": notes, "lines": lines}
 
 
 def build_plots(run_dir: str | Path, doc: dict[str, Any] | None = None) -> list[Path]:

@@ -352,3 +352,51 @@ def test_no_host_sync_on_non_logging_steps(tmp_path, monkeypatch, name):
     off_log = [h for h in counter.hits if h[0] % 5 != 0 and h[0] != 0]
     assert off_log == [], off_log
     assert any(h[0] == 5 for h in counter.hits)  # logging steps do read (metrics)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["a100-bf16", "v100-fp16", "h100-fp8-delayed"])
+def test_no_sync_on_cuda_with_sync_debug_mode_error(name):
+    """On a GPU, torch itself raises on any host sync inside our per-step code on non-logging steps."""
+    import contextlib
+
+    from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama
+    from hf_mixedprec.runtime import MixedPrecisionRuntime
+
+    recipe = hf_mixedprec.load_recipe(name, rehearse=name != "a100-bf16")
+    rt = MixedPrecisionRuntime(recipe, device="cuda")
+    model = tiny_llama().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    rt.convert_model(model, opt)
+    rt.watch_loss(model)
+    scaler = rt.make_grad_scaler() or rt.make_guard_scaler()
+    batches = byte_batches(builtin_text(), seq_len=64, batch_size=4, n_batches=12, seed=0)
+
+    @contextlib.contextmanager
+    def no_sync(on: bool):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if on else "default")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    for step, batch in enumerate(batches, start=1):
+        quiet = step % 5 != 0  # steps 5 and 10 log
+        x = batch.cuda()
+        with no_sync(quiet):
+            rt.begin_step(model)
+        with rt.autocast():
+            loss = model(input_ids=x, labels=x).loss
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        with no_sync(quiet):
+            rt.before_optimizer_step(model.parameters(), opt)
+        scaler.step(opt)
+        scaler.update()
+        with no_sync(quiet):
+            rt.after_optimizer_step(model, opt)
+        opt.zero_grad(set_to_none=True)
+        if not quiet:
+            rt.check(model, opt)
+            assert math.isfinite(rt.metrics()["mp/grad_norm"])

@@ -1,0 +1,642 @@
+"""``hf-mixedprec finetune``: causal-LM fine-tuning with an unchanged ``Trainer`` plus ``recipe.callbacks()``.
+
+The pipeline is data -> examples -> tokens -> fixed-length blocks -> ``Trainer`` -> report:
+
+- **Data** (``--data``; :func:`load_texts`): a ``.txt``/``.text``/``.md`` file, one example per paragraph
+  (paragraphs are separated by a blank line, i.e. ``"\\n\\n"``; a file with no blank line is one example);
+  a ``.jsonl``/``.json`` file (JSON lines or a JSON array of objects), a ``.csv`` or a ``.parquet`` file with a
+  text column (``--text-field``, default ``text``); or a folder written by ``datasets``' ``save_to_disk``
+  (a ``DatasetDict`` gives its ``train`` split). All of them are read with ``datasets``. Examples whose text
+  is not a non-empty string are skipped. Without ``--data``: prose from Python's own docstrings
+  (:func:`~hf_mixedprec.integrations.models.builtin_text`), split the same way as a ``.txt`` file.
+- **Model and tokenizer** (``--model``; :func:`build_tokenizer`, :func:`build_model`): a local
+  ``save_pretrained`` folder, loaded with ``local_files_only=True`` in float32 (the recipe's autocast gives
+  the training precision); its tokenizer if the folder has one, else a byte-level BPE tokenizer trained on
+  the data on the spot (then the model's ``vocab_size`` must hold it). Without ``--model``: a small Llama
+  built from a config (:data:`~hf_mixedprec.integrations.models.SMALL_LLAMA`) and a 2048-token tokenizer
+  trained on the data. Nothing is ever downloaded.
+- **Packing** (:func:`pack_blocks`): every example is tokenized without special tokens, followed by the
+  tokenizer's EOS token (when it has one), concatenated, and cut into blocks of ``seq_len`` tokens; the
+  remainder is dropped; ``labels = input_ids`` (the model shifts them).
+- **Training**: ``recipe.training_args(...)`` and ``Trainer(..., callbacks=recipe.callbacks())``, as any user
+  script would; progress goes to stderr, one line per logging step.
+- **Output** (in ``output_dir``): ``summary.json`` (what :func:`run_finetune` returns), the run report of
+  :func:`hf_mixedprec.report.write_run_report` (``health.json``, PNG plots, and ``conversion_report.json`` for
+  FP8 recipes), and the trained model and tokenizer (``save_pretrained``) unless ``save=False``.
+
+User mistakes raise :class:`hf_mixedprec.cli.UsageError` with one line naming the flag. They are checked
+before anything heavy is imported or built (numbers, paths, the recipe, the data, the tokenizer, the packed
+blocks, then the model), so that a mistake costs seconds and prints nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hf_mixedprec.cli import UsageError
+from hf_mixedprec.recipe import RECIPE_ENV, Recipe, load_recipe_file
+
+__all__ = [
+    "DEFAULTS",
+    "PackedBlocks",
+    "TextData",
+    "build_model",
+    "build_tokenizer",
+    "format_summary",
+    "load_texts",
+    "pack_blocks",
+    "run_finetune",
+]
+
+#: Defaults of ``hf-mixedprec finetune`` (chosen so the built-in run finishes in about a minute on 2 CPU cores
+#: with a clearly falling loss; see docs/quickstart.md for the measured numbers).
+DEFAULTS: dict[str, Any] = {
+    "output_dir": "runs/finetune",
+    "max_steps": 200,
+    "seq_len": 128,
+    "batch_size": 8,
+    "lr": 1e-3,  # the model built from a config starts from random weights
+    "lr_pretrained": 5e-5,  # with --model: fine-tuning pretrained weights
+    "seed": 0,
+    "text_field": "text",
+}
+#: Vocabulary of a tokenizer trained on the spot (capped by the model's vocab_size with --model).
+TRAINED_VOCAB = 2048
+#: At most this many characters of the data are used to train a tokenizer (BPE training is then ~1 s).
+TOKENIZER_TRAIN_CHARS = 4_000_000
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+DATA_ALLOWED = "a .txt, .jsonl, .json, .csv or .parquet file, or a datasets save_to_disk folder"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+BUILTIN_DATA = "built-in: prose from Python's standard-library docstrings"
+
+
+# -- data ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TextData:
+    """The examples of a run, as non-empty strings."""
+
+    texts: list[str]
+    source: str  # the --data path, or BUILTIN_DATA
+    kind: str  # builtin, txt, json, csv, parquet, save_to_disk
+    rows: int  # rows read, before skipping empty / non-string ones
+
+    @property
+    def skipped(self) -> int:
+        return self.rows - len(self.texts)
+
+
+def _root_cause(exc: BaseException) -> str:
+    while exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__):
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _data_kind(path: Path) -> str:
+    if path.is_dir():
+        if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+            return "save_to_disk"
+        raise UsageError(
+            f"--data: {str(path)!r} is a folder but not one written by datasets' save_to_disk (no state.json or "
+            f"dataset_dict.json) (allowed: {DATA_ALLOWED})"
+        )
+    suffix = path.suffix.lower()
+    if suffix in TEXT_SUFFIXES:
+        return "txt"
+    if suffix in JSON_SUFFIXES:
+        return "json"
+    if suffix in (".csv", ".parquet"):
+        return suffix[1:]
+    raise UsageError(f"--data: {str(path)!r} has an unknown file type {suffix or '(none)'!r} (allowed: {DATA_ALLOWED})")
+
+
+def check_data_path(data: str) -> str:
+    """The kind of ``data`` (see :func:`load_texts`); a missing or unsupported path is a :class:`UsageError`."""
+    path = Path(data)
+    if not path.exists():
+        raise UsageError(f"--data: {data!r} not found (allowed: {DATA_ALLOWED})")
+    return _data_kind(path)
+
+
+def _strings(values: Any) -> list[str]:
+    return [v.strip() for v in values if isinstance(v, str) and v.strip()]
+
+
+def load_texts(data: str | None = None, text_field: str | None = None) -> TextData:
+    """The examples in ``data`` (see the module docs for the formats); ``None`` means the built-in text."""
+    if data is None:
+        from hf_mixedprec.integrations.models import builtin_text
+
+        parts = builtin_text().split("\n\n")
+        return TextData(_strings(parts), BUILTIN_DATA, "builtin", len(parts))
+    kind = check_data_path(data)
+    field = text_field or DEFAULTS["text_field"]
+    if kind == "txt" and text_field not in (None, "text"):
+        raise UsageError(
+            f"--text-field: {text_field!r} does not apply to a text file, where each paragraph is an example "
+            "(allowed: leave it out, or use .jsonl/.json/.csv/.parquet data)"
+        )
+    if kind != "save_to_disk" and Path(data).stat().st_size == 0:
+        raise UsageError(f"--data: {data!r} is empty: 0 usable examples (allowed: {DATA_ALLOWED} with text in it)")
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if kind == "txt":
+            ds = datasets.Dataset.from_text(data, sample_by="paragraph")
+        elif kind == "json":
+            ds = datasets.Dataset.from_json(data)
+        elif kind == "csv":
+            ds = datasets.Dataset.from_csv(data)
+        elif kind == "parquet":
+            ds = datasets.Dataset.from_parquet(data)
+        else:
+            ds = datasets.load_from_disk(data)
+    except Exception as exc:
+        raise UsageError(f"--data: cannot read {data!r} as {kind} data ({_root_cause(exc)})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise UsageError(
+                f"--data: the DatasetDict in {data!r} has no 'train' split (allowed: a Dataset, or a DatasetDict "
+                f"with a train split; it has: {', '.join(ds) or 'none'})"
+            )
+        ds = ds["train"]
+    if not isinstance(ds, datasets.Dataset):
+        raise UsageError(f"--data: {data!r} holds a {type(ds).__name__}, not a Dataset (allowed: {DATA_ALLOWED})")
+    if ds.num_rows == 0:
+        raise UsageError(f"--data: {data!r} has 0 rows: 0 usable examples")
+    if field not in ds.column_names:
+        raise UsageError(
+            f"--text-field: {field!r} is not a column of {data!r} (allowed: {', '.join(ds.column_names) or 'none'})"
+        )
+    texts: list[str] = []
+    for batch in ds.select_columns([field]).iter(batch_size=1000):
+        texts += _strings(batch[field])
+    if not texts:
+        raise UsageError(
+            f"--data: {data!r} has 0 usable examples ({ds.num_rows} rows, none with a non-empty string in {field!r})"
+        )
+    return TextData(texts, data, kind, ds.num_rows)
+
+
+# -- tokenizer and model ------------------------------------------------------------------------------
+
+
+def check_model_dir(model_dir: str) -> None:
+    p = Path(model_dir)
+    if not p.is_dir():
+        raise UsageError(f"--model: {model_dir!r} is not a directory (allowed: a local save_pretrained folder)")
+    if not (p / "config.json").is_file():
+        raise UsageError(f"--model: {model_dir!r} has no config.json (allowed: a local save_pretrained folder)")
+
+
+def _model_config(model_dir: str) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception as exc:
+        raise UsageError(f"--model: cannot read the config in {model_dir!r} ({_root_cause(exc)})") from None
+
+
+def _vocab_size(config: Any) -> int | None:
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    v = getattr(cfg, "vocab_size", None)
+    return int(v) if v else None
+
+
+def build_tokenizer(model_dir: str | None, data: TextData, model_config: Any = None) -> tuple[Any, str]:
+    """The model folder's tokenizer if it has one, else a byte-level BPE tokenizer trained on ``data``."""
+    if model_dir is not None and any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        except Exception as exc:
+            raise UsageError(f"--model: cannot load the tokenizer in {model_dir!r} ({_root_cause(exc)})") from None
+        how = f"the tokenizer in {model_dir} ({len(tok)} tokens)"
+    else:
+        from hf_mixedprec.integrations.models import train_tokenizer
+
+        vocab = TRAINED_VOCAB
+        model_vocab = _vocab_size(model_config) if model_config is not None else None
+        if model_vocab is not None:
+            vocab = min(vocab, model_vocab)
+        text, n = [], 0
+        for t in data.texts:
+            text.append(t)
+            n += len(t) + 2
+            if n >= TOKENIZER_TRAIN_CHARS:
+                break
+        tok = train_tokenizer("\n\n".join(text), vocab_size=vocab)
+        how = f"byte-level BPE trained on the data ({len(tok)} tokens)"
+    if model_config is not None:
+        model_vocab = _vocab_size(model_config)
+        if model_vocab is not None and len(tok) > model_vocab:
+            raise UsageError(
+                f"--model: {model_dir!r} has vocab_size {model_vocab}, fewer than the {len(tok)} tokens of "
+                f"{how} (allowed: a model whose vocab_size holds its tokenizer; save the tokenizer in the folder)"
+            )
+    return tok, how
+
+
+def build_model(model_dir: str | None, tokenizer: Any, *, seq_len: int, seed: int) -> tuple[Any, str]:
+    """The model to train (float32 weights) and a one-line description."""
+    if model_dir is None:
+        from hf_mixedprec.integrations.models import SMALL_LLAMA, small_llama
+
+        model = small_llama(
+            seed=seed,
+            vocab_size=len(tokenizer),
+            max_position_embeddings=max(512, seq_len),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        dims = ", ".join(f"{k.removesuffix('_size').replace('num_', '')} {v}" for k, v in SMALL_LLAMA.items())
+        name = f"small Llama built from a config ({dims})"
+    else:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+        except Exception as exc:
+            raise UsageError(f"--model: cannot load a causal LM from {model_dir!r} ({_root_cause(exc)})") from None
+        name = model_dir
+    n = sum(p.numel() for p in model.parameters())
+    return model, f"{name}, {n / 1e6:.2f}M parameters"
+
+
+# -- packing ---------------------------------------------------------------------------------------------
+
+
+class PackedBlocks(torch.utils.data.Dataset):
+    """Fixed-length token blocks for causal-LM training (``labels`` = ``input_ids``)."""
+
+    def __init__(self, blocks: torch.Tensor):
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
+
+
+def pack_blocks(
+    texts: list[str], tokenizer: Any, seq_len: int, *, source: str = "the data"
+) -> tuple[PackedBlocks, int]:
+    """Tokenize, add EOS after each example, concatenate and cut into ``seq_len`` blocks; also the token count."""
+    eos = tokenizer.eos_token_id
+    chunks: list[np.ndarray] = []
+    for i in range(0, len(texts), 1000):
+        enc = tokenizer(texts[i : i + 1000], add_special_tokens=False, verbose=False)["input_ids"]
+        for ids in enc:
+            chunks.append(np.asarray(ids, dtype=np.int64))
+            if eos is not None:
+                chunks.append(np.asarray([eos], dtype=np.int64))
+    flat = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+    n_blocks = flat.size // seq_len
+    if n_blocks == 0:
+        raise UsageError(
+            f"--data: {source} gives {flat.size} tokens, fewer than one block of --seq-len {seq_len}: 0 usable "
+            "blocks (allowed: more text, or a smaller --seq-len)"
+        )
+    blocks = torch.from_numpy(flat[: n_blocks * seq_len].copy()).view(n_blocks, seq_len)
+    return PackedBlocks(blocks), int(flat.size)
+
+
+# -- training --------------------------------------------------------------------------------------------
+
+
+def _progress_callback(max_steps: int) -> Any:
+    from transformers import TrainerCallback
+
+    class Progress(TrainerCallback):
+        """One line per logging step on stderr (stdout is left to the summary)."""
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
+            if not state.is_world_process_zero or not logs or "loss" not in logs:
+                return
+            parts = [f"step {state.global_step}/{max_steps}", f"loss {logs['loss']:.4f}"]
+            if "learning_rate" in logs:
+                parts.append(f"lr {logs['learning_rate']:.2e}")
+            norm = logs.get("mp/grad_norm", logs.get("grad_norm"))
+            if norm is not None:
+                parts.append(f"grad_norm {norm:.3g}")
+            if "mp/loss_scale" in logs:
+                parts.append(f"loss_scale {logs['mp/loss_scale']:g}")
+            if logs.get("mp/skipped_steps"):
+                parts.append(f"skipped {logs['mp/skipped_steps']:g}")
+            print("finetune: " + "  ".join(parts), file=sys.stderr, flush=True)
+
+    return Progress()
+
+
+def _check_numbers(**values: Any) -> None:
+    for flag, (value, low) in values.items():
+        if value is None:
+            continue
+        if isinstance(low, float):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > low):
+                raise UsageError(f"--{flag}: {value} is out of range (allowed: > {low:g})")
+        elif value < low:
+            raise UsageError(f"--{flag}: {value} is out of range (allowed: >= {low})")
+
+
+def _precheck_recipe(recipe: str | Recipe | None, rehearse: bool | None) -> None:
+    """Validate the recipe (and that this machine can run it) silently, before the data is read."""
+    if isinstance(recipe, Recipe):
+        return
+    name = recipe or os.environ.get(RECIPE_ENV) or "auto"
+    if name == "auto":
+        return
+    loaded = load_recipe_file(name)
+    from hf_mixedprec.loader import rehearse_from_env
+
+    if not (rehearse if rehearse is not None else rehearse_from_env()):
+        from hf_mixedprec.hardware import check_recipe, detect
+
+        check_recipe(loaded, detect())
+
+
+def _precision_used(recipe: Recipe, rt: Any, device: str) -> str:
+    if recipe.precision == "fp16":
+        scaler = getattr(rt, "scaler", None)
+        text = "fp16 autocast + GradScaler"
+        if scaler is not None:
+            text += f" (init scale {scaler._init_scale:g}, growth every {scaler._growth_interval} steps)"
+    elif recipe.precision == "bf16":
+        text = "bf16 autocast"
+    elif recipe.precision == "fp8":
+        rep = getattr(rt, "fp8_report", None)
+        text = "fp8"
+        if rep is not None:
+            text += (
+                f" ({rep.backend} backend, {rep.scaling} scaling, {rep.format}; {len(rep.converted)} Linears in FP8, "
+                f"{len(rep.kept)} kept in high precision) inside bf16 autocast"
+            )
+    else:
+        text = "fp32"
+    return f"{text} on {device}" + (" (REHEARSED)" if rt is not None and rt.rehearse else "")
+
+
+def _peak_memory(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "torch.cuda.max_memory_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_bytes = rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes
+    return rss_bytes / 2**20, "peak RSS of the process (resource.getrusage)"
+
+
+def run_finetune(
+    *,
+    recipe: str | Recipe | None = None,
+    rehearse: bool | None = None,
+    model: str | None = None,
+    data: str | None = None,
+    text_field: str | None = None,
+    output_dir: str = DEFAULTS["output_dir"],
+    max_steps: int = DEFAULTS["max_steps"],
+    seq_len: int = DEFAULTS["seq_len"],
+    batch_size: int = DEFAULTS["batch_size"],
+    lr: float | None = None,
+    seed: int = DEFAULTS["seed"],
+    logging_steps: int | None = None,
+    save: bool = True,
+    resume: str | None = None,
+) -> dict[str, Any]:
+    """Fine-tune and write the run's files into ``output_dir``; return the summary (also ``summary.json``).
+
+    ``recipe``: a built-in name, a YAML path, ``"auto"``, or a :class:`Recipe`; ``None`` is the recipe
+    ``hf-mixedprec launch`` exported, else ``auto``. ``rehearse`` as in :func:`hf_mixedprec.load_recipe`.
+    ``lr`` defaults to 1e-3 for the model built from a config and 5e-5 with ``model``. ``logging_steps``
+    defaults to ``max_steps // 10`` clipped to 1..10; the first step is always logged. ``resume``: a
+    checkpoint folder to continue from (e.g. the one a health ``stop`` reaction saved).
+
+    When a health ``fallback`` reaction asks for a whole-model precision switch (FP16 -> BF16), the run
+    stops with a checkpoint and continues from it under the fallback recipe; ``summary["fallback"]`` says
+    from which recipe to which, at which step.
+    """
+    _check_numbers(
+        **{
+            "max-steps": (max_steps, 1),
+            "seq-len": (seq_len, 2),
+            "batch-size": (batch_size, 1),
+            "logging-steps": (logging_steps, 1),
+            "lr": (lr, 0.0),
+        }
+    )
+    if data is not None:
+        check_data_path(data)
+    if model is not None:
+        check_model_dir(model)
+    if resume is not None and not (Path(resume) / "trainer_state.json").is_file():
+        raise UsageError(
+            f"--resume: {resume!r} is not a Trainer checkpoint (no trainer_state.json) (allowed: a checkpoint-N "
+            "folder, e.g. the one a health stop saved)"
+        )
+    _precheck_recipe(recipe, rehearse)
+    start = time.perf_counter()
+
+    # data, tokenizer and blocks: every remaining user mistake shows up here, before the model is built
+    texts = load_texts(data, text_field)
+    model_config = _model_config(model) if model is not None else None
+    if model_config is not None:
+        max_pos = getattr(model_config, "max_position_embeddings", None)
+        if max_pos and seq_len > max_pos:
+            raise UsageError(
+                f"--seq-len: {seq_len} is more than the max_position_embeddings {max_pos} of {model!r} "
+                f"(allowed: <= {max_pos})"
+            )
+    tokenizer, tokenizer_how = build_tokenizer(model, texts, model_config)
+    source = "the built-in text" if data is None else repr(data)
+    train_ds, n_tokens = pack_blocks(texts.texts, tokenizer, seq_len, source=source)
+
+    from transformers import PrinterCallback, Trainer, default_data_collator
+
+    import hf_mixedprec
+    from hf_mixedprec.report import write_run_report
+
+    loaded = hf_mixedprec.load_recipe(recipe, rehearse=rehearse) if not isinstance(recipe, Recipe) else recipe
+    if isinstance(recipe, Recipe) and rehearse is not None:
+        loaded = recipe.rehearsed(rehearse)
+    net, model_desc = build_model(model, tokenizer, seq_len=seq_len, seed=seed)
+    lr = lr if lr is not None else (DEFAULTS["lr"] if model is None else DEFAULTS["lr_pretrained"])
+    logging_steps = logging_steps or max(1, min(10, max_steps // 10))
+    out = Path(output_dir)
+
+    def make_trainer(rec: Recipe, net: Any) -> Any:
+        targs = rec.training_args(
+            output_dir=str(out),
+            max_steps=max_steps,
+            per_device_train_batch_size=batch_size,
+            learning_rate=lr,
+            logging_steps=logging_steps,
+            logging_first_step=True,
+            save_strategy="no",  # a health `stop`/`fallback` still saves the checkpoint it needs
+            report_to=[],
+            seed=seed,
+            disable_tqdm=True,
+        )
+        tr = Trainer(
+            model=net,
+            args=targs,
+            train_dataset=train_ds,
+            data_collator=default_data_collator,
+            processing_class=tokenizer,
+            callbacks=[_progress_callback(max_steps), *rec.callbacks()],
+        )
+        tr.remove_callback(PrinterCallback)
+        return tr
+
+    trainer = make_trainer(loaded, net)
+    args = trainer.args
+    rt = getattr(net, "_hf_mixedprec_runtime", None)
+    device = args.device
+    main_process = trainer.is_world_process_zero()
+    if main_process:
+        print(
+            f"finetune: recipe {loaded.name} ({loaded.precision}{', rehearsed' if loaded.rehearse else ''}) on "
+            f"{device.type}; model: {model_desc}; tokenizer: {tokenizer_how}; data: {texts.source} "
+            f"({len(texts.texts)} examples, {n_tokens} tokens -> {len(train_ds)} blocks of {seq_len}); "
+            f"{max_steps} steps x {batch_size} x {args.world_size} process(es), lr {lr:g}",
+            file=sys.stderr,
+            flush=True,
+        )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    trainer.train(resume_from_checkpoint=resume)
+    fallback: dict[str, Any] | None = None
+    if rt is not None and rt.fallback_recipe and trainer.state.global_step < max_steps:
+        # a whole-model fallback (FP16 -> BF16) stopped the run with a checkpoint: go on from it under the
+        # fallback recipe, as the message told a plain Trainer user to do by hand
+        step = int(trainer.state.global_step)
+        ckpt = out / f"checkpoint-{step}"
+        fallback = {"from": loaded.name, "to": rt.fallback_recipe, "at_step": step, "checkpoint": str(ckpt)}
+        fallback["precision_before"] = _precision_used(loaded, rt, device.type)
+        before = list(rt.notes)
+        loaded = hf_mixedprec.load_recipe(rt.fallback_recipe)
+        net, _ = build_model(model, tokenizer, seq_len=seq_len, seed=seed)
+        trainer = make_trainer(loaded, net)
+        rt = getattr(net, "_hf_mixedprec_runtime", None)
+        if rt is not None:
+            rt.notes[:0] = before
+            rt.note(f"FALLBACK: finetune resumes {ckpt} under recipe {loaded.name} ({loaded.precision})")
+        trainer.train(resume_from_checkpoint=str(ckpt))
+    train_s = time.perf_counter() - t0
+
+    history = trainer.state.log_history
+    losses = [(r["step"], float(r["loss"])) for r in history if "loss" in r and "step" in r]
+    steps = int(trainer.state.global_step)
+    tokens = steps * batch_size * args.gradient_accumulation_steps * args.world_size * seq_len
+    peak_mib, peak_source = _peak_memory(device)
+    metrics = rt.metrics() if rt is not None else {}
+    events = list(getattr(rt, "events", []) or []) if rt is not None else []
+    notes = list(rt.notes) if rt is not None else []
+    fp8 = getattr(rt, "fp8_report", None)
+    summary: dict[str, Any] = {
+        "recipe": loaded.name,
+        "precision": loaded.precision,
+        "precision_used": (
+            f"{fallback['precision_before']} for steps 1-{fallback['at_step']}, then "
+            f"{_precision_used(loaded, rt, device.type)} (fallback recipe {loaded.name})"
+            if fallback
+            else _precision_used(loaded, rt, device.type)
+        ),
+        "rehearsed": bool(loaded.rehearse),
+        "device": device.type,
+        "fp8_backend": fp8.backend if fp8 is not None else None,
+        "fp8_layers": {"converted": len(fp8.converted), "kept": len(fp8.kept)} if fp8 is not None else None,
+        "model": model_desc,
+        "tokenizer": tokenizer_how,
+        "data": texts.source,
+        "examples": len(texts.texts),
+        "examples_skipped": texts.skipped,
+        "tokens_in_data": n_tokens,
+        "blocks": len(train_ds),
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "world_size": args.world_size,
+        "learning_rate": lr,
+        "seed": seed,
+        "steps": steps,
+        "skipped_steps": int(metrics.get("mp/skipped_steps", 0)),
+        "loss_first": losses[0][1] if losses else None,
+        "loss_first_step": losses[0][0] if losses else None,
+        "loss_last": losses[-1][1] if losses else None,
+        "loss_last_step": losses[-1][0] if losses else None,
+        "tokens_trained": tokens,
+        "train_seconds": round(train_s, 3),
+        "tokens_per_s": round(tokens / train_s, 1) if train_s > 0 else None,
+        "peak_memory_mib": round(peak_mib, 1),
+        "peak_memory_source": peak_source,
+        "health_events": len(events),
+        "fallback": fallback,
+        "stopped": rt.stop_requested if rt is not None else None,
+        "resume_from": (
+            str(out / f"checkpoint-{steps}")
+            if rt is not None and rt.stop_requested and not fallback and (out / f"checkpoint-{steps}").is_dir()
+            else None
+        ),
+        "notes": notes,
+        "output_dir": str(out),
+        "saved_model": bool(save),
+    }
+    if main_process:
+        files = write_run_report(out, log_history=history, runtime=rt)
+        if save:
+            trainer.save_model(str(out))
+        summary["files"] = sorted({p.name for p in files} | {"summary.json"})
+        summary["seconds"] = round(time.perf_counter() - start, 3)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The short human summary printed at the end of ``hf-mixedprec finetune``."""
+    lines = [f"recipe:       {s['recipe']} ({s['precision']}{', rehearsed' if s['rehearsed'] else ''})"]
+    lines.append(f"precision:    {s['precision_used']}")
+    if s.get("fp8_backend"):
+        lines.append(f"fp8 backend:  {s['fp8_backend']}")
+    lines.append(f"steps:        {s['steps']} ({s['skipped_steps']} skipped)")
+    if s["loss_first"] is not None:
+        lines.append(
+            f"loss:         {s['loss_first']:.4f} (step {s['loss_first_step']}) -> {s['loss_last']:.4f} "
+            f"(step {s['loss_last_step']})"
+        )
+    lines.append(f"throughput:   {s['tokens_per_s']:,.0f} tokens/s ({s['train_seconds']:.1f} s of training)")
+    lines.append(f"peak memory:  {s['peak_memory_mib']:,.0f} MiB ({s['peak_memory_source']})")
+    lines.append(f"health:       {s['health_events']} events, {len(s['notes'])} notes (health.json)")
+    if s.get("fallback"):
+        fb = s["fallback"]
+        lines.append(f"FALLBACK:     {fb['from']} -> {fb['to']} at step {fb['at_step']} (resumed {fb['checkpoint']})")
+    if s.get("stopped"):
+        lines.append(f"STOPPED:      {s['stopped']}")
+        if s.get("resume_from"):
+            lines.append(f"resume:       add --resume {s['resume_from']} to the same command once fixed")
+    saved = ", model + tokenizer" if s["saved_model"] else ""
+    lines.append(f"output:       {s['output_dir']}/ (summary.json, health.json, plots{saved})")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m hf_mixedprec.finetune ... (e.g. under torch.distributed.run -m)
+    from hf_mixedprec.cli import main
+
+    sys.exit(main(["finetune", *sys.argv[1:]]))

@@ -1,0 +1,165 @@
+"""`hf-mixedprec finetune`: the embedded default, local models and data, and one-line errors for user mistakes."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+FAST = ["--max-steps", "12", "--seq-len", "32", "--batch-size", "4", "--logging-steps", "3"]
+
+
+def _finetune(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "hf_mixedprec.cli", "finetune", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ft") / "default"
+    r = _finetune("--output-dir", str(out), "--json", *FAST)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary == json.loads((out / "summary.json").read_text())
+    return out
+
+
+def test_default_run_learns_and_writes_the_report(default_run):
+    s = json.loads((default_run / "summary.json").read_text())
+    assert s["recipe"] == "cpu-bf16" and s["precision"] == "bf16" and not s["rehearsed"]
+    assert s["steps"] == 12 and s["skipped_steps"] == 0
+    assert s["loss_first_step"] == 1 and s["loss_last_step"] == 12
+    assert s["loss_last"] < s["loss_first"] - 0.5  # from ~log(2048) = 7.6
+    assert s["tokens_trained"] == 12 * 4 * 32 and s["tokens_per_s"] > 0 and s["peak_memory_mib"] > 0
+    for name in ("health.json", "grad_norm.png", "model.safetensors", "tokenizer.json", "config.json"):
+        assert (default_run / name).is_file(), name
+    health = json.loads((default_run / "health.json").read_text())
+    assert health["recipe"] == "cpu-bf16" and health["steps"] == 12
+    assert sorted(int(k) for k in health["series"]["loss"]) == [1, 3, 6, 9, 12]
+
+
+def test_report_rebuilds_the_plots(default_run, capsys):
+    from hf_mixedprec.cli import main
+
+    (default_run / "grad_norm.png").unlink()
+    assert main(["report", str(default_run), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (default_run / "grad_norm.png").stat().st_size > 1000
+    assert str(default_run / "grad_norm.png") in info["plots"]
+    health = json.loads((default_run / "health.json").read_text())
+    assert info["events"] == len(health["events"]) and info["notes"] == health["notes"]
+    assert info["last"]["loss"] == pytest.approx(float(health["series"]["loss"]["12"]))
+    assert main(["report", str(default_run / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_local_model_and_jsonl_data(default_run, tmp_path):
+    data = tmp_path / "train.jsonl"
+    rows = [{"body": f"Example {i}: the quick brown fox jumps over the lazy dog, then rests. " * 3} for i in range(60)]
+    rows += [{"body": ""}, {"body": None}, {"other": "x"}]  # skipped: not a non-empty string
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "run"
+    r = _finetune(
+        "--model", str(default_run), "--data", str(data), "--text-field", "body", "--lr", "1e-3",
+        "--output-dir", str(out), "--json", "--no-save", *FAST,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout)
+    assert s["model"].startswith(str(default_run)) and s["tokenizer"].startswith(f"the tokenizer in {default_run}")
+    assert s["examples"] == 60 and s["examples_skipped"] == 3
+    assert s["loss_last"] < s["loss_first"]  # repetitive text: learnt quickly
+    assert not (out / "model.safetensors").exists()
+
+
+def test_save_to_disk_and_text_file(tmp_path):
+    import datasets
+
+    text = "\n\n".join(f"Paragraph {i}. " + "Sing, muse, of numbers small and large. " * 4 for i in range(80))
+    (tmp_path / "prose.txt").write_text(text)
+    datasets.Dataset.from_dict({"text": text.split("\n\n")}).save_to_disk(str(tmp_path / "ds"))
+    for data, n in ((tmp_path / "prose.txt", 80), (tmp_path / "ds", 80)):
+        r = _finetune("--data", str(data), "--output-dir", str(tmp_path / "o"), "--json", "--no-save", *FAST)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads(r.stdout)["examples"] == n
+
+
+@pytest.mark.parametrize(
+    "make,args,expected",
+    [
+        (None, ["--data", "{tmp}/missing.jsonl"], "--data: '{tmp}/missing.jsonl' not found"),
+        (None, ["--model", "{tmp}/nomodel"], "--model: '{tmp}/nomodel' is not a directory"),
+        ("rows", ["--data", "{tmp}/d.jsonl", "--text-field", "content"], "--text-field: 'content' is not a column"),
+        ("empty", ["--data", "{tmp}/d.jsonl"], "is empty: 0 usable examples"),
+        ("blank", ["--data", "{tmp}/d.jsonl"], "has 0 usable examples"),
+        (None, ["--max-steps", "0"], "--max-steps: 0 is out of range (allowed: >= 1)"),
+        (None, ["--recipe", "nope"], "nope: no such recipe (allowed: a YAML path or one of: auto, a100-bf16"),
+        (None, ["--data", "{tmp}/x.xlsx"], "--data: '{tmp}/x.xlsx' not found"),
+    ],
+)
+def test_user_mistakes_are_one_line_and_exit_2(tmp_path, capsys, make, args, expected):
+    from hf_mixedprec.cli import main
+
+    d = tmp_path / "d.jsonl"
+    if make == "rows":
+        d.write_text('{"text": "hello there"}\n')
+    elif make == "empty":
+        d.write_text("")
+    elif make == "blank":
+        d.write_text('{"text": ""}\n{"text": "   "}\n')
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    assert main(["finetune", *args, "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert expected.replace("{tmp}", str(tmp_path)) in lines[0]
+    assert not (tmp_path / "out").exists()  # nothing written on a mistake
+
+
+def test_unknown_file_type_exits_2_without_traceback(tmp_path):
+    (tmp_path / "x.xlsx").write_text("a")
+    r = _finetune("--data", str(tmp_path / "x.xlsx"), "--output-dir", str(tmp_path / "out"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"hf-mixedprec: error: --data: '{tmp_path}/x.xlsx' has an unknown file type '.xlsx' (allowed: a .txt, "
+        ".jsonl, .json, .csv or .parquet file, or a datasets save_to_disk folder)"
+    ]
+
+
+def test_fp16_collapse_falls_back_to_bf16_and_finishes(tmp_path):
+    # an init scale far above what FP16 can hold overflows every step: the scale backs off without
+    # growing (a death spiral), the fallback reaction stops with a checkpoint, and finetune goes on from it
+    # under the BF16 recipe this machine has
+    recipe = tmp_path / "hot.yaml"
+    recipe.write_text(
+        "name: hot-fp16\nextends: v100-fp16\nloss_scale: {init_scale: 1.0e+12}\n"
+        "health: {detectors: {death_spiral: {threshold: 4, window: 10, reaction: fallback}}}\n"
+    )
+    out = tmp_path / "run"
+    r = _finetune(
+        "--recipe", str(recipe), "--rehearse", "--max-steps", "12", "--seq-len", "32", "--batch-size", "2",
+        "--logging-steps", "2", "--output-dir", str(out), "--no-save", "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout)
+    # found at the step-6 check (checks run on logging steps), so the checkpoint is checkpoint-6
+    assert s["fallback"] == {
+        "from": "hot-fp16",
+        "to": "cpu-bf16",
+        "at_step": 6,
+        "checkpoint": str(out / "checkpoint-6"),
+        "precision_before": "fp16 autocast + GradScaler (init scale 1e+12, growth every 2000 steps) on cpu (REHEARSED)",
+    }
+    assert s["recipe"] == "cpu-bf16" and s["steps"] == 12 and s["skipped_steps"] == 6
+    health = json.loads((out / "health.json").read_text())
+    losses = {int(k): float(v) for k, v in health["series"]["loss"].items()}
+    assert sorted(losses) == [1, 2, 4, 6, 8, 10, 12] and losses[12] < losses[8]
+    assert [e["step"] for e in health["events"] if e["detector"] == "death_spiral"] == [5]
+    assert any("FALLBACK: finetune resumes" in n for n in health["notes"])
+    grad = {int(k): float(v) for k, v in health["series"]["mp/grad_norm"].items()}
+    assert all(math.isnan(grad[k]) for k in (2, 4, 6)) and all(math.isfinite(grad[k]) for k in (8, 10, 12))
