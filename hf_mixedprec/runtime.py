@@ -277,6 +277,20 @@ class MixedPrecisionRuntime:
             self._optimizer_skips_itself = bool(getattr(inner, "_step_supports_amp_scaling", False))
         self.steps += 1
 
+    def after_external_step(self) -> None:
+        """Under DeepSpeed, after the engine's step: feed its scaler's overflow and scale to the monitor.
+
+        DeepSpeed decides overflow on the host inside ``engine.step()`` (a Python bool and a Python float
+        scale), so reading them adds no sync; the monitor then lives on the CPU (see the Trainer callback).
+        """
+        if self.monitor is not None and self.external_scaler is not None:
+            ds = self.external_scaler()
+            if ds is not None:
+                self.monitor.post_step(
+                    skipped=torch.tensor(float(ds["overflow"])), scale=torch.tensor(float(ds["loss_scale"]))
+                )
+        self.steps += 1
+
     def rewind_schedule(self, optimizer: Any, scheduler: Any) -> int:
         """Take skipped steps back out of the LR schedule; returns how many (host sync: log/save steps only).
 

@@ -127,6 +127,7 @@ def _scenarios() -> dict[str, Any]:  # pragma: no cover - runs in the subprocess
             "zero_stage": int(engine.zero_optimization_stage()),
             "after_train": read_deepspeed_scaler(trainer.optimizer),
             "torch_optimizer": read_deepspeed_scaler(engine.optimizer.optimizer),
+            "mp_events": list(getattr(getattr(trainer.model, "_hf_mixedprec_runtime", None), "events", [])),
             "mp_logs": [
                 {k: v for k, v in h.items() if k.startswith("mp/") or k == "step"}
                 for h in trainer.state.log_history
@@ -139,9 +140,12 @@ def _scenarios() -> dict[str, Any]:  # pragma: no cover - runs in the subprocess
     out["clean"] = run(fp16_cfg, steps=12)
     out["overflow_h1"] = run(fp16_cfg, steps=8, inject={4})
     # the same run with the recipe's one-line callbacks: they must read DeepSpeed's scaler into the logs
-    from hf_mixedprec import load_recipe
 
-    recipe = load_recipe("v100-fp16", rehearse=True)
+    from hf_mixedprec.recipe import resolve_recipe
+
+    recipe = resolve_recipe(
+        {"name": "ds-drill", "extends": "v100-fp16", "health": {"detectors": {"consecutive_skips": {"threshold": 1}}}}
+    ).rehearsed()
     out["with_recipe_callbacks"] = run(fp16_cfg, steps=8, inject={4}, extra=recipe.callbacks())
     h2 = json.loads(json.dumps(fp16_cfg))
     h2["fp16"]["hysteresis"] = 2
@@ -352,3 +356,5 @@ def test_recipe_callbacks_log_deepspeeds_loss_scale(runs: dict[str, Any]) -> Non
     # and they agree with DeepSpeed's engine, step by step
     assert [rec["ds_cur_scale"] for rec in r["records"]] == [h["mp/loss_scale"] for h in logs]
     assert "mp/grad_norm" not in logs[0]  # DeepSpeed clips; the recipe's ZClip is not applied (said loudly)
+    # the health monitor is fed from DeepSpeed's scaler: the skipped step 5 is seen by consecutive_skips
+    assert [(e["detector"], e["step"], e["value"]) for e in r["mp_events"]] == [("consecutive_skips", 5, 1.0)]

@@ -30,6 +30,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
 from hf_mixedprec.hardware import check_recipe, detect
+from hf_mixedprec.health import HealthMonitor
 from hf_mixedprec.integrations.accelerate_plugin import enable_native_fp16
 from hf_mixedprec.recipe import Recipe, resolve_recipe
 from hf_mixedprec.runtime import MixedPrecisionRuntime
@@ -180,6 +181,14 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             "DeepSpeed owns loss scaling (its dynamic scaler, with hysteresis) and clipping; hf_mixedprec reads "
             "its loss scale, overflow and skipped steps for the logs"
         )
+        if rt.monitor is not None:
+            # fed from DeepSpeed's host-side scaler state: skip rate, consecutive skips, scale floor and death
+            # spiral run; the loss/grad detectors and skip_step reactions need the step DeepSpeed owns
+            rt.monitor = HealthMonitor(self.recipe.health, device="cpu")
+            rt.note(
+                "under DeepSpeed the health monitor watches its loss scaler (skip_rate, consecutive_skips, "
+                "scale_floor, death_spiral); loss/grad detectors and skip_step reactions are not applied"
+            )
         if rt.clipper is not None:
             clip = self.recipe.clipping.method
             rt.note(
@@ -246,7 +255,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
 
     def on_optimizer_step(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         if self.deepspeed:
-            self._runtime(kw["model"]).steps += 1
+            self._runtime(kw["model"]).after_external_step()
             return
         self._runtime(kw["model"]).after_optimizer_step(kw["model"], kw.get("optimizer"))
 
@@ -254,7 +263,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         rt = self._runtime(kw["model"])
         if (control.should_log or control.should_save) and not self.deepspeed:
             rt.rewind_schedule(kw.get("optimizer"), kw.get("lr_scheduler"))
-        if (control.should_log or rt.check_due) and not self.deepspeed:
+        if control.should_log or (rt.check_due and not self.deepspeed):
             rt.check(kw["model"], kw.get("optimizer"), kw.get("lr_scheduler"))
             if rt.stop_requested and not control.should_training_stop:
                 control.should_save = True  # Trainer saves the checkpoint, then stops
