@@ -311,6 +311,21 @@ class DetectorsConfig(_Section):
         "threshold: fraction of MXFP8 blocks whose E8M0 scale is at the clamp.", threshold=0.01, reaction="warn"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _over_defaults(cls, data: Any) -> Any:
+        """A detector given in a recipe changes only the keys it names: ``death_spiral: {reaction: fallback}``
+        keeps the default threshold and window (without this it would start from empty values and never fire)."""
+        if not isinstance(data, dict):
+            return data
+        merged = dict(data)
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if isinstance(value, dict) and field is not None and field.default_factory is not None:
+                default = field.default_factory().model_dump(exclude_none=True)  # type: ignore[call-arg]
+                merged[name] = {**default, **value}
+        return merged
+
 
 class HealthConfig(_Section):
     """Scale-health monitoring: how often FP8 statistics are sampled, and the detectors."""

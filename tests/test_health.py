@@ -400,3 +400,12 @@ def test_no_sync_on_cuda_with_sync_debug_mode_error(name):
         if not quiet:
             rt.check(model, opt)
             assert math.isfinite(rt.metrics()["mp/grad_norm"])
+
+
+def test_a_detector_set_in_a_recipe_keeps_its_other_defaults():
+    r = resolve_recipe(
+        {"name": "d", "extends": "v100-fp16", "health": {"detectors": {"death_spiral": {"reaction": "fallback"}}}}
+    )
+    ds = r.health.detectors.death_spiral
+    assert (ds.threshold, ds.window, ds.reaction) == (8, 50, "fallback")
+    assert r.health.detectors.skip_rate.threshold == 0.2  # untouched detectors keep theirs too
