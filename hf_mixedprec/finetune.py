@@ -330,9 +330,17 @@ def _progress_callback(max_steps: int) -> Any:
     class Progress(TrainerCallback):
         """One line per logging step on stderr (stdout is left to the summary)."""
 
+        def __init__(self) -> None:
+            self.pending: dict[str, Any] = {}
+
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
-            if not state.is_world_process_zero or not logs or "loss" not in logs:
+            if not state.is_world_process_zero or not logs:
                 return
+            if "loss" not in logs:  # the recipe's mp/ metrics come as their own log entry, just before
+                self.pending = {k: v for k, v in logs.items() if k.startswith("mp/")}
+                return
+            logs = {**self.pending, **logs}
+            self.pending = {}
             parts = [f"step {state.global_step}/{max_steps}", f"loss {logs['loss']:.4f}"]
             if "learning_rate" in logs:
                 parts.append(f"lr {logs['learning_rate']:.2e}")

@@ -648,7 +648,20 @@ def _resolve_raw(data: Mapping[str, Any], source: str, base_dir: Path | None, ch
         raise RecipeError([Problem(source, "extends", f"cycle: {cycle}")])
     resolved_parent = _resolve_raw(raw, parent_source, parent_path.parent if parent_path else None, (*chain, ident))
     child = {k: v for k, v in data.items() if k != "extends"}
-    return _merge(resolved_parent, child)
+    return _merge(_drop_switched_options(resolved_parent, child), child)
+
+
+def _drop_switched_options(parent: dict[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
+    """A child that switches ``clipping.method`` or ``fp8.scaling`` does not inherit the parent's options for
+    the old method/scaling (``alpha`` of zclip under ``norm``, ``amax_history_len`` of delayed under mxfp8)."""
+    out = dict(parent)
+    for section, selector, options in (("clipping", "method", _CLIP_PARAMS), ("fp8", "scaling", _FP8_SCALING_ONLY)):
+        mine, theirs = child.get(section), out.get(section)
+        if not (isinstance(mine, Mapping) and isinstance(theirs, Mapping)):
+            continue
+        if selector in mine and mine[selector] != theirs.get(selector):
+            out[section] = {k: v for k, v in theirs.items() if k not in options}
+    return out
 
 
 def resolve_recipe(

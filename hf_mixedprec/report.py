@@ -57,7 +57,7 @@ def health_document(
             precision=recipe.precision,
             rehearsed=bool(runtime.rehearse),
             notes=list(runtime.notes),
-            events=[dict(e) for e in getattr(runtime, "events", [])],
+            events=[{k: _clean(v) for k, v in e.items()} for e in getattr(runtime, "events", [])],
             steps=runtime.steps,
         )
         if getattr(runtime, "fp8_report", None) is not None:

@@ -271,6 +271,10 @@ class MixedPrecisionRuntime:
                 self.monitor.observe_fp8({name: dict(m.stats) for name, m in iter_emulated(model)})
         if self.guard and self.scaler is not None and self.scaler._scale is not None:
             self.scaler._scale.fill_(1.0)  # the guard never scales
+        elif self.scaler is not None and self.scaler._scale is not None and self.recipe.loss_scale is not None:
+            # torch's GradScaler has no bounds; the recipe's min_scale/max_scale are applied on the device
+            ls = self.recipe.loss_scale
+            self.scaler._scale.clamp_(min=ls.min_scale, max=ls.max_scale)
         if self.scaler is not None:
             self._skipped += self._found_inf.to(self._skipped.dtype)
             inner = getattr(optimizer, "optimizer", optimizer)

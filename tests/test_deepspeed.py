@@ -358,3 +358,22 @@ def test_recipe_callbacks_log_deepspeeds_loss_scale(runs: dict[str, Any]) -> Non
     assert "mp/grad_norm" not in logs[0]  # DeepSpeed clips; the recipe's ZClip is not applied (said loudly)
     # the health monitor is fed from DeepSpeed's scaler: the skipped step 5 is seen by consecutive_skips
     assert [(e["detector"], e["step"], e["value"]) for e in r["mp_events"]] == [("consecutive_skips", 5, 1.0)]
+
+
+def test_training_args_agree_with_the_generated_deepspeed_config() -> None:
+    """Trainer refuses a max_grad_norm (or fp16 flag) that differs from the DeepSpeed JSON's."""
+    from hf_mixedprec.integrations.deepspeed import deepspeed_config
+    from hf_mixedprec.recipe import resolve_recipe
+
+    for base, clipping, clip, fp16 in (
+        ("cpu-bf16", {}, 1.0, False),  # zclip without a cap -> DeepSpeed's fixed 1.0
+        ("v100-fp16", {"clipping": {"method": "norm", "max_norm": 0.5}}, 0.5, True),
+        ("v100-fp16", {"clipping": {"method": "none"}}, 0.0, True),
+    ):
+        recipe = resolve_recipe(
+            {"name": "z", "extends": base, "distributed": {"strategy": "deepspeed", "zero_stage": 2}, **clipping}
+        )
+        cfg, _ = deepspeed_config(recipe)
+        args = recipe.training_args(output_dir="/tmp/unused", use_cpu=True)
+        assert args.max_grad_norm == cfg["gradient_clipping"] == clip
+        assert args.fp16 is fp16 and cfg["fp16"]["enabled"] is fp16

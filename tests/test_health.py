@@ -409,3 +409,13 @@ def test_a_detector_set_in_a_recipe_keeps_its_other_defaults():
     ds = r.health.detectors.death_spiral
     assert (ds.threshold, ds.window, ds.reaction) == (8, 50, "fallback")
     assert r.health.detectors.skip_rate.threshold == 0.2  # untouched detectors keep theirs too
+
+
+@pytest.mark.slow
+def test_loss_scale_never_goes_below_min_scale(tmp_path):
+    recipe = _recipe(
+        "{loss_scale: {init_scale: 4.0, min_scale: 1.0}, health: {detectors: {death_spiral: {enabled: false}}}}"
+    )
+    tr = _run(recipe, tmp_path, steps=6, callbacks=[Overflow(range(1, 7))])
+    assert _logs(tr, "mp/loss_scale") == [2.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert _logs(tr, "mp/skipped_steps") == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]

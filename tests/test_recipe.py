@@ -234,7 +234,10 @@ def test_extends_by_relative_path_and_null_removes(tmp_path):
     )
     r = load_recipe_file(child)
     assert r.fp8.scaling == "mxfp8" and r.fp8.amax_history_len is None and r.fp8.block_size == 32
-    bad = _write(tmp_path, "bad.yaml", "name: bad\nextends: base.yaml\nfp8: {scaling: mxfp8}\n")
+    # switching the scaling drops the parent's delayed-only options without a null
+    switched = _write(tmp_path, "switched.yaml", "name: s\nextends: base.yaml\nfp8: {scaling: mxfp8}\n")
+    assert load_recipe_file(switched).fp8.amax_history_len is None
+    bad = _write(tmp_path, "bad.yaml", "name: bad\nextends: base.yaml\nfp8: {scaling: mxfp8, amax_history_len: 16}\n")
     with pytest.raises(RecipeError) as exc:
         load_recipe_file(bad)
     assert [str(p) for p in exc.value.problems] == [
@@ -292,3 +295,13 @@ def test_yaml_round_trip_of_custom_recipe():
     text = r.to_yaml()
     assert yaml.safe_load(text)["fp8"]["keep_in_bf16"] == ["*.mlp.*"]
     assert Recipe.from_yaml(text) == r
+
+
+def test_switching_method_or_scaling_in_a_child_drops_the_old_options():
+    from hf_mixedprec.recipe import resolve_recipe
+
+    r = resolve_recipe({"name": "c", "extends": "cpu-bf16", "clipping": {"method": "norm", "max_norm": 0.5}})
+    assert r.clipping.method == "norm" and r.clipping.params() == {"max_norm": 0.5}
+    r = resolve_recipe({"name": "m", "extends": "h100-fp8-delayed", "fp8": {"scaling": "current"}})
+    assert r.fp8.scaling == "current" and r.fp8.amax_history_len is None
+    assert r.fp8.keep_in_bf16 == load_recipe_file("h100-fp8-delayed").fp8.keep_in_bf16  # common options stay

@@ -57,19 +57,27 @@ def deepspeed_config(recipe: Recipe, *, zero_stage: int | None = None) -> tuple[
         cfg["bf16"] = {"enabled": False}
         cfg["fp16"] = {"enabled": False}
     clip = recipe.clipping
-    if clip.method == "norm":
-        cfg["gradient_clipping"] = clip.max_norm
-    elif clip.method == "none":
-        cfg["gradient_clipping"] = 0.0
-    else:
-        cap = clip.max_norm if clip.method == "zclip" and clip.max_norm else 1.0
-        cfg["gradient_clipping"] = cap
+    cfg["gradient_clipping"] = cap = deepspeed_clip_value(recipe)
+    if clip.method not in ("norm", "none"):
         notes.append(
             f"FALLBACK: clipping.method {clip.method!r} is adaptive, but DeepSpeed clips inside engine.step() with a "
             f"value fixed at init; using a fixed gradient_clipping of {cap:g} under DeepSpeed "
             "(set clipping.method: norm to choose it, or use ddp/fsdp2 for adaptive clipping)"
         )
     return cfg, notes
+
+
+def deepspeed_clip_value(recipe: Recipe) -> float:
+    """The fixed ``gradient_clipping`` DeepSpeed gets for ``recipe`` (and Trainer's ``max_grad_norm`` must equal).
+
+    ``norm``: its ``max_norm``; ``none``: 0 (off); adaptive methods: ZClip's ``max_norm`` cap if set, else 1.0.
+    """
+    clip = recipe.clipping
+    if clip.method == "norm":
+        return float(clip.max_norm)
+    if clip.method == "none":
+        return 0.0
+    return float(clip.max_norm) if clip.method == "zclip" and clip.max_norm else 1.0
 
 
 # --- DeepSpeed on a CPU-only host (tests, CI) ---------------------------------------------------------------------

@@ -53,7 +53,15 @@ def training_args(recipe: Recipe, *, args_class: type | None = None, **overrides
     on_cuda = torch.cuda.is_available() and not overrides.get("use_cpu", False)
     if recipe.precision == "fp16":
         wanted["fp16"] = on_cuda
-    if recipe.clipping.method != "none":
+    if recipe.distributed.strategy == "deepspeed" or overrides.get("deepspeed"):
+        from hf_mixedprec.integrations.deepspeed import deepspeed_clip_value
+
+        # DeepSpeed runs FP16 itself (its own loss scaler, on CPU too) and Trainer checks fp16 against its config
+        wanted["fp16"] = recipe.precision == "fp16"
+        # DeepSpeed clips inside engine.step() with the config's fixed gradient_clipping, and Trainer
+        # refuses a max_grad_norm that differs from it
+        wanted["max_grad_norm"] = deepspeed_clip_value(recipe)
+    elif recipe.clipping.method != "none":
         wanted["max_grad_norm"] = 0.0  # the recipe's clipper does the clipping
     for key, value in wanted.items():
         if key in overrides and overrides[key] != value and not (key == "fp16" and not value):
@@ -138,7 +146,9 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         rt.apply_tf32()
         setattr(model, RUNTIME_ATTR, rt)
         setattr(model, TRAINER_ATTR, weakref.ref(trainer))
-        if getattr(args, "deepspeed", None):
+        if getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False):
+            # DeepSpeed through TrainingArguments(deepspeed=...) or through `accelerate launch` with a
+            # DeepSpeed config (what `hf-mixedprec launch` writes for distributed.strategy: deepspeed)
             self._setup_deepspeed(trainer, rt)
             return
         if recipe.precision == "fp16":
