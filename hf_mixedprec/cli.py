@@ -199,8 +199,31 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if args.dry_run
         else tempfile.mkdtemp(prefix=f"hf-mixedprec-launch-{recipe.name}-")
     )
+    machines = args.num_machines if args.num_machines is not None else recipe.distributed.num_machines
+    if machines < 1:
+        raise UsageError(f"--num-machines: {machines} is out of range (allowed: >= 1)")
+    if not 0 <= args.machine_rank < machines:
+        raise UsageError(f"--machine-rank: {args.machine_rank} is out of range (allowed: 0 to {machines - 1})")
+    if machines > 1 and not args.main_process_ip:
+        raise UsageError(
+            f"--main-process-ip: required for {machines} machines (allowed: the address of machine rank 0, "
+            "reachable from every machine)"
+        )
+    if args.main_process_port is not None and not 1 <= args.main_process_port <= 65535:
+        raise UsageError(f"--main-process-port: {args.main_process_port} is out of range (allowed: 1 to 65535)")
+    if args.device is not None and not args.dry_run:
+        raise UsageError("--device: only plans a launch for other hardware (allowed: with --dry-run)")
     plan = plan_launch(
-        recipe, args.script, list(args.script_args), config_dir=config_dir, num_processes=args.num_processes
+        recipe,
+        args.script,
+        list(args.script_args),
+        config_dir=config_dir,
+        num_processes=args.num_processes,
+        device_type=args.device,
+        num_machines=args.num_machines,
+        machine_rank=args.machine_rank,
+        main_process_ip=args.main_process_ip,
+        main_process_port=args.main_process_port,
     )
     if args.rehearse:
         from hf_mixedprec.loader import REHEARSE_ENV
@@ -353,6 +376,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--recipe", required=True, metavar="NAME|PATH", help="a built-in recipe name, `auto`, or a YAML file"
     )
     s.add_argument("--num-processes", type=int, metavar="N", help="processes in total (default: the recipe's)")
+    s.add_argument(
+        "--num-machines", type=int, metavar="N", help="machines in the job (default: distributed.num_machines)"
+    )
+    s.add_argument("--machine-rank", type=int, default=0, metavar="R", help="this machine's rank, 0 to N-1 (default 0)")
+    s.add_argument("--main-process-ip", metavar="HOST", help="address of machine rank 0 (required for N > 1)")
+    s.add_argument(
+        "--main-process-port", type=int, metavar="PORT", help="port on machine rank 0 (default: Accelerate's)"
+    )
+    s.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        help="with --dry-run: plan for this device type instead of this machine's (e.g. a GPU launch from a laptop)",
+    )
     s.add_argument("--config-dir", metavar="DIR", help="where to write the configs (default: a new temporary folder)")
     s.add_argument("--dry-run", action="store_true", help="print the command, environment and configs; run nothing")
     s.add_argument("script", metavar="SCRIPT", help="the training script")

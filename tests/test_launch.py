@@ -170,3 +170,45 @@ def test_num_processes_flag_overrides_recipe():
     plan = plan_launch(r, "t.py", [], config_dir="/tmp/y", num_processes=2, device_type="cuda")
     acc = yaml.safe_load(plan.files["/tmp/y/accelerate_config.yaml"])
     assert acc["num_processes"] == 2 and acc["distributed_type"] == "MULTI_GPU"
+
+
+def test_launch_on_several_machines_dry_run(capsys):
+    from hf_mixedprec.cli import main
+
+    argv = ["launch", "--recipe", "h100-fp8-delayed", "--num-processes", "16", "--num-machines", "2"]
+    argv += ["--machine-rank", "1", "--main-process-ip", "10.0.0.1", "--main-process-port", "29500"]
+    assert main([*argv, "--device", "cuda", "--dry-run", "train.py"]) == 0
+    out = capsys.readouterr().out
+    acc = yaml.safe_load(out.split("accelerate_config.yaml\n", 1)[1].split("# file:")[0])
+    assert (acc["num_machines"], acc["machine_rank"], acc["num_processes"]) == (2, 1, 16)
+    assert (acc["main_process_ip"], acc["main_process_port"]) == ("10.0.0.1", 29500)
+    assert acc["distributed_type"] == "MULTI_GPU" and acc["mixed_precision"] == "fp8"
+    exported = yaml.safe_load(out.split("recipe.yaml\n", 2)[2])
+    assert exported["distributed"]["num_processes"] == 16 and exported["distributed"]["num_machines"] == 2
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--num-machines", "2"], "--main-process-ip: required for 2 machines"),
+        (["--num-machines", "2", "--main-process-ip", "h", "--machine-rank", "2"], "--machine-rank: 2 is out of range"),
+        (["--main-process-port", "70000"], "--main-process-port: 70000 is out of range (allowed: 1 to 65535)"),
+        (["--device", "cuda"], "--device: only plans a launch for other hardware (allowed: with --dry-run)"),
+    ],
+)
+def test_launch_multi_machine_mistakes(capsys, extra, message, tmp_path):
+    from hf_mixedprec.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert main(["launch", "--recipe", "cpu-bf16", *extra, str(script)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_rehearsed_fp8_on_cpu_does_not_ask_accelerate_for_te_fp8(capsys):
+    from hf_mixedprec.cli import main
+
+    argv = ["launch", "--recipe", "h100-fp8-delayed", "--rehearse", "--num-processes", "2"]
+    assert main([*argv, "--device", "cpu", "--dry-run", "train.py"]) == 0
+    out = capsys.readouterr().out
+    assert "ACCELERATE_MIXED_PRECISION=bf16" in out and "fp8_config" not in out

@@ -46,11 +46,24 @@ def fp8_via_accelerate(recipe: Recipe) -> bool:
 
 
 def accelerate_config(
-    recipe: Recipe, *, num_processes: int | None = None, deepspeed_config_file: str | None = None
+    recipe: Recipe,
+    *,
+    num_processes: int | None = None,
+    deepspeed_config_file: str | None = None,
+    num_machines: int | None = None,
+    machine_rank: int = 0,
+    main_process_ip: str | None = None,
+    main_process_port: int | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
-    """The ``accelerate launch --config_file`` mapping for ``recipe``, and notes on choices made."""
+    """The ``accelerate launch --config_file`` mapping for ``recipe``, and notes on choices made.
+
+    For several machines (``num_machines`` or ``distributed.num_machines`` > 1) every machine runs the same
+    launch with its own ``machine_rank``; ``main_process_ip``/``main_process_port`` name machine 0, as in
+    Accelerate's own config keys.
+    """
     dist = recipe.distributed
     nproc = num_processes if num_processes is not None else dist.num_processes
+    machines = num_machines if num_machines is not None else dist.num_machines
     notes: list[str] = []
     strategy = dist.strategy
     dist_type = _DIST_TYPE[strategy]
@@ -66,15 +79,19 @@ def accelerate_config(
         "debug": False,
         "distributed_type": dist_type,
         "downcast_bf16": "no",
-        "machine_rank": 0,
+        "machine_rank": machine_rank,
         "main_training_function": "main",
         "mixed_precision": mixed,
-        "num_machines": dist.num_machines,
+        "num_machines": machines,
         "num_processes": nproc,
         "rdzv_backend": "static",
         "same_network": True,
         "use_cpu": False,
     }
+    if main_process_ip is not None:
+        cfg["main_process_ip"] = main_process_ip
+    if main_process_port is not None:
+        cfg["main_process_port"] = main_process_port
     if recipe.precision == "fp8" and recipe.fp8 is not None:
         fp8 = recipe.fp8
         if mixed == "fp8":
@@ -187,6 +204,10 @@ def plan_launch(
     num_processes: int | None = None,
     device_type: str | None = None,
     master_port: int | None = None,
+    num_machines: int | None = None,
+    machine_rank: int = 0,
+    main_process_ip: str | None = None,
+    main_process_port: int | None = None,
 ) -> LaunchPlan:
     """Plan the launch of ``script`` under ``recipe``: config files, argv and child env.
 
@@ -209,10 +230,21 @@ def plan_launch(
         files[str(ds_path)] = json.dumps(ds_cfg, indent=2) + "\n"
         notes += ds_notes
     acc_cfg, acc_notes = accelerate_config(
-        recipe, num_processes=num_processes, deepspeed_config_file=str(ds_path) if ds_path else None
+        recipe,
+        num_processes=num_processes,
+        deepspeed_config_file=str(ds_path) if ds_path else None,
+        num_machines=num_machines,
+        machine_rank=machine_rank,
+        main_process_ip=main_process_ip,
+        main_process_port=main_process_port,
     )
     notes += acc_notes
     nproc = int(acc_cfg["num_processes"])
+    if device_type == "cpu" and recipe.distributed.strategy == "fsdp2":
+        notes.append(
+            "FALLBACK: FSDP2 is planned for CUDA; on this CPU machine an fsdp2 recipe ran as plain data parallel "
+            "(no sharding) in our checks"
+        )
     env = {RECIPE_ENV: str(recipe_path)}
     if not uses_torch_distributed_run(recipe, nproc, device_type):
         title = f"accelerate launch config for recipe {recipe.name!r}"
@@ -227,6 +259,12 @@ def plan_launch(
         ]
     else:
         acc_cfg.update(distributed_type="MULTI_CPU", use_cpu=True)
+        if acc_cfg.get("mixed_precision") == "fp8":
+            # no FP8 hardware here: the training processes run the recipe's FP8 emulated (rehearsal) in BF16
+            # autocast, so Accelerate must not be asked for Transformer Engine FP8
+            acc_cfg["mixed_precision"] = "bf16"
+            acc_cfg.pop("fp8_config", None)
+            notes.append("no CUDA device: Accelerate gets mixed_precision bf16; FP8 runs emulated (rehearsal)")
         notes.append(
             f"no CUDA device: {nproc} CPU processes are started with torch.distributed.run (gloo, loopback "
             "127.0.0.1), not accelerate launch, whose launcher starts only one process for --cpu/MULTI_CPU "
@@ -252,7 +290,8 @@ def plan_launch(
             env["GLOO_SOCKET_IFNAME"] = ifname
     header = "".join(f"# {line}\n" for line in [title, *notes])
     files[str(acc_path)] = header + yaml.safe_dump(acc_cfg, sort_keys=False)
-    files[str(recipe_path)] = recipe.to_yaml()
+    launched = recipe.distributed.model_copy(update={"num_processes": nproc, "num_machines": acc_cfg["num_machines"]})
+    files[str(recipe_path)] = recipe.model_copy(update={"distributed": launched}).to_yaml()
     return LaunchPlan(command, env, files, notes)
 
 
