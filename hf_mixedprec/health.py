@@ -3,7 +3,7 @@
 ``HealthMonitor`` is trainer-free. Every optimizer step it takes device tensors (raw loss, unscaled grad
 norm, the scaler's found-inf and scale) and updates ring buffers and latched flags with tensor ops only;
 ring positions come from the host step counter, so nothing is read back. :meth:`HealthMonitor.check` (called
-on logging steps and FP8 sampling steps) is the only place that reads device values: it turns latched flags
+on logging steps only) is the only place that reads device values: it turns latched flags
 into :class:`HealthEvent` objects and clears them. Detectors (thresholds from the recipe's ``health``):
 
 - ``nonfinite_loss`` / ``nonfinite_grad``: NaN/Inf in the raw loss (before Trainer's NaN filter) / gradients;
@@ -118,7 +118,7 @@ class HealthMonitor:
         cond = cond.to(torch.bool)
         new = cond & ~self.fired[name]
         self.first_step[name] = torch.where(
-            new, torch.tensor(float(self.step + 1), device=self.device), self.first_step[name]
+            new, torch.full((), float(self.step + 1), device=self.device), self.first_step[name]
         )
         self.value[name] = torch.where(new, value.float().detach(), self.value[name])
         self.fired[name] = self.fired[name] | cond
@@ -196,9 +196,15 @@ class HealthMonitor:
 
     # -- FP8 layers (sampled steps) ------------------------------------------------------------------
     def observe_fp8(self, layers: dict[str, dict[str, Tensor]]) -> None:
-        """Per-layer FP8 statistics (``EmulatedFP8Linear.stats``) from a sampled step; kept until checked."""
+        """Per-layer FP8 statistics (``EmulatedFP8Linear.stats``) from a sampled step; the worst of the samples
+        since the last check is kept until :meth:`check` (a logging step) reads it."""
         for name, stats in layers.items():
-            self.layer_values[name] = {k: v.detach() for k, v in stats.items()}
+            seen = self.layer_values.setdefault(name, {})
+            for k, v in stats.items():
+                v = v.detach()
+                if k in seen:  # several samples before a check: keep the worst of them
+                    v = torch.minimum(seen[k], v) if k.endswith("sqnr_db") else torch.maximum(seen[k], v)
+                seen[k] = v
 
     # -- decisions (host sync) -------------------------------------------------------------------------
     def check(self) -> list[HealthEvent]:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.amp.grad_scaler import OptState
 from torch.optim.lr_scheduler import LambdaLR
 
 from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper
@@ -72,8 +73,10 @@ class MixedPrecisionRuntime:
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_n = torch.zeros((), device=self.device)
         self._sampling = False
+        self._fp8_pending = False  # a sampled step's FP8 statistics wait for the next check (a logging step)
         self._fp8_metrics: dict[str, float] = {}
         self._update_probe: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        self.last_norm: torch.Tensor | None = None  # the unscaled gradient norm of the last step (device)
         self._optimizer_skips_itself = False
         self._schedule_rewound = 0  # skipped steps already taken back out of the LR schedule
         self._noted_schedule = False
@@ -174,8 +177,9 @@ class MixedPrecisionRuntime:
         """Before the step's forward passes: turn FP8 statistics on for sampled steps only."""
         every = self.recipe.health.fp8_sample_every
         self._sampling = self.monitor is not None and (self.steps + 1) % every == 0
-        for _, m in iter_emulated(model):
-            m.record_stats = self._sampling
+        if self.recipe.precision == "fp8":
+            for _, m in iter_emulated(model):
+                m.record_stats = self._sampling
 
     def apply_tf32(self) -> None:
         if self.device.type == "cuda":
@@ -192,23 +196,34 @@ class MixedPrecisionRuntime:
             return None
         return torch.stack([v.to(self._found_inf.device) for v in found.values()]).sum().clamp(max=1)
 
+    def ensure_unscaled(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """FP16: unscale the gradients once (the GradScaler refuses a second unscale_ before update())."""
+        if self.scaler is None or self.guard or optimizer is None:
+            return
+        state = self.scaler._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.READY:
+            self.scaler.unscale_(optimizer)
+
     def before_optimizer_step(
         self,
         parameters: Iterable[Any],
         optimizer: torch.optim.Optimizer | None = None,
         total_norm: torch.Tensor | None = None,
     ) -> ClipResult | None:
-        """Gradients are unscaled: note whether the scaler found inf/NaN, then clip (no host sync)."""
+        """Unscale (FP16), note whether the step must be skipped, clip, run the detectors (no host sync).
+
+        The gradient norm is computed once and shared by the clipper and the detectors.
+        """
+        self.ensure_unscaled(optimizer)
         params = [p for p in parameters if getattr(p, "grad", None) is not None]
-        found = self._scaler_found_inf(optimizer) if optimizer is not None else None
+        norm = total_norm if total_norm is not None else global_grad_norm([p.grad for p in params])
+        self.last_norm = norm
+        found = self._scaler_found_inf(optimizer) if (optimizer is not None and not self.guard) else None
         if found is None:
-            norm = total_norm if total_norm is not None else global_grad_norm([p.grad for p in params])
             found = (~torch.isfinite(norm)).to(self._found_inf.dtype)
         if self.clipper is not None:
-            self._last = self.clipper.clip_(params, total_norm=total_norm)
-            norm = self._last.total_norm
-        else:
-            norm = total_norm if total_norm is not None else global_grad_norm([p.grad for p in params])
+            self._last = self.clipper.clip_(params, total_norm=norm)
+        skip = None
         if self.monitor is not None:
             loss = None
             if self.recipe.health.detectors.loss_spike.enabled or self.recipe.health.detectors.nonfinite_loss.enabled:
@@ -218,7 +233,7 @@ class MixedPrecisionRuntime:
                     loss = loss / dist.get_world_size()
             skip = self.monitor.pre_step(loss=loss, grad_norm=norm)
             found = torch.maximum(found, skip.to(found.dtype))
-            self._mark_skip(optimizer, skip)
+        self._mark_skip(optimizer, found)
         self._loss_sum = torch.zeros_like(self._loss_sum)
         self._loss_n = torch.zeros_like(self._loss_n)
         self._found_inf = found
@@ -248,27 +263,38 @@ class MixedPrecisionRuntime:
         self._update_probe = []
         return (num / den.clamp_min(1e-30)).sqrt()
 
-    def _mark_skip(self, optimizer: torch.optim.Optimizer | None, skip: torch.Tensor) -> None:
-        """Fold a detector's skip flag into the GradScaler's found-inf so the step is skipped exactly."""
+    def _mark_skip(self, optimizer: torch.optim.Optimizer | None, found: torch.Tensor) -> None:
+        """Hand the skip decision to the GradScaler so that ``optimizer.step()`` is skipped exactly.
+
+        FP16: fold it into the found-inf the scaler recorded while unscaling. The scale-1 guard (BF16/FP8)
+        never unscales (multiplying by 1 is a pass over every gradient for nothing): its per-optimizer state
+        is set to "unscaled" with our flag (non-finite gradient norm or a skip_step detector) as found-inf.
+        """
         if self.scaler is None or optimizer is None:
             return
         state = self.scaler._per_optimizer_states[id(optimizer)]
-        if not state.get("found_inf_per_device"):
-            self.scaler.unscale_(optimizer)  # records found-inf; GradScaler.step will not unscale twice
+        if self.guard:
+            if self.scaler._scale is None:
+                self.scaler._lazy_init_scale_growth_tracker(found.device)
+            state["found_inf_per_device"] = {found.device: found.detach().float().reshape(()).clone()}
+            state["stage"] = OptState.UNSCALED
+            return
         for t in state["found_inf_per_device"].values():
-            t.copy_(torch.maximum(t, skip.to(t.dtype).to(t.device)))
+            t.copy_(torch.maximum(t, found.to(t.dtype).to(t.device)))
 
     def after_optimizer_step(self, model: nn.Module, optimizer: Any = None) -> None:
         """Advance FP8 delayed scaling, update the monitor and count skipped steps (device only)."""
-        fp8_step(model)
+        if self.recipe.precision == "fp8":
+            fp8_step(model)
         if self.monitor is not None:
             ratio = self._update_ratio()
             if ratio is not None:
                 self.monitor.observe_update(ratio, self._found_inf)
             scale = self.scaler._scale if (self.scaler is not None and not self.guard) else None
             self.monitor.post_step(skipped=self._found_inf, scale=scale)
-            if self._sampling:
+            if self._sampling and self.recipe.precision == "fp8":
                 self.monitor.observe_fp8({name: dict(m.stats) for name, m in iter_emulated(model)})
+                self._fp8_pending = True
         if self.guard and self.scaler is not None and self.scaler._scale is not None:
             self.scaler._scale.fill_(1.0)  # the guard never scales
         elif self.scaler is not None and self.scaler._scale is not None and self.recipe.loss_scale is not None:
@@ -330,17 +356,13 @@ class MixedPrecisionRuntime:
         sched._last_lr = list(lrs)
         return new
 
-    @property
-    def check_due(self) -> bool:
-        """Host-known: the last step was an FP8 sampling step, so its statistics should be checked now."""
-        return self._sampling
-
     def check(self, model: nn.Module, optimizer: Any = None, scheduler: Any = None) -> list[HealthEvent]:
         """Turn what the detectors latched into events and apply their reactions (host sync: check steps only)."""
         if self.monitor is None:
             return []
-        if self._sampling:
+        if self._fp8_pending:
             self._fp8_metrics = self._layer_metrics(model)
+            self._fp8_pending = False
         events = self.monitor.check()
         fallback_layers: list[str] = []
         for ev in events:
@@ -405,6 +427,11 @@ class MixedPrecisionRuntime:
                 f"continue; a checkpoint was saved; resume it under {target}"
             )
             self.note(f"FALLBACK: FP16 -> {target} requested after {ev.detector} at step {ev.step}")
+        elif self.recipe.precision in ("bf16", "fp32"):
+            self.note(
+                f"health: {ev.detector} asked for a fallback at step {ev.step}, but a {self.recipe.precision} run "
+                "has no safer precision to fall back to; recorded only (use stop or lower_lr for this detector)"
+            )
 
     def _layer_metrics(self, model: nn.Module) -> dict[str, float]:
         out: dict[str, float] = {}

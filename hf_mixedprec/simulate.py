@@ -58,6 +58,7 @@ class SimulationResult:
     conversion: ConversionReport
     seconds: float
     notes: list[str] = field(default_factory=list)
+    keep_in_bf16: list[str] = field(default_factory=list)  # the recipe's own patterns (a YAML list replaces them)
 
     @property
     def recommended(self) -> list[LayerNumerics]:
@@ -110,7 +111,9 @@ class SimulationResult:
             lines.append("recommend keeping in BF16:")
             for layer in self.recommended:
                 lines.append(f"  {layer.name}: {'; '.join(layer.keep_reasons)}")
-            pats = ", ".join(f'"{layer.name}"' for layer in self.recommended)
+            # a list in a child recipe replaces the parent's, so the suggestion repeats the recipe's patterns
+            names = [*self.keep_in_bf16, *(layer.name for layer in self.recommended)]
+            pats = ", ".join(f'"{n}"' for n in dict.fromkeys(names))
             lines.append(f"  -> add to your recipe:  fp8: {{keep_in_bf16: [{pats}]}}")
         else:
             lines.append("recommendation: no layer crossed the recipe's FP8 health thresholds; the recipe looks safe")
@@ -253,4 +256,5 @@ def simulate(
         conversion=report,
         seconds=time.perf_counter() - start,
         notes=notes,
+        keep_in_bf16=list(recipe.fp8.keep_in_bf16),
     )

@@ -111,8 +111,6 @@ class MixedPrecisionAccelerator(Accelerator):
                     self.mp.before_optimizer_step(self._params(), opt.optimizer)
                 out = inner_step(*args, **kwargs)
                 self.mp.after_optimizer_step(self._mp_model, opt)
-                if self.mp.check_due:
-                    self.mp.check(self._mp_model, opt)
                 self.mp.begin_step(self._mp_model)
                 self._clipped_this_step = False
                 return out

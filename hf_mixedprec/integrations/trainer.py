@@ -111,6 +111,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         self.runtime: MixedPrecisionRuntime | None = None
         self.trainer: Trainer | None = None
         self.deepspeed = False
+        self._pre_step_done = False
 
     # -- ExportableState ------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -170,6 +171,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                 f"bf16 autocast installed by hf_mixedprec (Accelerate's mixed_precision is {acc.mixed_precision!r})"
             )
         rt.watch_loss(model)
+        self._route_clip_grad_norm(trainer, rt)
         if recipe.precision == "fp8":
             report = rt.convert_model(model)
             if report is not None:
@@ -180,6 +182,21 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                 f"{args.max_grad_norm:g} (set to 0)"
             )
             args.max_grad_norm = 0.0
+
+    def _route_clip_grad_norm(self, trainer: Trainer, rt: MixedPrecisionRuntime) -> None:
+        """Trainer asks ``accelerator.clip_grad_norm_`` for the gradient norm every step (with ``max_norm=inf``
+        when it does not clip); answering it from the runtime, which unscales, clips with the recipe's clipper
+        and runs the detectors on one norm, saves the extra passes over the gradients, and Trainer's logged
+        ``grad_norm`` is the recipe's. ``on_pre_optimizer_step`` does the same work if Trainer never asked."""
+        acc = trainer.accelerator
+
+        def clip_grad_norm_(parameters: Any, max_norm: float = float("inf"), norm_type: float = 2, **kw: Any) -> Any:
+            opt = trainer.optimizer
+            rt.before_optimizer_step(parameters, getattr(opt, "optimizer", opt))
+            self._pre_step_done = True
+            return rt.last_norm
+
+        acc.clip_grad_norm_ = clip_grad_norm_  # type: ignore[method-assign]
 
     def _setup_deepspeed(self, trainer: Trainer, rt: MixedPrecisionRuntime) -> None:
         """DeepSpeed owns loss scaling and clipping: monitor its scaler, apply nothing that would fight it."""
@@ -259,6 +276,9 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
     def on_pre_optimizer_step(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         if self.deepspeed:
             return
+        if self._pre_step_done:  # Trainer's clip_grad_norm_ call already ran it this step
+            self._pre_step_done = False
+            return
         model, optimizer = kw["model"], kw.get("optimizer")
         inner = getattr(optimizer, "optimizer", optimizer)
         self._runtime(model).before_optimizer_step(model.parameters(), inner)
@@ -273,7 +293,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         rt = self._runtime(kw["model"])
         if (control.should_log or control.should_save) and not self.deepspeed:
             rt.rewind_schedule(kw.get("optimizer"), kw.get("lr_scheduler"))
-        if control.should_log or (rt.check_due and not self.deepspeed):
+        if control.should_log:  # the only steps that read device values
             rt.check(kw["model"], kw.get("optimizer"), kw.get("lr_scheduler"))
             if rt.stop_requested and not control.should_training_stop:
                 control.should_save = True  # Trainer saves the checkpoint, then stops

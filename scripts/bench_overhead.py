@@ -1,0 +1,349 @@
+"""Step time of a plain Hugging Face ``Trainer`` vs the same ``Trainer`` with hf_mixedprec's callbacks.
+
+Both sides train the same model (same seed, same data, same batch) at the same precision, in one process,
+repetitions interleaved (A B, then B A, ...) so that drift and other load on the machine hit both sides:
+
+- baseline: what a user without hf_mixedprec runs: ``TrainingArguments(bf16=True)`` (Trainer's BF16 autocast
+  and its default ``max_grad_norm=1.0`` norm clipping), no extra callbacks;
+- ours: ``recipe.training_args(...)`` + ``recipe.callbacks()``: the recipe's clipper (ZClip for ``cpu-bf16``)
+  instead of Trainer's clipping, the health detectors, the scale-1 guard GradScaler that makes
+  ``skip_step`` reactions exact, the ``mp/...`` metrics at logging steps.
+
+FP16 recipes rehearsed on CPU: the baseline gets what ``Trainer(fp16=True)`` runs on a GPU (Accelerate's
+native AMP, autocast(float16) and a default ``GradScaler``), switched on the same way the callback does, since
+Accelerate ignores fp16 on CPU. FP8 recipes: the baseline model is converted to (emulated) FP8 and advances
+delayed scaling after each step, so both sides pay for the FP8 layers and only the callbacks differ.
+
+A step's time is the wall time between consecutive ``on_step_begin`` events (forward, backward, clipping,
+optimizer, scheduler, every callback's ``on_step_end`` and logging, and loading the next batch); the first
+``--warmup`` steps of each repetition are discarded. With ``--log-every 0`` (default) Trainer logs only at the
+last step, so the measured steps are non-logging steps; ``--log-every 10`` measures with a log every 10 steps.
+Each step's process CPU time is recorded too: its ratio is what to read on a machine shared with other jobs,
+where wall time also measures them.
+
+Threads: one by default (``--threads``). What is measured, the per-step work hf_mixedprec adds, runs on one
+thread; a 0.1M-parameter model gains nothing from more, and on a shared 2-core machine OpenMP's waits between
+threads made steps up to 30x slower at random, on either side (ratios per round from 0.03 to 38).
+
+    python scripts/bench_overhead.py                       # cpu-bf16, tiny Llama
+    python scripts/bench_overhead.py --model tiny small --log-every 0 10 --repeats 7
+    python scripts/bench_overhead.py --json --out overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+import hf_mixedprec
+from hf_mixedprec.hardware import HardwareRefusal
+from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama
+
+MODELS = ("tiny", "small")
+
+
+class Bytes(Dataset):
+    """Fixed-length byte rows cut from the standard library's docstrings (as tests/test_integration.py)."""
+
+    def __init__(self, n: int, seq_len: int, seed: int = 0):
+        text = builtin_text()
+        self.rows = [b[0] for b in byte_batches(text, seq_len=seq_len, batch_size=1, n_batches=n, seed=seed)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+class StepTimer(TrainerCallback):
+    """Wall and process CPU time between consecutive ``on_step_begin`` events: one full step, every callback
+    included."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+
+    @staticmethod
+    def _diff(stamps: list[float]) -> list[float]:
+        return [b - a for a, b in itertools.pairwise(stamps)]
+
+    def durations(self) -> tuple[list[float], list[float]]:
+        return self._diff(self.wall), self._diff(self.cpu)
+
+
+class AdvanceFP8(TrainerCallback):
+    """Baseline for FP8 recipes: advance delayed scaling after each step (part of the precision, not ours)."""
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+        from hf_mixedprec.fp8 import fp8_step
+
+        fp8_step(model)
+
+
+def build_model(kind: str) -> torch.nn.Module:
+    if kind == "tiny":
+        return tiny_llama(seed=0)
+    try:
+        from hf_mixedprec.integrations.models import small_llama
+    except ImportError:  # an older checkout without small_llama: the same dims
+        return tiny_llama(
+            seed=0,
+            hidden_size=256,
+            intermediate_size=704,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+        )
+    return small_llama(seed=0)
+
+
+def load(name: str, rehearse: bool) -> tuple[Any, bool]:
+    """The recipe; one this machine cannot run is rehearsed (said on stderr), unless --no-rehearse."""
+    try:
+        return hf_mixedprec.load_recipe(name), False
+    except HardwareRefusal as exc:
+        if not rehearse:
+            raise
+        print(f"note: {name}: {str(exc).splitlines()[0]} -> rehearsed", file=sys.stderr)
+        return hf_mixedprec.load_recipe(name, rehearse=True), True
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Any:
+    """Send everything printed while benchmarking (Trainer's log lines, DeepSpeed's import banner, at the file
+    descriptor level) to stderr, so stdout holds only the results (the table, or the JSON with --json)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def reset_accelerate() -> None:
+    """Accelerate keeps process-wide state; every Trainer starts from a clean one."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def run_once(
+    side: str, recipe: Any, model_kind: str, data: Dataset, opts: argparse.Namespace, log_every: int
+) -> tuple[list[float], list[float]]:
+    """One training run of ``--warmup + --steps + 1`` steps; the measured steps' wall and CPU seconds."""
+    reset_accelerate()
+    model = build_model(model_kind)
+    max_steps = opts.warmup + opts.steps + 1  # +1: a step's end is the next step's begin
+    common: dict[str, Any] = {
+        "output_dir": opts.workdir,
+        "max_steps": max_steps,
+        "per_device_train_batch_size": opts.batch_size,
+        "learning_rate": 1e-3,
+        "logging_steps": log_every if log_every > 0 else max_steps,
+        "report_to": [],
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "seed": 0,
+        "dataloader_num_workers": 0,
+    }
+    timer = StepTimer()
+    callbacks: list[TrainerCallback] = [timer]
+    on_cuda = torch.cuda.is_available()
+    if side == "ours":
+        args = recipe.training_args(**common)
+        callbacks += recipe.callbacks()
+    else:
+        p = recipe.precision
+        flags: dict[str, Any] = {"bf16": p in ("bf16", "fp8"), "fp16": p == "fp16" and on_cuda}
+        if not on_cuda:
+            flags["use_cpu"] = True
+        args = TrainingArguments(**common, **flags)  # Trainer's default max_grad_norm=1.0
+        if p == "fp8":
+            from hf_mixedprec.fp8 import convert
+
+            convert(model, recipe, backend="emulated" if recipe.rehearse or not on_cuda else None)
+            callbacks.append(AdvanceFP8())
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    if side == "baseline" and recipe.precision == "fp16" and not on_cuda:
+        # what Trainer(fp16=True) runs on a GPU; Accelerate ignores fp16 on CPU, so switch its native path on
+        from hf_mixedprec.integrations.accelerate_plugin import enable_native_fp16
+
+        enable_native_fp16(trainer.accelerator, torch.amp.GradScaler("cpu"))
+    trainer.train()
+    wall, cpu = timer.durations()
+    return wall[opts.warmup :], cpu[opts.warmup :]
+
+
+def describe(ts: list[float]) -> dict[str, float]:
+    return {
+        "median_ms": statistics.median(ts) * 1e3,
+        "mean_ms": statistics.fmean(ts) * 1e3,
+        "stdev_ms": (statistics.stdev(ts) if len(ts) > 1 else 0.0) * 1e3,
+        "n": len(ts),
+    }
+
+
+def bench(
+    recipe: Any, rehearsed: bool, model_kind: str, log_every: int, opts: argparse.Namespace, data: Dataset
+) -> dict:
+    wall: dict[str, list[float]] = {"baseline": [], "ours": []}
+    cpu: dict[str, list[float]] = {"baseline": [], "ours": []}
+    round_ratios: list[float] = []
+    for r in range(opts.repeats):
+        order = ("baseline", "ours") if r % 2 == 0 else ("ours", "baseline")
+        this_round: dict[str, list[float]] = {}
+        for side in order:
+            w, c = run_once(side, recipe, model_kind, data, opts, log_every)
+            this_round[side] = w
+            wall[side] += w
+            cpu[side] += c
+        round_ratios.append(statistics.median(this_round["ours"]) / statistics.median(this_round["baseline"]))
+        print(
+            f"  {recipe.name} {model_kind} log_every={log_every} round {r + 1}/{opts.repeats}: "
+            f"wall ratio {round_ratios[-1]:.3f}",
+            file=sys.stderr,
+        )
+    base, ours = describe(wall["baseline"]), describe(wall["ours"])
+    base_cpu, ours_cpu = describe(cpu["baseline"]), describe(cpu["ours"])
+    return {
+        "recipe": recipe.name,
+        "rehearsed": rehearsed,
+        "model": model_kind,
+        "params": sum(p.numel() for p in build_model(model_kind).parameters()),
+        "log_every": log_every,
+        "baseline": base,
+        "ours": ours,
+        "baseline_cpu": base_cpu,
+        "ours_cpu": ours_cpu,
+        "ratio_median": ours["median_ms"] / base["median_ms"],
+        "ratio_mean": ours["mean_ms"] / base["mean_ms"],
+        "ratio_cpu_median": ours_cpu["median_ms"] / base_cpu["median_ms"],
+        "round_ratios": round_ratios,
+    }
+
+
+def cpu_name() -> str:
+    """The CPU model as ``lscpu`` names it (``/proc/cpuinfo``), else what ``platform`` knows."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "python": platform.python_version(),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    out = [
+        "| recipe | model | logging | baseline ms/step (median / mean) | ours ms/step (median / mean) "
+        "| ratio (median) | ratio (mean) | CPU-time ratio (median) | per-round ratios (median) |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        b, o = r["baseline"], r["ours"]
+        name = r["recipe"] + (" (rehearsed)" if r["rehearsed"] else "")
+        logging_ = f"every {r['log_every']} steps" if r["log_every"] else "last step only"
+        rr = ", ".join(f"{x:.3f}" for x in r["round_ratios"])
+        out.append(
+            f"| {name} | {r['model']} ({r['params'] / 1e6:.2f}M) | {logging_} "
+            f"| {b['median_ms']:.2f} / {b['mean_ms']:.2f} | {o['median_ms']:.2f} / {o['mean_ms']:.2f} "
+            f"| {r['ratio_median']:.3f} | {r['ratio_mean']:.3f} | {r['ratio_cpu_median']:.3f} | {rr} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--recipe", nargs="+", default=["cpu-bf16"], help="recipe name(s) or YAML path(s) (default: cpu-bf16)"
+    )
+    ap.add_argument("--model", nargs="+", choices=MODELS, default=["tiny"], help="tiny (test Llama) and/or small")
+    ap.add_argument("--steps", type=int, default=60, help="measured steps per repetition (default 60)")
+    ap.add_argument("--warmup", type=int, default=10, help="steps discarded at the start of each repetition")
+    ap.add_argument("--repeats", type=int, default=5, help="repetitions per side, interleaved (default 5)")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument(
+        "--log-every", nargs="+", type=int, default=[0], help="Trainer logging_steps; 0 = only the last step (default)"
+    )
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch.set_num_threads, the same for both sides (default 1, see above)"
+    )
+    ap.add_argument(
+        "--no-rehearse", dest="rehearse", action="store_false", help="refuse recipes this machine can't run"
+    )
+    ap.add_argument("--json", action="store_true", help="print the results as JSON on stdout instead of the table")
+    ap.add_argument("--out", metavar="FILE", help="also write the results as JSON to FILE")
+    opts = ap.parse_args(argv)
+    if opts.steps < 2 or opts.repeats < 1 or opts.warmup < 0:
+        ap.error("--steps must be >= 2, --repeats >= 1, --warmup >= 0")
+    torch.set_num_threads(opts.threads)
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+    logging.getLogger("hf_mixedprec").setLevel(logging.ERROR)  # notes would be repeated every repetition
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    data = Bytes(n=opts.batch_size * (opts.warmup + opts.steps + 2), seq_len=opts.seq_len)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, stdout_to_stderr():
+        opts.workdir = tmp
+        for name in opts.recipe:
+            recipe, rehearsed = load(name, opts.rehearse)
+            for kind in opts.model:
+                for every in opts.log_every:
+                    rows.append(bench(recipe, rehearsed, kind, every, opts, data))
+    settings = {k: v for k, v in vars(opts).items() if k != "workdir"}
+    doc = {"machine": machine(), "settings": settings, "rows": rows}
+    if opts.out:
+        with open(opts.out, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2)
+    if opts.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        m = doc["machine"]
+        print(
+            f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}; "
+            f"batch {opts.batch_size} x {opts.seq_len} tokens, {opts.steps} measured steps after {opts.warmup} "
+            f"warm-up, {opts.repeats} interleaved repetitions per side"
+        )
+        print(table(rows))
+    bad = [r for r in rows if not math.isfinite(r["ratio_median"])]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The benchmark scripts run end to end with tiny settings and report every row (no timing thresholds)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+GPU_VARIANTS = {
+    "fp32",
+    "bf16",
+    "bf16-compile",
+    "fp16",
+    "fp8-torchao-tensorwise",
+    "fp8-torchao-rowwise",
+    "fp8-emulated",
+    "accel-bf16",
+    "accel-bf16-hf_mixedprec",
+}
+
+
+def _run(args: list[str], timeout: int = 240) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("HF_MIXEDPREC_RECIPE", None)
+    env.pop("HF_MIXEDPREC_REHEARSE", None)
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert proc.returncode == 0, f"rc {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout)
+
+
+def test_bench_gpu_dry_run(tmp_path):
+    out = tmp_path / "gpu.json"
+    doc = _run(["scripts/bench_gpu.py", "--dry-run", "--json", "--out", str(out)])
+    assert json.loads(out.read_text()) == doc
+    assert doc["dry_run"] is True
+    assert doc["model"]["parameters"] > 0
+    rows = {r["key"]: r for r in doc["rows"]}
+    assert set(rows) == GPU_VARIANTS
+    for key, r in rows.items():
+        assert r["status"] in ("ok", "skipped"), f"{key}: {r['status']}: {r['reason']}"
+        if r["status"] == "skipped":
+            assert r["reason"], f"{key} skipped without a reason"
+            continue
+        assert r["tokens_per_s"] > 0 and math.isfinite(r["tokens_per_s"]), key
+        assert r["ms_per_step_median"] > 0 and r["steps"] == doc["settings"]["steps"], key
+    # on CPU, compile is skipped with a note and torchao runs emulated (said in the row), never silently
+    if doc["machine"]["device"].startswith("cpu"):
+        assert any("torch.compile skipped" in n for n in rows["bf16-compile"]["notes"])
+        assert not rows["bf16-compile"]["compiled"]
+        for key in ("fp8-torchao-tensorwise", "fp8-torchao-rowwise"):
+            r = rows[key]
+            assert r["status"] == "skipped" or any("emulate=True" in n for n in r["notes"]), key
+    ratio = doc["callback_overhead_ratio"]
+    assert ratio is not None and math.isfinite(ratio) and ratio > 0
+
+
+def test_bench_gpu_without_gpu_refuses_full_run():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present: the full run would start")
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_gpu.py", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert "--dry-run" in proc.stderr and proc.stdout == ""
+
+
+def test_bench_overhead_tiny(tmp_path):
+    out = tmp_path / "overhead.json"
+    doc = _run(
+        [
+            "scripts/bench_overhead.py",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--repeats",
+            "2",
+            "--threads",
+            "1",
+            "--json",
+            "--out",
+            str(out),
+        ]
+    )
+    assert json.loads(out.read_text()) == doc
+    assert [(r["recipe"], r["model"], r["log_every"]) for r in doc["rows"]] == [("cpu-bf16", "tiny", 0)]
+    r = doc["rows"][0]
+    for side in ("baseline", "ours"):
+        assert r[side]["n"] == 3 * 2  # steps x repeats
+        assert r[side]["median_ms"] > 0 and math.isfinite(r[side]["mean_ms"])
+    assert math.isfinite(r["ratio_median"]) and r["ratio_median"] > 0
+    assert math.isfinite(r["ratio_mean"]) and r["ratio_mean"] > 0
+    assert len(r["round_ratios"]) == 2 and all(math.isfinite(x) for x in r["round_ratios"])
+    assert doc["machine"]["torch_threads"] == 1
