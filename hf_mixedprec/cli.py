@@ -254,13 +254,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    import contextlib
-
+    from hf_mixedprec._stdio import stdout_to_stderr
     from hf_mixedprec.finetune import format_summary, run_finetune
 
     # stdout carries only the summary (--json is parsed by scripts); libraries imported during the run
     # (DeepSpeed's logger, for one) print to stdout, so the run's own output goes to stderr
-    with contextlib.redirect_stdout(sys.stderr):
+    with stdout_to_stderr():
         summary = run_finetune(
             recipe=args.recipe,
             rehearse=True if args.rehearse else None,

@@ -135,28 +135,24 @@ class HealthMonitor:
 
     def pre_step(self, *, loss: Tensor | None, grad_norm: Tensor | None) -> Tensor:
         """Before the optimizer step: spike and non-finite checks; returns the device flag 'skip this step'."""
-        d = self.det
         skip = torch.zeros((), dtype=torch.bool, device=self.device)
         if loss is not None:
-            loss = loss.detach().float().reshape(()).to(self.device)
-            bad = ~torch.isfinite(loss)
-            self._latch("nonfinite_loss", bad, loss)
-            z, n = self._zscore(self.loss_hist, loss)
-            spike = torch.isfinite(loss) & (n >= MIN_SPIKE_HISTORY) & (z > (d.loss_spike.threshold or math.inf))
-            self._latch("loss_spike", spike, z)
-            skip = skip | (bad & _skips(d.nonfinite_loss)) | (spike & _skips(d.loss_spike))
-            self.loss_hist.put(self.step, torch.where(torch.isfinite(loss) & ~spike, loss, float("nan")))
+            skip = skip | self._value_checks(loss, self.loss_hist, "nonfinite_loss", "loss_spike")
         if grad_norm is not None:
-            g = grad_norm.detach().float().reshape(()).to(self.device)
-            bad = ~torch.isfinite(g)
-            self._latch("nonfinite_grad", bad, g)
-            z, n = self._zscore(self.grad_hist, g)
-            spike = torch.isfinite(g) & (n >= MIN_SPIKE_HISTORY) & (z > (d.grad_spike.threshold or math.inf))
-            self._latch("grad_spike", spike, z)
-            skip = skip | (bad & _skips(d.nonfinite_grad)) | (spike & _skips(d.grad_spike))
-            self.grad_hist.put(self.step, torch.where(torch.isfinite(g) & ~spike, g, float("nan")))
+            skip = skip | self._value_checks(grad_norm, self.grad_hist, "nonfinite_grad", "grad_spike")
         self._skip_now = skip
         return skip
+
+    def _value_checks(self, value: Tensor, ring: _Ring, nonfinite: str, spike_name: str) -> Tensor:
+        """Non-finite and z-score spike checks of one per-step value (loss or grad norm) against its ring."""
+        v = value.detach().float().reshape(()).to(self.device)
+        finite = torch.isfinite(v)
+        self._latch(nonfinite, ~finite, v)
+        z, n = self._zscore(ring, v)
+        spike = finite & (n >= MIN_SPIKE_HISTORY) & (z > (getattr(self.det, spike_name).threshold or math.inf))
+        self._latch(spike_name, spike, z)
+        ring.put(self.step, torch.where(finite & ~spike, v, float("nan")))
+        return (~finite & _skips(getattr(self.det, nonfinite))) | (spike & _skips(getattr(self.det, spike_name)))
 
     def post_step(self, *, skipped: Tensor, scale: Tensor | None) -> None:
         """After the optimizer step: skip statistics and loss-scale trend."""

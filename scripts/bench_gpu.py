@@ -62,7 +62,8 @@ LLAMA_1B: dict[str, Any] = {
     "max_position_embeddings": 4096,
     "tie_word_embeddings": False,
 }
-#: --dry-run: the test suite's tiny Llama.
+#: --dry-run: the test suite's tiny Llama (hf_mixedprec.integrations.models.TINY_LLAMA; repeated so that the
+#: plain variants run where hf_mixedprec itself is not installed, like stdout_to_stderr below).
 TINY: dict[str, Any] = {
     "vocab_size": 256,
     "hidden_size": 64,

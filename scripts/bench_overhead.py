@@ -52,6 +52,7 @@ from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import hf_mixedprec
+from hf_mixedprec._stdio import stdout_to_stderr
 from hf_mixedprec.hardware import HardwareRefusal
 from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama
 
@@ -127,22 +128,6 @@ def load(name: str, rehearse: bool) -> tuple[Any, bool]:
             raise
         print(f"note: {name}: {str(exc).splitlines()[0]} -> rehearsed", file=sys.stderr)
         return hf_mixedprec.load_recipe(name, rehearse=True), True
-
-
-@contextlib.contextmanager
-def stdout_to_stderr() -> Any:
-    """Send everything printed while benchmarking (Trainer's log lines, DeepSpeed's import banner, at the file
-    descriptor level) to stderr, so stdout holds only the results (the table, or the JSON with --json)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def reset_accelerate() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from transformers import Trainer, TrainerCallback
+from transformers import TrainerCallback
 
 import hf_mixedprec
 from hf_mixedprec.fp8 import EmulatedFP8Linear
@@ -18,7 +18,7 @@ from hf_mixedprec.health import HealthMonitor
 from hf_mixedprec.recipe import HealthConfig, resolve_recipe
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_integration import Bytes, _logs
+from test_integration import _logs, _trainer
 
 
 @pytest.fixture(autouse=True)
@@ -161,23 +161,7 @@ class Overflow(TrainerCallback):
 
 
 def _run(recipe, tmp_path, *, steps, callbacks=(), model=None, resume=None, **targs):
-    from hf_mixedprec.integrations.models import tiny_llama
-
-    settings = {
-        "output_dir": str(tmp_path / "out"),
-        "max_steps": steps,
-        "per_device_train_batch_size": 4,
-        "learning_rate": 2e-3,
-        "logging_steps": 1,
-        "report_to": [],
-        "save_strategy": "no",
-        "disable_tqdm": True,
-        "seed": 0,
-    }
-    args = recipe.training_args(**{**settings, **targs})
-    tr = Trainer(
-        model=model or tiny_llama(), args=args, train_dataset=Bytes(), callbacks=[*callbacks, *recipe.callbacks()]
-    )
+    tr = _trainer(recipe, tmp_path, steps=steps, extra_callbacks=callbacks, model=model, **targs)
     tr.train(resume_from_checkpoint=resume)
     return tr
 

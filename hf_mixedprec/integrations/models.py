@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "SMALL_LLAMA",
+    "TINY_LLAMA",
     "builtin_text",
     "byte_batches",
     "small_llama",
@@ -66,23 +67,24 @@ _STDLIB_MODULES = (
 )
 
 
+#: The test suite's Llama (byte vocabulary); every Linear dim a multiple of 32 (FP8 and MXFP8 friendly).
+TINY_LLAMA: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+
+
 def tiny_llama_config(**overrides: Any) -> Any:
-    """A small Llama config whose Linear dims are multiples of 32 (FP8 and MXFP8 friendly)."""
+    """A ``LlamaConfig`` with the :data:`TINY_LLAMA` dims and eager attention (``overrides`` win)."""
     from transformers import LlamaConfig
 
-    cfg: dict[str, Any] = {
-        "vocab_size": 256,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "tie_word_embeddings": False,
-        "attn_implementation": "eager",
-    }
-    cfg.update(overrides)
-    return LlamaConfig(**cfg)
+    return LlamaConfig(**{**TINY_LLAMA, "attn_implementation": "eager", **overrides})
 
 
 def tiny_llama(seed: int = 0, **overrides: Any) -> Any:
