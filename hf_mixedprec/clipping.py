@@ -86,6 +86,8 @@ def _split_params(parameters: Params) -> tuple[list[str] | None, list[Tensor]]:
     if isinstance(parameters, Tensor):
         return None, [parameters]
     items = list(parameters)
+    if all(isinstance(x, Tensor) for x in items):  # the common case, checked in one pass
+        return None, items
     pairs = [isinstance(x, tuple) for x in items]
     if items and all(pairs):
         names: list[str] = []
@@ -126,11 +128,19 @@ def global_grad_norm(grads: Sequence[Tensor]) -> Tensor:
     """
     if not grads:
         return torch.zeros((), dtype=torch.float32)
+    groups = _by_device(grads)
+    if len(groups) == 1:
+        return torch.linalg.vector_norm(torch.stack(_norms_f32(grads)), 2)
     first = grads[0].device
     norms: list[Tensor] = []
-    for group in _by_device(grads).values():
+    for group in groups.values():
         norms.extend(_norms_f32(group))
     return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2)
+
+
+def _finite(x: Tensor) -> Tensor:
+    """``torch.isfinite`` in two operations instead of four: x - x is 0 for finite x, NaN for inf and NaN."""
+    return (x - x) == 0
 
 
 def _mul_(grads: list[Tensor], coef: Tensor) -> None:
@@ -139,9 +149,12 @@ def _mul_(grads: list[Tensor], coef: Tensor) -> None:
         torch._foreach_mul_(group, coef.to(device))
 
 
-def _scale_to(grads: list[Tensor], norm: Tensor, threshold: Tensor, valid: Tensor) -> Tensor:
-    """Scale grads by ``threshold / (norm + 1e-6)`` where ``norm > threshold`` (and the step is valid)."""
-    clipped = valid & (norm > threshold)
+def _scale_to(grads: list[Tensor], norm: Tensor, threshold: Tensor, valid: Tensor | None) -> Tensor:
+    """Scale grads by ``threshold / (norm + 1e-6)`` where ``norm > threshold`` (and the step is valid; pass
+    ``valid=None`` when the threshold is already +inf on invalid steps)."""
+    clipped = norm > threshold
+    if valid is not None:
+        clipped = valid & clipped
     coef = torch.where(clipped, threshold / (norm + _COEF_EPS), 1.0)
     _mul_(grads, coef)
     return clipped
@@ -207,19 +220,26 @@ class Clipper:
             device = total_norm.device
         else:
             device = self._device
-        self.to(device)
+        if device != self._device:
+            self.to(device)
         self.steps += 1
         if total_norm is None:
             norm = global_grad_norm(grads).to(device)
             has_any = bool(grads)  # host fact: whether there was anything to measure
         elif isinstance(total_norm, Tensor):
-            norm = total_norm.detach().to(device=device, dtype=torch.float32).reshape(())
+            norm = total_norm.detach()
+            if norm.dtype != torch.float32 or norm.device != device or norm.dim():
+                norm = norm.to(device=device, dtype=torch.float32).reshape(())
             has_any = True
         else:
             norm = torch.full((), float(total_norm), dtype=torch.float32, device=device)
             has_any = True
-        valid = torch.isfinite(norm) if has_any else torch.zeros((), dtype=torch.bool, device=device)
+        valid = _finite(norm) if has_any else torch.zeros((), dtype=torch.bool, device=device)
         return self._clip(names, params, grads, norm, valid)
+
+    def host_sync(self) -> None:
+        """Called where a host read is due anyway (a logging step): a clipper may read its state here to learn
+        facts that make its next steps cheaper. The default learns nothing."""
 
     def to(self, device: torch.device | str) -> Clipper:
         """Move the state tensors to ``device`` (done automatically on the first :meth:`clip_`)."""
@@ -359,6 +379,8 @@ class ZClip(Clipper):
         self.count = torch.zeros((), dtype=torch.int64)
         self.mean = torch.zeros((), dtype=torch.float32)
         self.var = torch.zeros((), dtype=torch.float32)
+        self._warm_done = False  # host knowledge: a host read saw count >= warmup_steps
+        self._slots: Tensor | None = None  # arange(warmup_steps) on the norms' device
 
     def config(self) -> dict[str, Any]:
         return {
@@ -388,49 +410,100 @@ class ZClip(Clipper):
         """Bool tensor: whether the warm-up is over (mean and var hold statistics)."""
         return self.count >= self.warmup_steps
 
+    def host_sync(self) -> None:
+        """Learn (one host read) whether the warm-up is over; from then on steps skip the warm-up operations."""
+        if not self._warm_done:
+            self._warm_done = bool(self.count >= self.warmup_steps)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._warm_done = False
+        self.host_sync()
+
     def _clip(
         self, names: list[str] | None, params: list[Tensor], grads: list[Tensor], norm: Tensor, valid: Tensor
     ) -> ClipResult:
-        g, mu, var, n = norm, self.mean, self.var, self.count
-        warm = n < self.warmup_steps
-        in_warmup = valid & warm
-        after = valid & ~warm
+        # The host knows two facts that drop whole branches without reading the device: before the
+        # ``warmup_steps``-th call fewer norms than that can have been seen (warm-up for sure), and once a
+        # host read (``host_sync``, at logging steps) saw the warm-up end, it is over for good. The
+        # operations dropped would have changed nothing, so every branch gives the same bits.
+        calls_before = self.steps - 1
+        if self._warm_done:
+            return self._clip_after(grads, norm, valid)
+        if calls_before < self.warmup_steps:
+            return self._clip_warmup(grads, norm, valid, init_possible=calls_before == self.warmup_steps - 1)
+        return self._clip_either(grads, norm, valid)
 
-        # Warm-up: store g at slot n, and initialise mean/var when the buffer is full.
-        slot = torch.arange(self.warmup_steps, device=g.device) == n
-        buffer = torch.where(in_warmup & slot, g, self.buffer)
-        count = n + valid.to(torch.int64)
-        init_now = in_warmup & (count == self.warmup_steps)
-        mu0 = buffer.mean()
-        var0 = (buffer - mu0).square().mean()
+    def _store(self, g: Tensor, in_warmup: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Warm-up: store g at slot ``count``; returns (buffer, count, whether the buffer just became full)."""
+        n = self.count
+        if self._slots is None or self._slots.device != g.device:
+            self._slots = torch.arange(self.warmup_steps, device=g.device)
+        buffer = torch.where(in_warmup & (self._slots == n), g, self.buffer)
+        count = torch.add(n, in_warmup)
+        return buffer, count, in_warmup & (count == self.warmup_steps)
 
-        # The ZClip rule, with the statistics before this step.
+    def _rule(self, g: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The ZClip rule with the statistics before this step: (spike, rule threshold, new mean, new var)."""
+        mu, var = self.mean, self.var
+        zt = self.z_thresh
         std = var.sqrt()
         if self.mode == "zscore":
             z = (g - mu) / (std + self.eps)
-            spike = z > self.z_thresh
-            if self.clip_option == "adaptive_scaling":
-                rule = mu + (self.z_thresh * std) / (z / self.z_thresh)
-            else:
-                rule = mu
+            spike = valid & (z > zt)
+            # mu + (zt * std) / (z / zt), the reciprocal rule, in one operation
+            rule = torch.addcdiv(mu, std, z, value=zt * zt) if self.clip_option == "adaptive_scaling" else mu
         else:
-            rule = mu + self.z_thresh * std
-            spike = g > rule
-        spike = after & spike
+            rule = torch.add(mu, std, alpha=zt)
+            spike = valid & (g > rule)
         g_c = torch.where(spike, rule, g)
-        mu1 = self.alpha * mu + (1.0 - self.alpha) * g_c
-        var1 = self.alpha * var + (1.0 - self.alpha) * (g_c - mu1).square()
+        # alpha * x + (1 - alpha) * target, as x + (1 - alpha) * (target - x)
+        mu1 = torch.lerp(mu, g_c, 1.0 - self.alpha)
+        var1 = torch.lerp(var, (g_c - mu1).square(), 1.0 - self.alpha)
+        return spike, rule, mu1, var1
 
-        self.buffer = buffer
-        self.count = count
-        self.mean = torch.where(init_now, mu0, torch.where(after, mu1, mu))
-        self.var = torch.where(init_now, var0, torch.where(after, var1, var))
-
-        threshold = torch.where(spike, rule, math.inf)
-        if self.max_norm is not None:
+    def _finish(self, grads: list[Tensor], g: Tensor, valid: Tensor, threshold: Tensor | None) -> ClipResult:
+        """Cap by ``max_norm``, scale the gradients where the norm is above the threshold, report."""
+        if threshold is None:  # no rule this step
+            if self.max_norm is None:  # nothing can clip: the gradients stay as they are (a factor 1.0)
+                inf = torch.full((), math.inf, dtype=torch.float32, device=g.device)
+                return ClipResult(total_norm=g, threshold=inf, clipped=torch.zeros_like(valid))
+            threshold = torch.full((), self.max_norm, dtype=torch.float32, device=g.device)
+        elif self.max_norm is not None:
             threshold = torch.clamp(threshold, max=self.max_norm)
+        else:  # the threshold is +inf wherever the norm is not finite: no need to mask
+            return ClipResult(total_norm=g, threshold=threshold, clipped=_scale_to(grads, g, threshold, None))
         clipped = _scale_to(grads, g, threshold, valid)
         return ClipResult(total_norm=g, threshold=threshold, clipped=clipped)
+
+    def _clip_warmup(self, grads: list[Tensor], g: Tensor, valid: Tensor, init_possible: bool) -> ClipResult:
+        buffer, count, init_now = self._store(g, valid)  # in warm-up for sure: every valid norm is stored
+        self.buffer, self.count = buffer, count
+        if init_possible:  # this call may store the last warm-up norm: mean and population variance
+            mu0 = buffer.mean()
+            self.mean = torch.where(init_now, mu0, self.mean)
+            self.var = torch.where(init_now, (buffer - mu0).square().mean(), self.var)
+        return self._finish(grads, g, valid, None)
+
+    def _clip_after(self, grads: list[Tensor], g: Tensor, valid: Tensor) -> ClipResult:
+        spike, rule, mu1, var1 = self._rule(g, valid)
+        self.count = torch.add(self.count, valid)
+        self.mean = torch.where(valid, mu1, self.mean)
+        self.var = torch.where(valid, var1, self.var)
+        return self._finish(grads, g, valid, torch.where(spike, rule, math.inf))
+
+    def _clip_either(self, grads: list[Tensor], g: Tensor, valid: Tensor) -> ClipResult:
+        """Warm-up and rule both computed; which one applies is decided on the device."""
+        after = valid & (self.count >= self.warmup_steps)
+        buffer, count, init_now = self._store(g, valid ^ after)
+        count = torch.add(count, after)
+        mu0 = buffer.mean()
+        var0 = (buffer - mu0).square().mean()
+        spike, rule, mu1, var1 = self._rule(g, after)
+        self.buffer, self.count = buffer, count
+        self.mean = torch.where(init_now, mu0, torch.where(after, mu1, self.mean))
+        self.var = torch.where(init_now, var0, torch.where(after, var1, self.var))
+        return self._finish(grads, g, valid, torch.where(spike, rule, math.inf))
 
 
 class AutoClip(Clipper):

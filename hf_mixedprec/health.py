@@ -1,10 +1,12 @@
-"""Scale-health monitoring: device-side detectors, read on check steps only, and the events they raise.
+"""Scale-health monitoring: detectors recorded on the device every step, evaluated on check steps only.
 
-``HealthMonitor`` is trainer-free. Every optimizer step it takes device tensors (raw loss, unscaled grad
-norm, the scaler's found-inf and scale) and updates ring buffers and latched flags with tensor ops only;
-ring positions come from the host step counter, so nothing is read back. :meth:`HealthMonitor.check` (called
-on logging steps only) is the only place that reads device values: it turns latched flags
-into :class:`HealthEvent` objects and clears them. Detectors (thresholds from the recipe's ``health``):
+``HealthMonitor`` is trainer-free. Every optimizer step it *records* device tensors (raw loss, unscaled grad
+norm, whether the step was skipped, the loss scale) without reading them, and computes on the device only
+what must act on that very step (the flags of ``skip_step`` detectors). :meth:`HealthMonitor.check` (called
+on logging steps only) reads the records with one device-to-host copy and replays every detector over them
+step by step (ring buffers and latched flags in Python floats), so each event carries the first step it
+fired and its value then, exactly as a per-step evaluation would, for a few tensor operations per step.
+Detectors (thresholds from the recipe's ``health``):
 
 - ``nonfinite_loss`` / ``nonfinite_grad``: NaN/Inf in the raw loss (before Trainer's NaN filter) / gradients;
 - ``skip_rate``: skipped optimizer steps over the last ``window`` steps above ``threshold``;
@@ -57,6 +59,8 @@ LAYER_DETECTORS = {
 }
 #: A spike needs at least this many finite values in its window before it can fire.
 MIN_SPIKE_HISTORY = 8
+#: Recorded steps are stacked into one device tensor this often, so a run that never logs holds little.
+FLUSH_EVERY = 256
 
 
 @dataclass(frozen=True)
@@ -86,109 +90,124 @@ class _Ring:
 
 
 class HealthMonitor:
-    """The detectors of a recipe's ``health`` section (see module docs)."""
+    """The detectors of a recipe's ``health`` section (see module docs).
+
+    Per step it only *records* device tensors (raw loss, grad norm, skipped flag, loss scale) and computes
+    the flags of ``skip_step`` detectors on the device; the records are stacked into one device tensor every
+    :data:`FLUSH_EVERY` steps. :meth:`check` reads them all with one copy and replays the detectors step by
+    step on the host (Python floats, microseconds for a logging interval), so the events, the latched first
+    step and value, and the windows are the same as if every step had been evaluated when it ran. Per step
+    this costs a handful of tensor operations instead of ~150 on 0-d tensors (each a kernel launch on a GPU).
+    """
 
     def __init__(self, cfg: HealthConfig, *, device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.det = cfg.detectors
         self.device = torch.device(device)
-        dev = self.device
         d = self.det
-        self.step = 0  # optimizer steps observed (host)
-        self.loss_hist = _Ring(d.loss_spike.window or 128, dev)
-        self.grad_hist = _Ring(d.grad_spike.window or 128, dev)
-        self.skip_hist = _Ring(d.skip_rate.window or 100, dev)
-        self.backoff_hist = _Ring(d.death_spiral.window or 50, dev)
-        self.growth_hist = _Ring(d.death_spiral.window or 50, dev)
-        self.consecutive = torch.zeros((), device=dev)
-        self.prev_scale = torch.full((), float("nan"), device=dev)
-        self.skipped_total = torch.zeros((), device=dev)
+        self.step = 0  # optimizer steps recorded (host)
+        self.loss_hist = _Window(d.loss_spike.window or 128)
+        self.grad_hist = _Window(d.grad_spike.window or 128)
+        self.skip_hist = _Window(d.skip_rate.window or 100)
+        self.backoff_hist = _Window(d.death_spiral.window or 50)
+        self.growth_hist = _Window(d.death_spiral.window or 50)
+        self.consecutive = 0.0
+        self.prev_scale = math.nan
+        self.skipped_total = 0.0
         # latched since the last check: fired flag, first step it fired, value then
-        self.fired = {n: torch.zeros((), dtype=torch.bool, device=dev) for n in STEP_DETECTORS}
-        self.first_step = {n: torch.full((), -1.0, device=dev) for n in STEP_DETECTORS}
-        self.value = {n: torch.zeros((), device=dev) for n in STEP_DETECTORS}
-        self._skip_now = torch.zeros((), dtype=torch.bool, device=dev)
+        self.fired = dict.fromkeys(STEP_DETECTORS, False)
+        self.first_step = dict.fromkeys(STEP_DETECTORS, -1)
+        self.value = dict.fromkeys(STEP_DETECTORS, 0.0)
         self.layer_values: dict[str, dict[str, Tensor]] = {}
+        # per-step records not yet replayed: the open step, closed steps, and stacked chunks of older ones
+        self._cur: dict[str, Tensor] = {}
+        self._rows: list[tuple[int, dict[str, Tensor]]] = []
+        self._chunks: list[tuple[Tensor, list[tuple[int, tuple[str, ...]]]]] = []
+        # device side, only for what must act on the step itself (skip_step reactions)
+        self._skip_loss = _skips(d.nonfinite_loss)
+        self._skip_grad = _skips(d.nonfinite_grad)
+        self._dev_rings = {
+            name: _Ring(len(getattr(self, hist).vals), self.device)
+            for name, hist in (("loss_spike", "loss_hist"), ("grad_spike", "grad_hist"))
+            if _skips(getattr(d, name)) and getattr(d, name).threshold is not None
+        }
+        self._never = torch.zeros((), dtype=torch.bool, device=self.device)
+        self._skip_now = self._never
+
+    @property
+    def can_skip(self) -> bool:
+        """Whether any detector has the ``skip_step`` reaction (else :meth:`pre_step` never asks for a skip)."""
+        return self._skip_loss or self._skip_grad or bool(self._dev_rings)
 
     # -- per step (device only) ----------------------------------------------------------------------
-    def _latch(self, name: str, cond: Tensor, value: Tensor) -> None:
-        cfg: DetectorConfig = getattr(self.det, name)
-        if not cfg.enabled:
-            return
-        cond = cond.to(torch.bool)
-        new = cond & ~self.fired[name]
-        self.first_step[name] = torch.where(
-            new, torch.full((), float(self.step + 1), device=self.device), self.first_step[name]
-        )
-        self.value[name] = torch.where(new, value.float().detach(), self.value[name])
-        self.fired[name] = self.fired[name] | cond
+    def pre_step(self, *, loss: Tensor | None, grad_norm: Tensor | None) -> Tensor:
+        """Before the optimizer step: record the raw loss and grad norm; returns the device flag 'skip this
+        step' (non-finite or spiking values whose detector reacts with ``skip_step``)."""
+        skip: Tensor | None = None
+        for key, value, nonfinite, spike in (
+            ("loss", loss, self._skip_loss, "loss_spike"),
+            ("grad", grad_norm, self._skip_grad, "grad_spike"),
+        ):
+            if value is None:
+                continue
+            v = self._as_f32(value)
+            self._cur[key] = v
+            if nonfinite:
+                bad = (v - v) != 0  # not finite: x - x is NaN for inf and NaN (2 ops; isfinite takes 4)
+                skip = bad if skip is None else skip | bad
+            ring = self._dev_rings.get(spike)
+            if ring is not None:
+                flag = self._device_spike(ring, v, getattr(self.det, spike).threshold)
+                self._cur[spike] = flag
+                skip = flag if skip is None else skip | flag
+        self._skip_now = self._never if skip is None else skip
+        return self._skip_now
 
-    @staticmethod
-    def _zscore(ring: _Ring, x: Tensor) -> tuple[Tensor, Tensor]:
+    def _device_spike(self, ring: _Ring, v: Tensor, threshold: float) -> Tensor:
+        """z-score spike test of ``v`` against its device ring (``skip_step`` spike detectors only)."""
         valid = torch.isfinite(ring.buf)
         n = valid.sum()
         vals = torch.where(valid, ring.buf, 0.0)
         mean = vals.sum() / n.clamp_min(1)
         var = torch.where(valid, (ring.buf - mean) ** 2, 0.0).sum() / n.clamp_min(1)
-        z = (x - mean) / (var.sqrt() + 1e-12)
-        return z, n
-
-    def pre_step(self, *, loss: Tensor | None, grad_norm: Tensor | None) -> Tensor:
-        """Before the optimizer step: spike and non-finite checks; returns the device flag 'skip this step'."""
-        skip = torch.zeros((), dtype=torch.bool, device=self.device)
-        if loss is not None:
-            skip = skip | self._value_checks(loss, self.loss_hist, "nonfinite_loss", "loss_spike")
-        if grad_norm is not None:
-            skip = skip | self._value_checks(grad_norm, self.grad_hist, "nonfinite_grad", "grad_spike")
-        self._skip_now = skip
-        return skip
-
-    def _value_checks(self, value: Tensor, ring: _Ring, nonfinite: str, spike_name: str) -> Tensor:
-        """Non-finite and z-score spike checks of one per-step value (loss or grad norm) against its ring."""
-        v = value.detach().float().reshape(()).to(self.device)
+        z = (v - mean) / (var.sqrt() + 1e-12)
         finite = torch.isfinite(v)
-        self._latch(nonfinite, ~finite, v)
-        z, n = self._zscore(ring, v)
-        spike = finite & (n >= MIN_SPIKE_HISTORY) & (z > (getattr(self.det, spike_name).threshold or math.inf))
-        self._latch(spike_name, spike, z)
+        spike = finite & (n >= MIN_SPIKE_HISTORY) & (z > threshold)
         ring.put(self.step, torch.where(finite & ~spike, v, float("nan")))
-        return (~finite & _skips(getattr(self.det, nonfinite))) | (spike & _skips(getattr(self.det, spike_name)))
-
-    def post_step(self, *, skipped: Tensor, scale: Tensor | None) -> None:
-        """After the optimizer step: skip statistics and loss-scale trend."""
-        d = self.det
-        skipped = skipped.detach().float().reshape(()).to(self.device).clamp(0, 1)
-        self.skipped_total = self.skipped_total + skipped
-        self.skip_hist.put(self.step, skipped)
-        self.consecutive = (self.consecutive + 1) * skipped
-        filled = min(self.step + 1, self.skip_hist.buf.numel())
-        rate = torch.nan_to_num(self.skip_hist.buf, nan=0.0).sum() / filled
-        self._latch("skip_rate", rate > (d.skip_rate.threshold or math.inf), rate)
-        self._latch(
-            "consecutive_skips", self.consecutive >= (d.consecutive_skips.threshold or math.inf), self.consecutive
-        )
-        if scale is not None:
-            s = scale.detach().float().reshape(()).to(self.device).clone()  # the scaler updates its tensor in place
-            self._latch("scale_floor", s <= (d.scale_floor.threshold or 0.0), s)
-            prev = self.prev_scale
-            known = torch.isfinite(prev)
-            self.backoff_hist.put(self.step, (known & (s < prev)).float())
-            self.growth_hist.put(self.step, (known & (s > prev)).float())
-            backoffs = torch.nan_to_num(self.backoff_hist.buf, nan=0.0).sum()
-            growths = torch.nan_to_num(self.growth_hist.buf, nan=0.0).sum()
-            spiral = (backoffs >= (d.death_spiral.threshold or math.inf)) & (growths == 0)
-            self._latch("death_spiral", spiral, backoffs)
-            self.prev_scale = s
-        self.step += 1
+        return spike
 
     def observe_update(self, ratio: Tensor, skipped: Tensor) -> None:
         """On a sampled step, before :meth:`post_step`: RMS(update)/RMS(weight) of the low-precision params."""
-        thr = self.det.tiny_update.threshold
-        if thr is None:
+        if self.det.tiny_update.threshold is None:
             return
-        ratio = ratio.detach().float().reshape(()).to(self.device)
-        taken = skipped.detach().reshape(()).to(self.device) < 0.5  # a skipped step changes nothing on purpose
-        self._latch("tiny_update", taken & torch.isfinite(ratio) & (ratio < thr), ratio)
+        self._cur["ratio"] = self._as_f32(ratio)
+        self._cur["ratio_skipped"] = self._as_f32(skipped)
+
+    def post_step(self, *, skipped: Tensor, scale: Tensor | None) -> None:
+        """After the optimizer step: record whether it was skipped and the loss scale; closes the step."""
+        self._cur["skipped"] = self._as_f32(skipped)
+        if scale is not None:
+            self._cur["scale"] = self._as_f32(scale).clone()  # the scaler updates its tensor in place
+        self.step += 1
+        self._rows.append((self.step, self._cur))
+        self._cur = {}
+        if len(self._rows) >= FLUSH_EVERY:
+            self._flush()
+
+    def _as_f32(self, t: Tensor) -> Tensor:
+        t = t.detach()
+        if t.dtype != torch.float32 or t.device != self.device:
+            t = t.to(device=self.device, dtype=torch.float32)
+        return t if t.dim() == 0 else t.reshape(())
+
+    def _flush(self) -> None:
+        """Stack the closed steps' records into one device tensor (no host read), bounding what is held."""
+        if not self._rows:
+            return
+        layout = [(step, tuple(rec)) for step, rec in self._rows]
+        flat = [t if t.dtype == torch.float32 else t.float() for _, rec in self._rows for t in rec.values()]
+        self._chunks.append((torch.stack(flat), layout))
+        self._rows = []
 
     # -- FP8 layers (sampled steps) ------------------------------------------------------------------
     def observe_fp8(self, layers: dict[str, dict[str, Tensor]]) -> None:
@@ -203,22 +222,85 @@ class HealthMonitor:
                 seen[k] = v
 
     # -- decisions (host sync) -------------------------------------------------------------------------
+    def sync(self) -> None:
+        """Read the recorded steps (one device-to-host copy) and run the detectors over them in order."""
+        self._flush()
+        if not self._chunks:
+            return
+        chunks, self._chunks = self._chunks, []
+        data = torch.cat([c for c, _ in chunks]).tolist() if len(chunks) > 1 else chunks[0][0].tolist()
+        pos = 0
+        for _, layout in chunks:
+            for step, keys in layout:
+                rec = dict(zip(keys, data[pos : pos + len(keys)]))
+                pos += len(keys)
+                self._replay(step, rec)
+
+    def _latch(self, name: str, cond: bool, value: float, step: int) -> None:
+        if cond and not self.fired[name] and getattr(self.det, name).enabled:
+            self.fired[name] = True
+            self.first_step[name] = step
+            self.value[name] = value
+
+    def _replay(self, step: int, rec: dict[str, float]) -> None:
+        """One step's detectors, on the host, in the order the device would have run them."""
+        d = self.det
+        i = step - 1  # ring position (steps before this one)
+        for key, hist, nonfinite, spike in (
+            ("loss", self.loss_hist, "nonfinite_loss", "loss_spike"),
+            ("grad", self.grad_hist, "nonfinite_grad", "grad_spike"),
+        ):
+            v = rec.get(key)
+            if v is None:
+                continue
+            finite = math.isfinite(v)
+            self._latch(nonfinite, not finite, v, step)
+            thr = getattr(d, spike).threshold or math.inf
+            if spike in rec:  # decided on the device (a skip_step reaction): use that very decision
+                fired = rec[spike] > 0.5
+            else:
+                fired = finite and hist.n >= MIN_SPIKE_HISTORY and hist.above(v, thr)
+            if fired and getattr(d, spike).enabled and not self.fired[spike]:
+                self._latch(spike, True, hist.zscore(v), step)
+            hist.put(i, v if finite and not fired else math.nan)
+        ratio = rec.get("ratio")
+        if ratio is not None and d.tiny_update.threshold is not None:
+            taken = rec["ratio_skipped"] < 0.5  # a skipped step changes nothing on purpose
+            self._latch("tiny_update", taken and math.isfinite(ratio) and ratio < d.tiny_update.threshold, ratio, step)
+        s = rec["skipped"]
+        s = min(max(s, 0.0), 1.0) if s == s else 0.0
+        self.skipped_total += s
+        self.skip_hist.put(i, s)
+        self.consecutive = (self.consecutive + 1) * s
+        rate = self.skip_hist.s1 / min(step, len(self.skip_hist.vals))
+        self._latch("skip_rate", rate > (d.skip_rate.threshold or math.inf), rate, step)
+        thr = d.consecutive_skips.threshold or math.inf
+        self._latch("consecutive_skips", self.consecutive >= thr, self.consecutive, step)
+        scale = rec.get("scale")
+        if scale is not None:
+            self._latch("scale_floor", scale <= (d.scale_floor.threshold or 0.0), scale, step)
+            prev = self.prev_scale
+            known = math.isfinite(prev)
+            self.backoff_hist.put(i, float(known and scale < prev))
+            self.growth_hist.put(i, float(known and scale > prev))
+            backoffs, growths = self.backoff_hist.s1, self.growth_hist.s1
+            spiral = backoffs >= (d.death_spiral.threshold or math.inf) and growths == 0
+            self._latch("death_spiral", spiral, backoffs, step)
+            self.prev_scale = scale
+
     def check(self) -> list[HealthEvent]:
         """Events fired since the last check (reads device values; call on logging/sampling steps only)."""
+        self.sync()
         events: list[HealthEvent] = []
-        names = list(STEP_DETECTORS)
-        if names:
-            packed = torch.stack(
-                [torch.stack([self.fired[n].float(), self.first_step[n], self.value[n]]) for n in names]
-            ).tolist()
-            for n, (fired, first, value) in zip(names, packed):
-                if fired:
-                    cfg: DetectorConfig = getattr(self.det, n)
-                    events.append(
-                        HealthEvent(int(first), n, cfg.reaction, value, cfg.threshold, _message(n, value, cfg))
-                    )
-                self.fired[n].zero_()
-                self.first_step[n].fill_(-1.0)
+        for n in STEP_DETECTORS:
+            if self.fired[n]:
+                cfg: DetectorConfig = getattr(self.det, n)
+                value = self.value[n]
+                events.append(
+                    HealthEvent(self.first_step[n], n, cfg.reaction, value, cfg.threshold, _message(n, value, cfg))
+                )
+            self.fired[n] = False
+            self.first_step[n] = -1
         events += self._check_layers()
         return events
 
@@ -249,45 +331,98 @@ class HealthMonitor:
 
     def reset_windows(self) -> None:
         """Forget the windowed history (used when resuming a run that a health reaction stopped)."""
-        for ring in (self.loss_hist, self.grad_hist, self.skip_hist, self.backoff_hist, self.growth_hist):
+        self.sync()
+        for key in _HISTORIES:
+            getattr(self, key).load(None)
+        for ring in self._dev_rings.values():
             ring.buf.fill_(float("nan"))
-        self.consecutive.zero_()
-        self.prev_scale.fill_(float("nan"))
+        self.consecutive = 0.0
+        self.prev_scale = math.nan
 
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        def t(x: Tensor) -> list[float] | float:
-            return x.tolist()
-
+        """JSON-friendly state (reads the recorded steps first: call on checkpoint steps only)."""
+        self.sync()
         return {
             "version": 1,
             "step": self.step,
-            "loss_hist": t(self.loss_hist.buf),
-            "grad_hist": t(self.grad_hist.buf),
-            "skip_hist": t(self.skip_hist.buf),
-            "backoff_hist": t(self.backoff_hist.buf),
-            "growth_hist": t(self.growth_hist.buf),
-            "consecutive": t(self.consecutive),
-            "prev_scale": t(self.prev_scale),
-            "skipped_total": t(self.skipped_total),
+            **{key: list(getattr(self, key).vals) for key in _HISTORIES},
+            "consecutive": self.consecutive,
+            "prev_scale": self.prev_scale,
+            "skipped_total": self.skipped_total,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != 1:
             raise ValueError(f"health monitor state version {state.get('version')!r} (expected 1)")
-        dev = self.device
+        self._cur, self._rows, self._chunks = {}, [], []
         self.step = int(state["step"])
-        for key in ("loss_hist", "grad_hist", "skip_hist", "backoff_hist", "growth_hist"):
-            ring: _Ring = getattr(self, key)
-            data = torch.tensor(state[key], dtype=torch.float32, device=dev)
-            if data.numel() != ring.buf.numel():
-                raise ValueError(
-                    f"health state {key} has {data.numel()} entries, the recipe's window is {ring.buf.numel()}"
-                )
-            ring.buf = data
-        self.consecutive = torch.tensor(state["consecutive"], dtype=torch.float32, device=dev)
-        self.prev_scale = torch.tensor(state["prev_scale"], dtype=torch.float32, device=dev)
-        self.skipped_total = torch.tensor(state["skipped_total"], dtype=torch.float32, device=dev)
+        for key in _HISTORIES:
+            hist = getattr(self, key)
+            data = [float(x) for x in state[key]]
+            if len(data) != len(hist.vals):
+                raise ValueError(f"health state {key} has {len(data)} entries, the recipe's window is {len(hist.vals)}")
+            hist.load(data)
+        for name, ring in self._dev_rings.items():
+            src = self.loss_hist if name == "loss_spike" else self.grad_hist
+            ring.buf = torch.tensor(src.vals, dtype=torch.float32, device=self.device)
+        self.consecutive = float(state["consecutive"])
+        self.prev_scale = float(state["prev_scale"])
+        self.skipped_total = float(state["skipped_total"])
+
+
+_HISTORIES = ("loss_hist", "grad_hist", "skip_hist", "backoff_hist", "growth_hist")
+
+
+class _Window:
+    """The last ``size`` values of a per-step series on the host (NaN: empty or excluded), indexed by step,
+    with the count, sum and sum of squares of its finite values kept up to date, so that replaying a step
+    costs O(1) rather than a pass over the window. The sums are recomputed exactly (``math.fsum``) once per
+    ``size`` updates, so rounding cannot drift; for 0/1 series (skips, backoffs) they are exact anyway."""
+
+    def __init__(self, size: int):
+        self.vals = [math.nan] * size
+        self.n, self.s1, self.s2 = 0, 0.0, 0.0
+        self._puts = 0
+
+    def put(self, i: int, value: float) -> None:
+        j = i % len(self.vals)
+        old = self.vals[j]
+        if math.isfinite(old):
+            self.n, self.s1, self.s2 = self.n - 1, self.s1 - old, self.s2 - old * old
+        self.vals[j] = value
+        if math.isfinite(value):
+            self.n, self.s1, self.s2 = self.n + 1, self.s1 + value, self.s2 + value * value
+        self._puts += 1
+        if self._puts % len(self.vals) == 0:
+            self._recount()
+
+    def load(self, values: list[float] | None) -> None:
+        self.vals = [math.nan] * len(self.vals) if values is None else list(values)
+        self._recount()
+
+    def _recount(self) -> None:
+        finite = [v for v in self.vals if math.isfinite(v)]
+        self.n, self.s1, self.s2 = len(finite), math.fsum(finite), math.fsum(v * v for v in finite)
+
+    def zscore(self, x: float) -> float:
+        """(x - mean) / (population std + 1e-12) of the finite values, computed in two passes (exact)."""
+        finite = [v for v in self.vals if math.isfinite(v)]
+        n = max(len(finite), 1)
+        mean = math.fsum(finite) / n
+        var = math.fsum((v - mean) ** 2 for v in finite) / n
+        return (x - mean) / (math.sqrt(var) + 1e-12)
+
+    def above(self, x: float, threshold: float) -> bool:
+        """Whether :meth:`zscore` of ``x`` exceeds ``threshold``: from the running sums, and in two passes
+        where the two are close enough for rounding to matter."""
+        n = max(self.n, 1)
+        mean = self.s1 / n
+        var = max(self.s2 / n - mean * mean, 0.0)
+        z = (x - mean) / (math.sqrt(var) + 1e-12)
+        if abs(z - threshold) <= 1e-6 * max(1.0, abs(threshold)) or (var < 1e-9 * mean * mean):
+            z = self.zscore(x)  # close to the threshold, or a variance lost in cancellation: recompute
+        return z > threshold
 
 
 def _skips(cfg: DetectorConfig) -> bool:

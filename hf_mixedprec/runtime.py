@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.amp.grad_scaler import OptState
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from torch.optim.lr_scheduler import LambdaLR
 
 from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper
@@ -32,7 +34,7 @@ from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated
 from hf_mixedprec.health import HealthEvent, HealthMonitor, layers_to_bf16
 from hf_mixedprec.recipe import Recipe
 
-__all__ = ["MixedPrecisionRuntime", "compute_dtype"]
+__all__ = ["GuardScaler", "MixedPrecisionRuntime", "compute_dtype"]
 
 log = logging.getLogger("hf_mixedprec")
 
@@ -44,6 +46,60 @@ UPDATE_PROBE = 4096
 def compute_dtype(recipe: Recipe) -> torch.dtype | None:
     """The autocast dtype a recipe trains in (None for fp32). FP8 layers sit inside a BF16 autocast."""
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(recipe.precision)
+
+
+class GuardScaler(torch.amp.GradScaler):
+    """A ``GradScaler`` held at scale 1 that only skips flagged optimizer steps (BF16/FP8 runs).
+
+    torch's GradScaler skips ``optimizer.step()`` when found-inf is set, inside the optimizer for AMP-aware
+    ones such as fused AdamW (Trainer's default), without a host read. At scale 1 the rest of its work is
+    exact no-ops, so this one does none of it: :meth:`scale` returns the loss as it is (a product with 1),
+    the runtime marks the optimizer unscaled with its skip flag as found-inf (no pass over the gradients),
+    :meth:`step` hands that flag to an AMP-aware optimizer directly, and :meth:`update` leaves the scale at 1
+    (torch's would halve it after a skipped step). Anything else (a closure, an optimizer that is not
+    AMP-aware, a stage the runtime did not set) goes through torch's own code.
+    """
+
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__(device, init_scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2**30)
+        self._takes_scaler: dict[Any, bool] = {}
+
+    def scale(self, outputs: Any) -> Any:
+        return outputs
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        state = self._per_optimizer_states[id(optimizer)]
+        found = state["found_inf_per_device"]
+        fn = getattr(optimizer.step, "__func__", optimizer.step)
+        if fn not in self._takes_scaler:
+            self._takes_scaler[fn] = "grad_scaler" in inspect.signature(optimizer.step).parameters
+        direct = (
+            state["stage"] is OptState.UNSCALED
+            and len(found) == 1
+            and "closure" not in kwargs
+            and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and not self._takes_scaler[fn]
+        )
+        if not direct:
+            return super().step(optimizer, *args, **kwargs)
+        optimizer.grad_scale = None  # type: ignore[attr-defined]
+        optimizer.found_inf = next(iter(found.values()))  # type: ignore[attr-defined]
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            state["stage"] = OptState.STEPPED
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restoring any scaler's state (e.g. an FP16 run's ``scaler.pt``) keeps the guard at scale 1."""
+        super().load_state_dict(state_dict)
+        self._init_scale = 1.0
+        if self._scale is not None:
+            self._scale.fill_(1.0)
 
 
 class MixedPrecisionRuntime:
@@ -58,7 +114,7 @@ class MixedPrecisionRuntime:
         self.scaler: torch.amp.GradScaler | None = None
         self.fp8_report: ConversionReport | None = None
         self.steps = 0  # optimizer steps seen (host-side count, known without looking at tensors)
-        self._skipped = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._skipped = torch.zeros((), device=self.device)  # float32: exact up to 2**24 skipped steps
         self._last: ClipResult | None = None
         self._found_inf = torch.zeros((), device=self.device)
         #: Under DeepSpeed the engine owns loss scaling and clipping; this reads its scaler for the metrics.
@@ -71,7 +127,7 @@ class MixedPrecisionRuntime:
         self.stop_requested: str | None = None
         self.fallback_recipe: str | None = None
         self._loss_sum = torch.zeros((), device=self.device)
-        self._loss_n = torch.zeros((), device=self.device)
+        self._loss_n = 0  # forwards since the last optimizer step (host: the hook runs on the host)
         self._sampling = False
         self._fp8_pending = False  # a sampled step's FP8 statistics wait for the next check (a logging step)
         self._fp8_metrics: dict[str, float] = {}
@@ -97,15 +153,9 @@ class MixedPrecisionRuntime:
         return any(getattr(d, n).enabled and getattr(d, n).reaction == "skip_step" for n in type(d).model_fields)
 
     def make_guard_scaler(self) -> torch.amp.GradScaler:
-        """A GradScaler at scale 1 (multiplying by 1 is exact) whose only job is skipping flagged steps.
-
-        torch's GradScaler skips ``optimizer.step()`` when found-inf is set (inside the optimizer for AMP-aware
-        ones such as AdamW, without a host read); the scale is reset to 1 after every step.
-        """
+        """A :class:`GuardScaler` (scale 1) whose only job is skipping flagged steps exactly."""
         self.guard = True
-        self.scaler = torch.amp.GradScaler(
-            self.device.type, init_scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2**30
-        )
+        self.scaler = GuardScaler(self.device.type)
         return self.scaler
 
     def make_grad_scaler(self) -> torch.amp.GradScaler | None:
@@ -160,18 +210,31 @@ class MixedPrecisionRuntime:
         model._hf_mixedprec_autocast = True  # type: ignore[attr-defined]
 
     def watch_loss(self, model: nn.Module) -> None:
-        """Capture the raw loss each forward (before Trainer's NaN filter) for the loss detectors."""
+        """Capture the raw loss each forward (before Trainer's NaN filter) for the loss detectors.
+
+        A forward hook, not a wrapper of ``model.forward``: trainers replace ``forward`` (TRL's fused LM head
+        bypasses the forward it found), while a hook sees every call of the module.
+        """
         if self.monitor is None or getattr(model, "_hf_mixedprec_loss_hook", False):
             return
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-            if isinstance(loss, torch.Tensor) and module.training:
-                self._loss_sum = self._loss_sum + loss.detach().float().reshape(()).to(self._loss_sum.device)
-                self._loss_n = self._loss_n + 1
+            if module.training:
+                loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+                if isinstance(loss, torch.Tensor):
+                    self._record_loss(loss)
 
         model.register_forward_hook(hook)
         model._hf_mixedprec_loss_hook = True  # type: ignore[attr-defined]
+
+    def _record_loss(self, loss: torch.Tensor) -> None:
+        value = loss.detach()
+        if value.dtype != torch.float32 or value.device != self.device:
+            value = value.to(device=self.device, dtype=torch.float32)
+        if value.dim():
+            value = value.reshape(())
+        self._loss_sum = value if self._loss_n == 0 else self._loss_sum + value
+        self._loss_n += 1
 
     def begin_step(self, model: nn.Module) -> None:
         """Before the step's forward passes: turn FP8 statistics on for sampled steps only."""
@@ -219,26 +282,36 @@ class MixedPrecisionRuntime:
         norm = total_norm if total_norm is not None else global_grad_norm([p.grad for p in params])
         self.last_norm = norm
         found = self._scaler_found_inf(optimizer) if (optimizer is not None and not self.guard) else None
-        if found is None:
-            found = (~torch.isfinite(norm)).to(self._found_inf.dtype)
         if self.clipper is not None:
             self._last = self.clipper.clip_(params, total_norm=norm)
         skip = None
         if self.monitor is not None:
-            loss = None
-            if self.recipe.health.detectors.loss_spike.enabled or self.recipe.health.detectors.nonfinite_loss.enabled:
-                loss = torch.where(self._loss_n > 0, self._loss_sum / self._loss_n.clamp_min(1), float("nan"))
-                if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                    dist.all_reduce(loss, op=dist.ReduceOp.SUM)  # one decision for every rank
-                    loss = loss / dist.get_world_size()
-            skip = self.monitor.pre_step(loss=loss, grad_norm=norm)
-            found = torch.maximum(found, skip.to(found.dtype))
+            d = self.recipe.health.detectors
+            loss = self._step_loss() if (d.loss_spike.enabled or d.nonfinite_loss.enabled) else None
+            flag = self.monitor.pre_step(loss=loss, grad_norm=norm)
+            skip = flag if self.monitor.can_skip else None
+        if found is None:  # no loss-scaling verdict: a non-finite norm (x - x is NaN for inf and NaN) or a skip flag
+            bad = (norm - norm) != 0
+            found = (bad if skip is None else bad | skip).float()
+        elif skip is not None:
+            found = torch.maximum(found, skip.float())
         self._mark_skip(optimizer, found)
-        self._loss_sum = torch.zeros_like(self._loss_sum)
-        self._loss_n = torch.zeros_like(self._loss_n)
+        self._loss_n = 0
         self._found_inf = found
         self._probe_updates(params)
         return self._last
+
+    def _step_loss(self) -> torch.Tensor:
+        """The mean raw loss of this optimizer step's forwards (NaN if none returned a loss), equal on all ranks."""
+        if self._loss_n == 0:
+            loss = torch.full((), float("nan"), device=self.device)
+        else:
+            loss = self._loss_sum if self._loss_n == 1 else self._loss_sum / self._loss_n
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM)  # one decision for every rank
+            loss = loss / dist.get_world_size()
+        return loss
 
     def _probe_updates(self, params: list[Any]) -> None:
         """On sampled steps, keep a strided sample (at most UPDATE_PROBE elements per tensor) of the BF16/FP16
@@ -276,7 +349,8 @@ class MixedPrecisionRuntime:
         if self.guard:
             if self.scaler._scale is None:
                 self.scaler._lazy_init_scale_growth_tracker(found.device)
-            state["found_inf_per_device"] = {found.device: found.detach().float().reshape(()).clone()}
+            # ``found`` is a fresh float32 tensor of this step; nothing writes into it (the guard never unscales)
+            state["found_inf_per_device"] = {found.device: found}
             state["stage"] = OptState.UNSCALED
             return
         for t in state["found_inf_per_device"].values():
@@ -295,14 +369,17 @@ class MixedPrecisionRuntime:
             if self._sampling and self.recipe.precision == "fp8":
                 self.monitor.observe_fp8({name: dict(m.stats) for name, m in iter_emulated(model)})
                 self._fp8_pending = True
-        if self.guard and self.scaler is not None and self.scaler._scale is not None:
-            self.scaler._scale.fill_(1.0)  # the guard never scales
-        elif self.scaler is not None and self.scaler._scale is not None and self.recipe.loss_scale is not None:
+        if (
+            not self.guard
+            and self.scaler is not None
+            and self.scaler._scale is not None
+            and self.recipe.loss_scale is not None
+        ):
             # torch's GradScaler has no bounds; the recipe's min_scale/max_scale are applied on the device
             ls = self.recipe.loss_scale
             self.scaler._scale.clamp_(min=ls.min_scale, max=ls.max_scale)
         if self.scaler is not None:
-            self._skipped += self._found_inf.to(self._skipped.dtype)
+            self._skipped.add_(self._found_inf)
             inner = getattr(optimizer, "optimizer", optimizer)
             self._optimizer_skips_itself = bool(getattr(inner, "_step_supports_amp_scaling", False))
         self.steps += 1
@@ -468,6 +545,8 @@ class MixedPrecisionRuntime:
             out["mp/health_events"] = float(len(self.events))
         out.update(self._fp8_metrics)
         self._fp8_metrics = {}
+        if self.clipper is not None:
+            self.clipper.host_sync()
         if self._last is not None:
             out["mp/grad_norm"] = float(self._last.total_norm.item())
             thr = float(self._last.threshold.item())
@@ -501,7 +580,7 @@ class MixedPrecisionRuntime:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"hf_mixedprec runtime state version {state.get('version')!r} (expected {STATE_VERSION})")
         self.steps = int(state["steps"])
-        self._skipped = torch.tensor(int(state["skipped"]), dtype=torch.int64, device=self.device)
+        self._skipped = torch.tensor(float(state["skipped"]), device=self.device)
         self._schedule_rewound = int(state.get("schedule_rewound", 0))
         clip = state.get("clipper")
         if (clip is None) != (self.clipper is None):

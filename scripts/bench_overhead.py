@@ -1,7 +1,6 @@
 """Step time of a plain Hugging Face ``Trainer`` vs the same ``Trainer`` with hf_mixedprec's callbacks.
 
-Both sides train the same model (same seed, same data, same batch) at the same precision, in one process,
-repetitions interleaved (A B, then B A, ...) so that drift and other load on the machine hit both sides:
+Both sides train the same model (same seed, same data, same batch) at the same precision, in one process:
 
 - baseline: what a user without hf_mixedprec runs: ``TrainingArguments(bf16=True)`` (Trainer's BF16 autocast
   and its default ``max_grad_norm=1.0`` norm clipping), no extra callbacks;
@@ -14,9 +13,20 @@ native AMP, autocast(float16) and a default ``GradScaler``), switched on the sam
 Accelerate ignores fp16 on CPU. FP8 recipes: the baseline model is converted to (emulated) FP8 and advances
 delayed scaling after each step, so both sides pay for the FP8 layers and only the callbacks differ.
 
-A step's time is the wall time between consecutive ``on_step_begin`` events (forward, backward, clipping,
-optimizer, scheduler, every callback's ``on_step_end`` and logging, and loading the next batch); the first
-``--warmup`` steps of each repetition are discarded. With ``--log-every 0`` (default) Trainer logs only at the
+Interleaving (``--interleave``):
+
+- ``step`` (default): both Trainers run at once, in lockstep: each runs in its own thread and they hand a
+  turn back and forth at every ``on_step_begin``, so step k of one side and step k of the other run back to
+  back and only one of them runs at any time. Load on a shared machine, CPU frequency and thermal drift then
+  hit both sides alike, step by step; a repetition's ratio is the median of the per-step ratios.
+- ``run``: whole runs alternate (A B, then B A, ...); drift within a run is not cancelled.
+
+``--control`` adds a row that pits the baseline against itself the same way: its ratio is what the
+measurement reads when nothing differs, so it says how far from 1.0 a ratio must be to mean anything.
+
+A step's time is the time between consecutive ``on_step_begin`` events (forward, backward, clipping,
+optimizer, scheduler, every callback's ``on_step_end`` and logging, and loading the next batch), with the
+other side's turn taken out in lockstep mode; the first ``--warmup`` steps of each repetition are discarded. With ``--log-every 0`` (default) Trainer logs only at the
 last step, so the measured steps are non-logging steps; ``--log-every 10`` measures with a log every 10 steps.
 Each step's process CPU time is recorded too: its ratio is what to read on a machine shared with other jobs,
 where wall time also measures them.
@@ -26,7 +36,7 @@ thread; a 0.1M-parameter model gains nothing from more, and on a shared 2-core m
 threads made steps up to 30x slower at random, on either side (ratios per round from 0.03 to 38).
 
     python scripts/bench_overhead.py                       # cpu-bf16, tiny Llama
-    python scripts/bench_overhead.py --model tiny small --log-every 0 10 --repeats 7
+    python scripts/bench_overhead.py --model tiny small --log-every 0 10 --repeats 7 --control
     python scripts/bench_overhead.py --json --out overhead.json
 """
 
@@ -43,6 +53,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from typing import Any
@@ -93,6 +104,76 @@ class StepTimer(TrainerCallback):
         return self._diff(self.wall), self._diff(self.cpu)
 
 
+class Turns:
+    """The turn shared by Trainers run in lockstep: one runs at a time, in a fixed cycle."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+        self.go = {n: threading.Event() for n in names}
+        self.parked = {n: threading.Event() for n in names}
+        self.done: set[str] = set()
+        self.lock = threading.Lock()
+
+    def hand_on(self, me: str) -> None:
+        """Give the turn to the next side that has not finished (or keep it when all others have)."""
+        with self.lock:
+            i = self.names.index(me)
+            for k in range(1, len(self.names) + 1):
+                nxt = self.names[(i + k) % len(self.names)]
+                if nxt not in self.done:
+                    break
+            if nxt != me:
+                self.go[nxt].set()
+                return
+        self.go[me].set()
+
+    def wait(self, me: str) -> None:
+        self.go[me].wait()
+        self.go[me].clear()
+
+    def finish(self, me: str) -> None:
+        with self.lock:
+            self.done.add(me)
+        if len(self.done) < len(self.names):
+            self.hand_on(me)
+
+    def abort(self) -> None:
+        """A side failed: release everyone so that no thread waits forever."""
+        with self.lock:
+            self.done.update(self.names)
+        for e in (*self.go.values(), *self.parked.values()):
+            e.set()
+
+
+class LockstepTimer(StepTimer):
+    """Times this side's steps only: the clock runs from getting the turn to handing it on."""
+
+    def __init__(self, name: str, turns: Turns):
+        super().__init__()
+        self.name, self.turns = name, turns
+        self._start: tuple[float, float] | None = None
+        self._wall_acc, self._cpu_acc = 0.0, 0.0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.turns.parked[self.name].set()
+        self.turns.wait(self.name)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        now = (time.perf_counter(), time.process_time())
+        if self._start is not None:
+            self.wall.append(now[0] - self._start[0])
+            self.cpu.append(now[1] - self._start[1])
+        self.turns.hand_on(self.name)
+        self.turns.wait(self.name)
+        self._start = (time.perf_counter(), time.process_time())
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.turns.finish(self.name)
+
+    def durations(self) -> tuple[list[float], list[float]]:
+        return self.wall, self.cpu
+
+
 class AdvanceFP8(TrainerCallback):
     """Baseline for FP8 recipes: advance delayed scaling after each step (part of the precision, not ours)."""
 
@@ -137,15 +218,21 @@ def reset_accelerate() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def run_once(
-    side: str, recipe: Any, model_kind: str, data: Dataset, opts: argparse.Namespace, log_every: int
-) -> tuple[list[float], list[float]]:
-    """One training run of ``--warmup + --steps + 1`` steps; the measured steps' wall and CPU seconds."""
-    reset_accelerate()
+def build_trainer(
+    side: str,
+    recipe: Any,
+    model_kind: str,
+    data: Dataset,
+    opts: argparse.Namespace,
+    log_every: int,
+    timer: StepTimer,
+    workdir: str,
+) -> Trainer:
+    """A Trainer for ``--warmup + --steps + 1`` steps of one side ("baseline" or "ours")."""
     model = build_model(model_kind)
     max_steps = opts.warmup + opts.steps + 1  # +1: a step's end is the next step's begin
     common: dict[str, Any] = {
-        "output_dir": opts.workdir,
+        "output_dir": workdir,
         "max_steps": max_steps,
         "per_device_train_batch_size": opts.batch_size,
         "learning_rate": 1e-3,
@@ -156,7 +243,6 @@ def run_once(
         "seed": 0,
         "dataloader_num_workers": 0,
     }
-    timer = StepTimer()
     callbacks: list[TrainerCallback] = [timer]
     on_cuda = torch.cuda.is_available()
     if side == "ours":
@@ -179,9 +265,55 @@ def run_once(
         from hf_mixedprec.integrations.accelerate_plugin import enable_native_fp16
 
         enable_native_fp16(trainer.accelerator, torch.amp.GradScaler("cpu"))
-    trainer.train()
+    return trainer
+
+
+def run_once(
+    side: str, recipe: Any, model_kind: str, data: Dataset, opts: argparse.Namespace, log_every: int
+) -> tuple[list[float], list[float]]:
+    """One training run on its own; the measured steps' wall and CPU seconds."""
+    reset_accelerate()
+    timer = StepTimer()
+    build_trainer(side, recipe, model_kind, data, opts, log_every, timer, opts.workdir).train()
     wall, cpu = timer.durations()
     return wall[opts.warmup :], cpu[opts.warmup :]
+
+
+def run_lockstep(
+    sides: list[str], recipe: Any, model_kind: str, data: Dataset, opts: argparse.Namespace, log_every: int
+) -> list[tuple[list[float], list[float]]]:
+    """Trainers for ``sides`` (e.g. baseline, ours) in lockstep threads; each one's measured wall and CPU seconds.
+
+    Setup is serialised too: a side's thread starts only once the previous one is parked at ``on_train_begin``
+    (Accelerate's process-wide state is shared, and both sides ask it for the same thing).
+    """
+    reset_accelerate()
+    names = [f"{i}:{s}" for i, s in enumerate(sides)]
+    turns = Turns(names)
+    timers = [LockstepTimer(n, turns) for n in names]
+    trainers = [
+        build_trainer(s, recipe, model_kind, data, opts, log_every, t, os.path.join(opts.workdir, n.replace(":", "_")))
+        for s, t, n in zip(sides, timers, names)
+    ]
+    errors: list[BaseException] = []
+
+    def train(tr: Trainer) -> None:
+        try:
+            tr.train()
+        except BaseException as exc:  # re-raised in the main thread
+            errors.append(exc)
+            turns.abort()
+
+    threads = [threading.Thread(target=train, args=(tr,), daemon=True) for tr in trainers]
+    for th, n in zip(threads, names):
+        th.start()
+        turns.parked[n].wait()
+    turns.go[names[0]].set()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return [(t.wall[opts.warmup :], t.cpu[opts.warmup :]) for t in timers]
 
 
 def describe(ts: list[float]) -> dict[str, float]:
@@ -194,29 +326,47 @@ def describe(ts: list[float]) -> dict[str, float]:
 
 
 def bench(
-    recipe: Any, rehearsed: bool, model_kind: str, log_every: int, opts: argparse.Namespace, data: Dataset
+    recipe: Any,
+    rehearsed: bool,
+    model_kind: str,
+    log_every: int,
+    opts: argparse.Namespace,
+    data: Dataset,
+    control: bool = False,
 ) -> dict:
+    """``control``: the baseline against a second baseline ("ours" is then a plain Trainer too)."""
     wall: dict[str, list[float]] = {"baseline": [], "ours": []}
     cpu: dict[str, list[float]] = {"baseline": [], "ours": []}
     round_ratios: list[float] = []
+    other = "baseline" if control else "ours"
     for r in range(opts.repeats):
         order = ("baseline", "ours") if r % 2 == 0 else ("ours", "baseline")
         this_round: dict[str, list[float]] = {}
-        for side in order:
-            w, c = run_once(side, recipe, model_kind, data, opts, log_every)
-            this_round[side] = w
-            wall[side] += w
-            cpu[side] += c
-        round_ratios.append(statistics.median(this_round["ours"]) / statistics.median(this_round["baseline"]))
+        if opts.interleave == "step":
+            got = run_lockstep([other if s == "ours" else s for s in order], recipe, model_kind, data, opts, log_every)
+            for side, (w, c) in zip(order, got):
+                this_round[side] = w
+                wall[side] += w
+                cpu[side] += c
+            pairs = zip(this_round["ours"], this_round["baseline"])
+            round_ratios.append(statistics.median(o / b for o, b in pairs))
+        else:
+            for side in order:
+                w, c = run_once(other if side == "ours" else side, recipe, model_kind, data, opts, log_every)
+                this_round[side] = w
+                wall[side] += w
+                cpu[side] += c
+            round_ratios.append(statistics.median(this_round["ours"]) / statistics.median(this_round["baseline"]))
         print(
-            f"  {recipe.name} {model_kind} log_every={log_every} round {r + 1}/{opts.repeats}: "
-            f"wall ratio {round_ratios[-1]:.3f}",
+            f"  {'control ' if control else ''}{recipe.name} {model_kind} log_every={log_every} "
+            f"round {r + 1}/{opts.repeats}: ratio {round_ratios[-1]:.3f}",
             file=sys.stderr,
         )
     base, ours = describe(wall["baseline"]), describe(wall["ours"])
     base_cpu, ours_cpu = describe(cpu["baseline"]), describe(cpu["ours"])
     return {
         "recipe": recipe.name,
+        "control": control,
         "rehearsed": rehearsed,
         "model": model_kind,
         "params": sum(p.numel() for p in build_model(model_kind).parameters()),
@@ -228,6 +378,7 @@ def bench(
         "ratio_median": ours["median_ms"] / base["median_ms"],
         "ratio_mean": ours["mean_ms"] / base["mean_ms"],
         "ratio_cpu_median": ours_cpu["median_ms"] / base_cpu["median_ms"],
+        "ratio_rounds_median": statistics.median(round_ratios),
         "round_ratios": round_ratios,
     }
 
@@ -255,18 +406,21 @@ def machine() -> dict[str, Any]:
 def table(rows: list[dict]) -> str:
     out = [
         "| recipe | model | logging | baseline ms/step (median / mean) | ours ms/step (median / mean) "
-        "| ratio (median) | ratio (mean) | CPU-time ratio (median) | per-round ratios (median) |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| ratio (median of rounds) | ratio (medians) | ratio (means) | CPU-time ratio (medians) | per-round ratios |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         b, o = r["baseline"], r["ours"]
         name = r["recipe"] + (" (rehearsed)" if r["rehearsed"] else "")
+        if r.get("control"):
+            name = f"control: baseline vs baseline ({name})"
         logging_ = f"every {r['log_every']} steps" if r["log_every"] else "last step only"
         rr = ", ".join(f"{x:.3f}" for x in r["round_ratios"])
         out.append(
             f"| {name} | {r['model']} ({r['params'] / 1e6:.2f}M) | {logging_} "
             f"| {b['median_ms']:.2f} / {b['mean_ms']:.2f} | {o['median_ms']:.2f} / {o['mean_ms']:.2f} "
-            f"| {r['ratio_median']:.3f} | {r['ratio_mean']:.3f} | {r['ratio_cpu_median']:.3f} | {rr} |"
+            f"| {r['ratio_rounds_median']:.3f} | {r['ratio_median']:.3f} | {r['ratio_mean']:.3f} "
+            f"| {r['ratio_cpu_median']:.3f} | {rr} |"
         )
     return "\n".join(out)
 
@@ -289,6 +443,13 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=1, help="torch.set_num_threads, the same for both sides (default 1, see above)"
     )
     ap.add_argument(
+        "--interleave",
+        choices=("step", "run"),
+        default="step",
+        help="step: both sides in lockstep, step by step (default); run: whole runs alternate",
+    )
+    ap.add_argument("--control", action="store_true", help="also measure the baseline against itself (the noise floor)")
+    ap.add_argument(
         "--no-rehearse", dest="rehearse", action="store_false", help="refuse recipes this machine can't run"
     )
     ap.add_argument("--json", action="store_true", help="print the results as JSON on stdout instead of the table")
@@ -310,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
             recipe, rehearsed = load(name, opts.rehearse)
             for kind in opts.model:
                 for every in opts.log_every:
+                    if opts.control:
+                        rows.append(bench(recipe, rehearsed, kind, every, opts, data, control=True))
                     rows.append(bench(recipe, rehearsed, kind, every, opts, data))
     settings = {k: v for k, v in vars(opts).items() if k != "workdir"}
     doc = {"machine": machine(), "settings": settings, "rows": rows}
@@ -323,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}; "
             f"batch {opts.batch_size} x {opts.seq_len} tokens, {opts.steps} measured steps after {opts.warmup} "
-            f"warm-up, {opts.repeats} interleaved repetitions per side"
+            f"warm-up, {opts.repeats} repetitions per side, interleaved by {opts.interleave}"
         )
         print(table(rows))
     bad = [r for r in rows if not math.isfinite(r["ratio_median"])]

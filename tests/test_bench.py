@@ -76,8 +76,10 @@ def test_bench_gpu_without_gpu_refuses_full_run():
     assert "--dry-run" in proc.stderr and proc.stdout == ""
 
 
-def test_bench_overhead_tiny(tmp_path):
+@pytest.mark.parametrize("interleave", ["step", "run"])
+def test_bench_overhead_tiny(tmp_path, interleave):
     out = tmp_path / "overhead.json"
+    extra = ["--control"] if interleave == "step" else []
     doc = _run(
         [
             "scripts/bench_overhead.py",
@@ -89,18 +91,27 @@ def test_bench_overhead_tiny(tmp_path):
             "2",
             "--threads",
             "1",
+            "--interleave",
+            interleave,
             "--json",
             "--out",
             str(out),
+            *extra,
         ]
     )
     assert json.loads(out.read_text()) == doc
-    assert [(r["recipe"], r["model"], r["log_every"]) for r in doc["rows"]] == [("cpu-bf16", "tiny", 0)]
-    r = doc["rows"][0]
-    for side in ("baseline", "ours"):
-        assert r[side]["n"] == 3 * 2  # steps x repeats
-        assert r[side]["median_ms"] > 0 and math.isfinite(r[side]["mean_ms"])
-    assert math.isfinite(r["ratio_median"]) and r["ratio_median"] > 0
-    assert math.isfinite(r["ratio_mean"]) and r["ratio_mean"] > 0
-    assert len(r["round_ratios"]) == 2 and all(math.isfinite(x) for x in r["round_ratios"])
+    rows = [(r["recipe"], r["model"], r["log_every"], r["control"]) for r in doc["rows"]]
+    expected = [("cpu-bf16", "tiny", 0, False)]
+    assert rows == ([("cpu-bf16", "tiny", 0, True)] if extra else []) + expected
+    for r in doc["rows"]:
+        for side in ("baseline", "ours"):
+            assert r[side]["n"] == 3 * 2  # steps x repeats
+            assert r[side]["median_ms"] > 0 and math.isfinite(r[side]["mean_ms"])
+        assert math.isfinite(r["ratio_median"]) and r["ratio_median"] > 0
+        assert math.isfinite(r["ratio_mean"]) and r["ratio_mean"] > 0
+        assert len(r["round_ratios"]) == 2 and all(math.isfinite(x) for x in r["round_ratios"])
+        assert r["ratio_rounds_median"] == pytest.approx(
+            sorted(r["round_ratios"])[0] / 2 + sorted(r["round_ratios"])[1] / 2
+        )
     assert doc["machine"]["torch_threads"] == 1
+    assert doc["settings"]["interleave"] == interleave

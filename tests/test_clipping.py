@@ -305,6 +305,36 @@ def test_zclip_non_finite_steps_change_nothing(bad):
     assert clipper.steps == len(norms) + 3 and int(clipper.count) == len(norms)
 
 
+@pytest.mark.parametrize("kw", [{}, {"max_norm": 4.0}, {"mode": "percentile"}, {"clip_option": "mean"}])
+def test_zclip_branches_the_host_knows_give_the_same_bits(kw):
+    """host_sync() (a logging step) lets ZClip drop its warm-up operations; the results must not change.
+
+    Non-finite norms in the warm-up keep it going past ``warmup_steps`` calls, so the clipper that syncs
+    every step runs the "either" branch until its read sees the warm-up end, then the lean one."""
+    kw = {"alpha": 0.9, "z_thresh": 2.0, "warmup_steps": 5, **kw}
+    never, always = ZClip(**kw), ZClip(**kw)
+    norms = [f32(x) for x in (1.0, 2.0, math.inf, 1.5, math.nan, 2.5, 1.0, 9.0, 1.2, math.inf, 1.1, 30.0, 1.3)]
+    lean_from = None
+    for i, g in enumerate(norms):
+        a, b = random_params(i), random_params(i)
+        norm = float(torch.linalg.vector_norm(torch.cat([x.grad.flatten() for x in a])))
+        for p, q in zip(a, b):  # the same gradients, scaled to norm g (non-finite: one entry)
+            if math.isfinite(g):
+                p.grad.mul_(g / norm)
+            else:
+                p.grad.view(-1)[0] = g
+            q.grad = p.grad.clone()
+        ra, rb = never.clip_(a), always.clip_(b)
+        always.host_sync()
+        if always._warm_done and lean_from is None:
+            lean_from = i + 1  # calls after this one take the lean branch
+        assert same_bits(ra.threshold, rb.threshold) and torch.equal(ra.clipped, rb.clipped), i
+        assert all(same_bits(p.grad, q.grad) for p, q in zip(a, b)), i
+        for k, v in never.state_dict()["state"].items():
+            assert same_bits(v, always.state_dict()["state"][k]), (i, k)
+    assert lean_from == 7 and not never._warm_done  # the 7th call stores the 5th finite norm; never read: never lean
+
+
 def test_zclip_state_dict_round_trip_continues_bit_for_bit():
     kw = {"alpha": 0.9, "z_thresh": 2.0, "warmup_steps": 4}
     whole, first = ZClip(**kw), ZClip(**kw)

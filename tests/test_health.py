@@ -13,9 +13,11 @@ from torch import nn
 from transformers import TrainerCallback
 
 import hf_mixedprec
+from hf_mixedprec import health as health_mod
 from hf_mixedprec.fp8 import EmulatedFP8Linear
 from hf_mixedprec.health import HealthMonitor
 from hf_mixedprec.recipe import HealthConfig, resolve_recipe
+from hf_mixedprec.runtime import GuardScaler, MixedPrecisionRuntime
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_integration import _logs, _trainer
@@ -138,6 +140,54 @@ def test_monitor_state_round_trip():
     assert [e.to_dict() for e in a.check()] == [e.to_dict() for e in b.check()]
 
 
+def test_replay_at_check_equals_checking_every_step():
+    """Records stacked across flushes and replayed at one late check give the events and state of a monitor
+    that was checked after every step (first step and value of each detector, windows, counters)."""
+    cfg = _health(
+        grad_spike={"threshold": 4.0, "window": 32},
+        loss_spike={"threshold": 4.0, "window": 16},
+        skip_rate={"threshold": 0.03, "window": 50},
+        death_spiral={"threshold": 3, "window": 20},
+    )
+    late, eager = HealthMonitor(cfg), HealthMonitor(cfg)
+    gen = torch.Generator().manual_seed(0)
+    n_steps = 2 * health_mod.FLUSH_EVERY + 37
+    eager_events = []
+    for step in range(1, n_steps + 1):
+        g = 1.0 + 0.1 * float(torch.randn((), generator=gen))
+        if step in (300, 301, 560):
+            g = 50.0
+        loss = float("nan") if step == 400 else 2.0 + 0.05 * float(torch.randn((), generator=gen))
+        skipped = float(step in (400, 450, 451))
+        scale = 2.0 ** (16 - sum(s <= step for s in (450, 451, 452)))
+        for mon in (late, eager):
+            mon.pre_step(loss=torch.tensor(loss), grad_norm=torch.tensor(g))
+            mon.post_step(skipped=torch.tensor(skipped), scale=torch.tensor(scale))
+        eager_events += eager.check()
+    late_events = late.check()
+    first = {}
+    for e in eager_events:
+        first.setdefault(e.detector, e)
+    assert {e.detector: (e.step, repr(e.value)) for e in late_events} == {
+        d: (e.step, repr(e.value)) for d, e in first.items()
+    }
+    assert {e.detector for e in late_events} >= {"grad_spike", "nonfinite_loss", "skip_rate", "death_spiral"}
+    assert first["grad_spike"].step == 300 and first["nonfinite_loss"].step == 400
+    assert json.dumps(late.state_dict()) == json.dumps(eager.state_dict())
+
+
+def test_window_running_sums_decide_like_two_passes():
+    w = health_mod._Window(16)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(500):
+        x = 3.0 + float(torch.randn((), generator=gen))
+        for thr in (0.5, 1.0, 2.0):
+            assert w.above(x, thr) == (w.zscore(x) > thr), (i, thr)
+        w.put(i, float("nan") if i % 11 == 0 else x)
+        finite = [v for v in w.vals if math.isfinite(v)]
+        assert w.n == len(finite) and w.s1 == pytest.approx(math.fsum(finite), rel=1e-12)
+
+
 # -- fault injection through Trainer ----------------------------------------------------------------
 
 
@@ -184,6 +234,58 @@ def test_overflow_steps_are_skipped_exactly_and_counted(tmp_path):
     grad_events = [e for e in rt.events if e["detector"] == "nonfinite_grad"]
     assert [e["step"] for e in grad_events] == [4, 9]
     assert _logs(tr, "mp/loss_scale")[-1] == 16384.0  # halved twice
+
+
+class NanLoss(Overflow):
+    """The model's loss is NaN during the given optimizer steps (before the recipe's hook reads it)."""
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        def hook(module, inputs, output):
+            if self.armed and module.training:
+                output.loss = output.loss * float("nan")
+            return output
+
+        model.register_forward_hook(hook, prepend=True)
+
+
+@pytest.mark.slow
+def test_bf16_guard_skips_nan_loss_steps_exactly(tmp_path):
+    inject = NanLoss({3, 7})
+    tr = _run(hf_mixedprec.load_recipe("cpu-bf16"), tmp_path, steps=10, callbacks=[inject])
+    assert [s for s, same in inject.unchanged.items() if same] == [3, 7]  # bit for bit, only there
+    rt = tr.model._hf_mixedprec_runtime
+    assert isinstance(rt.scaler, GuardScaler) and rt.scaler.get_scale() == 1.0  # never backed off
+    assert [e["step"] for e in rt.events if e["detector"] == "nonfinite_loss"] == [3, 7]
+    assert _logs(tr, "mp/skipped_steps")[-1] == 2.0
+    opt = tr.optimizer.optimizer if hasattr(tr.optimizer, "optimizer") else tr.optimizer
+    assert {int(s["step"]) for s in opt.state.values()} == {8}  # fused AdamW undid the step count twice
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_guard_scaler_skips_only_flagged_steps(fused):
+    """Fused AdamW gets the flag directly; a non-AMP-aware optimizer goes through torch's own GradScaler.step."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3)
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.1, fused=fused)
+    rt = MixedPrecisionRuntime(hf_mixedprec.load_recipe("cpu-bf16"))
+    scaler = rt.make_guard_scaler()
+    changed = []
+    for flag in (0.0, 1.0, 0.0):
+        loss = lin(torch.randn(2, 4)).square().sum()
+        assert scaler.scale(loss) is loss  # a product with 1, not computed
+        scaler.scale(loss).backward()
+        before = lin.weight.detach().clone()
+        rt._mark_skip(opt, torch.tensor(flag))
+        scaler.step(opt)
+        scaler.update()
+        changed.append(not torch.equal(before, lin.weight))
+        opt.zero_grad()
+    assert changed == [True, False, True]
+    assert scaler.get_scale() == 1.0
+    scaler.load_state_dict(
+        {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "_growth_tracker": 0}
+    )
+    assert scaler.get_scale() == 1.0  # an FP16 run's scaler.pt cannot make the guard scale
 
 
 class LrUsed(TrainerCallback):

@@ -262,12 +262,6 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         if payload is not None:
             rt.load_state_dict(payload)
             self.restored = None
-        if rt.guard and rt.scaler is not None:
-            # Trainer restores scaler.pt into whatever scaler exists; a guard (e.g. resuming an FP16
-            # checkpoint under a BF16 recipe) must stay at scale 1
-            rt.scaler._init_scale = 1.0
-            if rt.scaler._scale is not None:
-                rt.scaler._scale.fill_(1.0)
 
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         if not self.deepspeed:
