@@ -30,6 +30,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
+from hf_mixedprec._async_read import AsyncRead
+
 __all__ = [
     "AGC",
     "CLIP_METHODS",
@@ -346,6 +348,10 @@ class ZClip(Clipper):
     * Scaling: when g > threshold the grads are multiplied by threshold / (g + 1e-6).
     * Non-finite g: grads untouched, buffer, count, mu and var unchanged (such steps do not count for warm-up).
 
+    In float32, with as few operations as the rules allow (each is a kernel launch on a GPU): the warm-up
+    statistics come from one ``var_mean``, the EMAs are ``lerp`` (x + (1-alpha)*(target - x)) and the
+    reciprocal rule one ``addcdiv``; they equal the formulas above up to float32 rounding.
+
     State (device tensors): ``buffer`` (warmup_steps,), ``count`` (int64, finite norms seen), ``mean``, ``var``.
     """
 
@@ -381,6 +387,7 @@ class ZClip(Clipper):
         self.var = torch.zeros((), dtype=torch.float32)
         self._warm_done = False  # host knowledge: a host read saw count >= warmup_steps
         self._slots: Tensor | None = None  # arange(warmup_steps) on the norms' device
+        self._warm_read = AsyncRead()  # count >= warmup_steps, read without waiting
 
     def config(self) -> dict[str, Any]:
         return {
@@ -418,21 +425,31 @@ class ZClip(Clipper):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._warm_done = False
+        self._warm_read = AsyncRead()
         self.host_sync()
 
     def _clip(
         self, names: list[str] | None, params: list[Tensor], grads: list[Tensor], norm: Tensor, valid: Tensor
     ) -> ClipResult:
-        # The host knows two facts that drop whole branches without reading the device: before the
-        # ``warmup_steps``-th call fewer norms than that can have been seen (warm-up for sure), and once a
-        # host read (``host_sync``, at logging steps) saw the warm-up end, it is over for good. The
-        # operations dropped would have changed nothing, so every branch gives the same bits.
+        # The host knows two facts that drop whole branches without waiting for the device: before the
+        # ``warmup_steps``-th call fewer norms than that can have been seen (warm-up for sure), and once it
+        # has seen the warm-up end it is over for good. It sees that from an asynchronous read of
+        # ``count >= warmup_steps`` started on the call that can end the warm-up (and on later ones until it
+        # has), or from a read at a logging step (``host_sync``). The operations dropped would have changed
+        # nothing, so every branch gives the same bits.
         calls_before = self.steps - 1
+        if not self._warm_done and self._warm_read.pending and self._warm_read.poll():
+            self._warm_done = True
         if self._warm_done:
             return self._clip_after(grads, norm, valid)
         if calls_before < self.warmup_steps:
-            return self._clip_warmup(grads, norm, valid, init_possible=calls_before == self.warmup_steps - 1)
-        return self._clip_either(grads, norm, valid)
+            init_possible = calls_before == self.warmup_steps - 1
+            result = self._clip_warmup(grads, norm, valid, init_possible=init_possible)
+        else:
+            result = self._clip_either(grads, norm, valid)
+        if calls_before >= self.warmup_steps - 1:
+            self._warm_read.push(self.count >= self.warmup_steps)
+        return result
 
     def _store(self, g: Tensor, in_warmup: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Warm-up: store g at slot ``count``; returns (buffer, count, whether the buffer just became full)."""
@@ -480,9 +497,9 @@ class ZClip(Clipper):
         buffer, count, init_now = self._store(g, valid)  # in warm-up for sure: every valid norm is stored
         self.buffer, self.count = buffer, count
         if init_possible:  # this call may store the last warm-up norm: mean and population variance
-            mu0 = buffer.mean()
+            var0, mu0 = torch.var_mean(buffer, correction=0)
             self.mean = torch.where(init_now, mu0, self.mean)
-            self.var = torch.where(init_now, (buffer - mu0).square().mean(), self.var)
+            self.var = torch.where(init_now, var0, self.var)
         return self._finish(grads, g, valid, None)
 
     def _clip_after(self, grads: list[Tensor], g: Tensor, valid: Tensor) -> ClipResult:
@@ -497,8 +514,7 @@ class ZClip(Clipper):
         after = valid & (self.count >= self.warmup_steps)
         buffer, count, init_now = self._store(g, valid ^ after)
         count = torch.add(count, after)
-        mu0 = buffer.mean()
-        var0 = (buffer - mu0).square().mean()
+        var0, mu0 = torch.var_mean(buffer, correction=0)
         spike, rule, mu1, var1 = self._rule(g, after)
         self.buffer, self.count = buffer, count
         self.mean = torch.where(init_now, mu0, torch.where(after, mu1, self.mean))

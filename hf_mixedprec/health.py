@@ -195,7 +195,8 @@ class HealthMonitor:
             self._flush()
 
     def _as_f32(self, t: Tensor) -> Tensor:
-        t = t.detach()
+        if t.requires_grad:
+            t = t.detach()
         if t.dtype != torch.float32 or t.device != self.device:
             t = t.to(device=self.device, dtype=torch.float32)
         return t if t.dim() == 0 else t.reshape(())

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from hf_mixedprec._async_read import HOST_COPY_ATTR, AsyncRead
 from hf_mixedprec.clipping import (
     AGC,
     STATE_VERSION,
@@ -312,7 +313,9 @@ def test_zclip_branches_the_host_knows_give_the_same_bits(kw):
     Non-finite norms in the warm-up keep it going past ``warmup_steps`` calls, so the clipper that syncs
     every step runs the "either" branch until its read sees the warm-up end, then the lean one."""
     kw = {"alpha": 0.9, "z_thresh": 2.0, "warmup_steps": 5, **kw}
-    never, always = ZClip(**kw), ZClip(**kw)
+    never, always, async_ = ZClip(**kw), ZClip(**kw), ZClip(**kw)
+    never._warm_read = NoRead()  # the host never learns the warm-up ended: the "either" branch throughout
+    async_lean_from = None
     norms = [f32(x) for x in (1.0, 2.0, math.inf, 1.5, math.nan, 2.5, 1.0, 9.0, 1.2, math.inf, 1.1, 30.0, 1.3)]
     lean_from = None
     for i, g in enumerate(norms):
@@ -324,15 +327,34 @@ def test_zclip_branches_the_host_knows_give_the_same_bits(kw):
             else:
                 p.grad.view(-1)[0] = g
             q.grad = p.grad.clone()
-        ra, rb = never.clip_(a), always.clip_(b)
+        c = [nn.Parameter(p.detach().clone()) for p in a]
+        for p, q in zip(c, a):
+            p.grad = q.grad.clone()
+        ra, rb, rc = never.clip_(a), always.clip_(b), async_.clip_(c)
         always.host_sync()
         if always._warm_done and lean_from is None:
             lean_from = i + 1  # calls after this one take the lean branch
-        assert same_bits(ra.threshold, rb.threshold) and torch.equal(ra.clipped, rb.clipped), i
-        assert all(same_bits(p.grad, q.grad) for p, q in zip(a, b)), i
-        for k, v in never.state_dict()["state"].items():
-            assert same_bits(v, always.state_dict()["state"][k]), (i, k)
+        if async_._warm_done and async_lean_from is None:
+            async_lean_from = i  # learnt at the start of this call, without a read that waits
+        for other, r, ps in ((always, rb, b), (async_, rc, c)):
+            assert same_bits(ra.threshold, r.threshold) and torch.equal(ra.clipped, r.clipped), i
+            assert all(same_bits(p.grad, q.grad) for p, q in zip(a, ps)), i
+            for k, v in never.state_dict()["state"].items():
+                assert same_bits(v, other.state_dict()["state"][k]), (i, k)
     assert lean_from == 7 and not never._warm_done  # the 7th call stores the 5th finite norm; never read: never lean
+    assert async_lean_from == 7  # the 8th call (index 7) sees the read the 7th started
+
+
+class NoRead:
+    """An ``AsyncRead`` that never delivers."""
+
+    pending = False
+
+    def push(self, value):
+        pass
+
+    def poll(self):
+        return None
 
 
 def test_zclip_state_dict_round_trip_continues_bit_for_bit():
@@ -525,11 +547,17 @@ def test_agc_non_finite_global_norm_changes_nothing():
 
 @contextlib.contextmanager
 def host_reads_forbidden(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    def forbidden(self, *args, **kwargs):
-        raise AssertionError("host-device sync: a tensor value was read on the host")
-
+    """Any read of a tensor value raises, except reads of host copies made by ``AsyncRead`` (final values in
+    host memory: on CUDA a pinned buffer whose copy event has completed), which wait for nothing."""
     with monkeypatch.context() as m:
         for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"):
+            orig = getattr(torch.Tensor, name)
+
+            def forbidden(self, *args, _orig=orig, **kwargs):
+                if getattr(self, HOST_COPY_ATTR, False):
+                    return _orig(self, *args, **kwargs)
+                raise AssertionError("host-device sync: a tensor value was read on the host")
+
             m.setattr(torch.Tensor, name, forbidden)
         yield
 
@@ -581,6 +609,34 @@ def test_no_cuda_sync_per_step():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert clippers[1].mean.device.type == "cuda"
+    assert clippers[1]._warm_done  # learnt from the asynchronous read, under sync debug mode "error"
+
+
+def test_async_read_on_cpu_is_final_at_once():
+    r = AsyncRead()
+    assert r.poll() is None and not r.pending
+    r.push(torch.tensor(True))
+    r.push(torch.tensor(False))  # ignored while a read is pending
+    assert r.pending and r.poll() is True
+    assert not r.pending and r.poll() is None
+    r.push(torch.tensor(7, dtype=torch.int64))
+    assert r.poll() == 7
+
+
+@pytest.mark.gpu
+def test_async_read_on_cuda_never_waits():
+    x = torch.randn(4096, 4096, device="cuda")
+    r = AsyncRead()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = x @ x  # keeps the GPU busy for a while
+        r.push((y.sum() * 0 + 3).to(torch.int64))
+        first = r.poll()  # most likely still in flight: None, and no wait either way
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert first in (None, 3) and (first == 3 or r.poll() == 3)
 
 
 # -- factory and validation ------------------------------------------------------------------------------------

@@ -1,0 +1,57 @@
+"""Reading a device value on the host without waiting for the device (no host-device sync)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+#: Set on the host tensors that :class:`AsyncRead` reads: their values are final, reading them waits for nothing.
+HOST_COPY_ATTR = "_hf_mixedprec_host_copy"
+
+
+class AsyncRead:
+    """One device scalar, read on the host once it has arrived, never by waiting for it.
+
+    :meth:`push` starts the read. On CUDA: an asynchronous copy into pinned host memory and an event after
+    it. On CPU the tensor already lives in host memory and is final (an eager CPU operation has finished when
+    it returns), so it is kept as it is. :meth:`poll` returns the value once the copy has landed
+    (``Event.query()`` does not block) and None before. Other devices (mps, xpu): :meth:`push` does nothing
+    and :meth:`poll` returns None, so callers keep whatever they do without the value.
+    """
+
+    def __init__(self) -> None:
+        self._host: Tensor | None = None
+        self._event: Any = None
+        self.pending = False
+
+    def push(self, value: Tensor) -> None:
+        """Start reading ``value`` (a 0-d tensor); ignored while an earlier read is still pending."""
+        if self.pending:
+            return
+        if value.device.type == "cpu":
+            host = value
+        elif value.device.type == "cuda":
+            host = self._host
+            if host is None or host.dtype != value.dtype:
+                host = torch.empty((), dtype=value.dtype, pin_memory=True)
+            host.copy_(value, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            return
+        setattr(host, HOST_COPY_ATTR, True)
+        self._host = host
+        self.pending = True
+
+    def poll(self) -> Any:
+        """The pushed value as a Python number once it is on the host; None while it is not (or nothing pushed)."""
+        if not self.pending or self._host is None:
+            return None
+        if self._event is not None:
+            if not self._event.query():
+                return None
+            self._event = None
+        self.pending = False
+        return self._host.item()
