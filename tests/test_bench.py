@@ -110,6 +110,7 @@ def test_bench_overhead_tiny(tmp_path, interleave):
         assert math.isfinite(r["ratio_median"]) and r["ratio_median"] > 0
         assert math.isfinite(r["ratio_mean"]) and r["ratio_mean"] > 0
         assert len(r["round_ratios"]) == 2 and all(math.isfinite(x) for x in r["round_ratios"])
+        assert len(r["round_ratios_wall"]) == 2 and all(math.isfinite(x) for x in r["round_ratios_wall"])
         assert r["ratio_rounds_median"] == pytest.approx(
             sorted(r["round_ratios"])[0] / 2 + sorted(r["round_ratios"])[1] / 2
         )
