@@ -140,9 +140,28 @@ def global_grad_norm(grads: Sequence[Tensor]) -> Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2)
 
 
-def _finite(x: Tensor) -> Tensor:
-    """``torch.isfinite`` in two operations instead of four: x - x is 0 for finite x, NaN for inf and NaN."""
-    return (x - x) == 0
+def _finite(x: Tensor, zero: Tensor) -> Tensor:
+    """``torch.isfinite`` in two operations instead of four: x - x is 0 for finite x, NaN for inf and NaN.
+    ``zero``: a 0-d zero on x's device (comparing with a Python number costs a scalar-to-tensor wrap)."""
+    return torch.eq(x - x, zero)
+
+
+class Constants:
+    """0-d float32 constants on one device, made once: an operation with a tensor operand skips the
+    scalar-to-tensor wrap a Python number costs (about half of a 0-d operation's time on a CPU). Never
+    written to and never handed out."""
+
+    def __init__(self) -> None:
+        self._device: torch.device | None = None
+        self._values: dict[float, Tensor] = {}
+
+    def __call__(self, value: float, device: torch.device) -> Tensor:
+        if device != self._device:
+            self._device, self._values = device, {}
+        t = self._values.get(value)
+        if t is None:
+            t = self._values[value] = torch.full((), value, dtype=torch.float32, device=device)
+        return t
 
 
 def _mul_(grads: list[Tensor], coef: Tensor) -> None:
@@ -151,13 +170,19 @@ def _mul_(grads: list[Tensor], coef: Tensor) -> None:
         torch._foreach_mul_(group, coef.to(device))
 
 
-def _scale_to(grads: list[Tensor], norm: Tensor, threshold: Tensor, valid: Tensor | None) -> Tensor:
+def _scale_to(
+    grads: list[Tensor], norm: Tensor, threshold: Tensor, valid: Tensor | None, k: Constants | None = None
+) -> Tensor:
     """Scale grads by ``threshold / (norm + 1e-6)`` where ``norm > threshold`` (and the step is valid; pass
     ``valid=None`` when the threshold is already +inf on invalid steps)."""
     clipped = norm > threshold
     if valid is not None:
         clipped = valid & clipped
-    coef = torch.where(clipped, threshold / (norm + _COEF_EPS), 1.0)
+    if k is None:
+        coef = torch.where(clipped, threshold / (norm + _COEF_EPS), 1.0)
+    else:
+        dev = norm.device
+        coef = torch.where(clipped, threshold / (norm + k(_COEF_EPS, dev)), k(1.0, dev))
     _mul_(grads, coef)
     return clipped
 
@@ -192,6 +217,7 @@ class Clipper:
         self.steps: int = 0
         """Number of :meth:`clip_` calls so far (host side; counts non-finite steps too)."""
         self._device = torch.device("cpu")
+        self._k = Constants()
 
     # -- the rule ---------------------------------------------------------------------------------------------
 
@@ -236,7 +262,7 @@ class Clipper:
         else:
             norm = torch.full((), float(total_norm), dtype=torch.float32, device=device)
             has_any = True
-        valid = _finite(norm) if has_any else torch.zeros((), dtype=torch.bool, device=device)
+        valid = _finite(norm, self._k(0.0, device)) if has_any else torch.zeros((), dtype=torch.bool, device=device)
         return self._clip(names, params, grads, norm, valid)
 
     def host_sync(self) -> None:
@@ -463,11 +489,11 @@ class ZClip(Clipper):
     def _rule(self, g: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The ZClip rule with the statistics before this step: (spike, rule threshold, new mean, new var)."""
         mu, var = self.mean, self.var
-        zt = self.z_thresh
+        zt, k, dev = self.z_thresh, self._k, g.device
         std = var.sqrt()
         if self.mode == "zscore":
-            z = (g - mu) / (std + self.eps)
-            spike = valid & (z > zt)
+            z = (g - mu) / (std + k(self.eps, dev))
+            spike = valid & (z > k(zt, dev))
             # mu + (zt * std) / (z / zt), the reciprocal rule, in one operation
             rule = torch.addcdiv(mu, std, z, value=zt * zt) if self.clip_option == "adaptive_scaling" else mu
         else:
@@ -489,8 +515,8 @@ class ZClip(Clipper):
         elif self.max_norm is not None:
             threshold = torch.clamp(threshold, max=self.max_norm)
         else:  # the threshold is +inf wherever the norm is not finite: no need to mask
-            return ClipResult(total_norm=g, threshold=threshold, clipped=_scale_to(grads, g, threshold, None))
-        clipped = _scale_to(grads, g, threshold, valid)
+            return ClipResult(total_norm=g, threshold=threshold, clipped=_scale_to(grads, g, threshold, None, self._k))
+        clipped = _scale_to(grads, g, threshold, valid, self._k)
         return ClipResult(total_norm=g, threshold=threshold, clipped=clipped)
 
     def _clip_warmup(self, grads: list[Tensor], g: Tensor, valid: Tensor, init_possible: bool) -> ClipResult:
@@ -507,7 +533,7 @@ class ZClip(Clipper):
         self.count = torch.add(self.count, valid)
         self.mean = torch.where(valid, mu1, self.mean)
         self.var = torch.where(valid, var1, self.var)
-        return self._finish(grads, g, valid, torch.where(spike, rule, math.inf))
+        return self._finish(grads, g, valid, torch.where(spike, rule, self._k(math.inf, g.device)))
 
     def _clip_either(self, grads: list[Tensor], g: Tensor, valid: Tensor) -> ClipResult:
         """Warm-up and rule both computed; which one applies is decided on the device."""
@@ -519,7 +545,7 @@ class ZClip(Clipper):
         self.buffer, self.count = buffer, count
         self.mean = torch.where(init_now, mu0, torch.where(after, mu1, self.mean))
         self.var = torch.where(init_now, var0, torch.where(after, var1, self.var))
-        return self._finish(grads, g, valid, torch.where(spike, rule, math.inf))
+        return self._finish(grads, g, valid, torch.where(spike, rule, self._k(math.inf, g.device)))
 
 
 class AutoClip(Clipper):

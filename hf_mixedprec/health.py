@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hf_mixedprec.clipping import Constants
 from hf_mixedprec.recipe import DetectorConfig, HealthConfig
 
 __all__ = ["STEP_DETECTORS", "HealthEvent", "HealthMonitor"]
@@ -132,6 +133,7 @@ class HealthMonitor:
             if _skips(getattr(d, name)) and getattr(d, name).threshold is not None
         }
         self._never = torch.zeros((), dtype=torch.bool, device=self.device)
+        self._k = Constants()
         self._skip_now = self._never
 
     @property
@@ -153,7 +155,7 @@ class HealthMonitor:
             v = self._as_f32(value)
             self._cur[key] = v
             if nonfinite:
-                bad = (v - v) != 0  # not finite: x - x is NaN for inf and NaN (2 ops; isfinite takes 4)
+                bad = torch.ne(v - v, self._k(0.0, v.device))  # not finite: x - x is NaN for inf and NaN
                 skip = bad if skip is None else skip | bad
             ring = self._dev_rings.get(spike)
             if ring is not None:

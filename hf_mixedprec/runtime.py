@@ -29,7 +29,7 @@ from torch import nn
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from torch.optim.lr_scheduler import LambdaLR
 
-from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper
+from hf_mixedprec.clipping import Clipper, ClipResult, Constants, global_grad_norm, make_clipper
 from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated
 from hf_mixedprec.health import HealthEvent, HealthMonitor, layers_to_bf16
 from hf_mixedprec.recipe import Recipe
@@ -117,6 +117,7 @@ class MixedPrecisionRuntime:
         self._skipped = torch.zeros((), device=self.device)  # float32: exact up to 2**24 skipped steps
         self._last: ClipResult | None = None
         self._found_inf = torch.zeros((), device=self.device)
+        self._k = Constants()
         #: Under DeepSpeed the engine owns loss scaling and clipping; this reads its scaler for the metrics.
         self.external_scaler: Any = None
         self.monitor: HealthMonitor | None = (
@@ -291,7 +292,7 @@ class MixedPrecisionRuntime:
             flag = self.monitor.pre_step(loss=loss, grad_norm=norm)
             skip = flag if self.monitor.can_skip else None
         if found is None:  # no loss-scaling verdict: a non-finite norm (x - x is NaN for inf and NaN) or a skip flag
-            bad = (norm - norm) != 0
+            bad = torch.ne(norm - norm, self._k(0.0, norm.device))
             found = (bad if skip is None else bad | skip).float()
         elif skip is not None:
             found = torch.maximum(found, skip.float())
