@@ -41,7 +41,7 @@ thread; a 0.1M-parameter model gains nothing from more, and on a shared 2-core m
 threads made steps up to 30x slower at random, on either side (ratios per round from 0.03 to 38).
 
     python scripts/bench_overhead.py                       # cpu-bf16, tiny Llama
-    python scripts/bench_overhead.py --model tiny small --log-every 0 10 --repeats 7 --control
+    python scripts/bench_overhead.py --model tiny small --log-every 0 10 --steps 100 --repeats 16 --control
     python scripts/bench_overhead.py --json --out overhead.json
 """
 
