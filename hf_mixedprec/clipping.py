@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from hf_mixedprec._async_read import AsyncRead
+from hf_mixedprec._device import AsyncRead, Constants
 
 __all__ = [
     "AGC",
@@ -140,49 +140,20 @@ def global_grad_norm(grads: Sequence[Tensor]) -> Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2)
 
 
-def _finite(x: Tensor, zero: Tensor) -> Tensor:
-    """``torch.isfinite`` in two operations instead of four: x - x is 0 for finite x, NaN for inf and NaN.
-    ``zero``: a 0-d zero on x's device (comparing with a Python number costs a scalar-to-tensor wrap)."""
-    return torch.eq(x - x, zero)
-
-
-class Constants:
-    """0-d float32 constants on one device, made once: an operation with a tensor operand skips the
-    scalar-to-tensor wrap a Python number costs (about half of a 0-d operation's time on a CPU). Never
-    written to and never handed out."""
-
-    def __init__(self) -> None:
-        self._device: torch.device | None = None
-        self._values: dict[float, Tensor] = {}
-
-    def __call__(self, value: float, device: torch.device) -> Tensor:
-        if device != self._device:
-            self._device, self._values = device, {}
-        t = self._values.get(value)
-        if t is None:
-            t = self._values[value] = torch.full((), value, dtype=torch.float32, device=device)
-        return t
-
-
 def _mul_(grads: list[Tensor], coef: Tensor) -> None:
     """Multiply all grads in place by a 0-d coefficient (exactly 1.0 leaves them bit for bit unchanged)."""
     for device, group in _by_device(grads).items():
         torch._foreach_mul_(group, coef.to(device))
 
 
-def _scale_to(
-    grads: list[Tensor], norm: Tensor, threshold: Tensor, valid: Tensor | None, k: Constants | None = None
-) -> Tensor:
+def _scale_to(grads: list[Tensor], norm: Tensor, threshold: Tensor, valid: Tensor | None, k: Constants) -> Tensor:
     """Scale grads by ``threshold / (norm + 1e-6)`` where ``norm > threshold`` (and the step is valid; pass
     ``valid=None`` when the threshold is already +inf on invalid steps)."""
     clipped = norm > threshold
     if valid is not None:
         clipped = valid & clipped
-    if k is None:
-        coef = torch.where(clipped, threshold / (norm + _COEF_EPS), 1.0)
-    else:
-        dev = norm.device
-        coef = torch.where(clipped, threshold / (norm + k(_COEF_EPS, dev)), k(1.0, dev))
+    dev = norm.device
+    coef = torch.where(clipped, threshold / (norm + k(_COEF_EPS, dev)), k(1.0, dev))
     _mul_(grads, coef)
     return clipped
 
@@ -262,7 +233,7 @@ class Clipper:
         else:
             norm = torch.full((), float(total_norm), dtype=torch.float32, device=device)
             has_any = True
-        valid = _finite(norm, self._k(0.0, device)) if has_any else torch.zeros((), dtype=torch.bool, device=device)
+        valid = self._k.finite(norm) if has_any else torch.zeros((), dtype=torch.bool, device=device)
         return self._clip(names, params, grads, norm, valid)
 
     def host_sync(self) -> None:
@@ -464,7 +435,7 @@ class ZClip(Clipper):
         # has), or from a read at a logging step (``host_sync``). The operations dropped would have changed
         # nothing, so every branch gives the same bits.
         calls_before = self.steps - 1
-        if not self._warm_done and self._warm_read.pending and self._warm_read.poll():
+        if not self._warm_done and self._warm_read.poll():
             self._warm_done = True
         if self._warm_done:
             return self._clip_after(grads, norm, valid)
@@ -617,7 +588,7 @@ class AutoClip(Clipper):
         diff = b - a
         value = torch.where(t >= 0.5, b - diff * (1.0 - t), a + diff * t)
         threshold = torch.where(n > 0, value, math.inf).to(torch.float32)
-        clipped = _scale_to(grads, g, threshold, valid)
+        clipped = _scale_to(grads, g, threshold, valid, self._k)
         return ClipResult(total_norm=g, threshold=threshold, clipped=clipped)
 
 

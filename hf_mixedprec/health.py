@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hf_mixedprec.clipping import Constants
+from hf_mixedprec._device import Constants
 from hf_mixedprec.recipe import DetectorConfig, HealthConfig
 
 __all__ = ["STEP_DETECTORS", "HealthEvent", "HealthMonitor"]
@@ -155,7 +155,7 @@ class HealthMonitor:
             v = self._as_f32(value)
             self._cur[key] = v
             if nonfinite:
-                bad = torch.ne(v - v, self._k(0.0, v.device))  # not finite: x - x is NaN for inf and NaN
+                bad = self._k.nonfinite(v)
                 skip = bad if skip is None else skip | bad
             ring = self._dev_rings.get(spike)
             if ring is not None:

@@ -29,7 +29,8 @@ from torch import nn
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from torch.optim.lr_scheduler import LambdaLR
 
-from hf_mixedprec.clipping import Clipper, ClipResult, Constants, global_grad_norm, make_clipper
+from hf_mixedprec._device import Constants
+from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper
 from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated
 from hf_mixedprec.health import HealthEvent, HealthMonitor, layers_to_bf16
 from hf_mixedprec.recipe import Recipe
@@ -291,8 +292,8 @@ class MixedPrecisionRuntime:
             loss = self._step_loss() if (d.loss_spike.enabled or d.nonfinite_loss.enabled) else None
             flag = self.monitor.pre_step(loss=loss, grad_norm=norm)
             skip = flag if self.monitor.can_skip else None
-        if found is None:  # no loss-scaling verdict: a non-finite norm (x - x is NaN for inf and NaN) or a skip flag
-            bad = torch.ne(norm - norm, self._k(0.0, norm.device))
+        if found is None:  # no loss-scaling verdict: a non-finite norm or a skip flag
+            bad = self._k.nonfinite(norm)
             found = (bad if skip is None else bad | skip).float()
         elif skip is not None:
             found = torch.maximum(found, skip.float())

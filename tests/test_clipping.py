@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from hf_mixedprec._async_read import HOST_COPY_ATTR, AsyncRead
+from hf_mixedprec._device import HOST_COPY_ATTR, AsyncRead
 from hf_mixedprec.clipping import (
     AGC,
     STATE_VERSION,

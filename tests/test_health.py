@@ -14,7 +14,7 @@ from transformers import TrainerCallback
 
 import hf_mixedprec
 from hf_mixedprec import health as health_mod
-from hf_mixedprec._async_read import HOST_COPY_ATTR
+from hf_mixedprec._device import HOST_COPY_ATTR
 from hf_mixedprec.fp8 import EmulatedFP8Linear
 from hf_mixedprec.health import HealthMonitor
 from hf_mixedprec.recipe import HealthConfig, resolve_recipe
@@ -444,7 +444,7 @@ def test_no_host_sync_on_non_logging_steps(tmp_path, monkeypatch, name):
     assert off_log == [], off_log
     assert any(h[0] == 5 for h in counter.hits)  # logging steps do read (metrics)
     # the one read of a host copy: step 4 sees the read step 3 started (the last warm-up step)
-    assert [(s, f.split(":")[0]) for s, _, f in counter.host_copy_reads] == [(4, "_async_read.py")]
+    assert [(s, f.split(":")[0]) for s, _, f in counter.host_copy_reads] == [(4, "_device.py")]
 
 
 @pytest.mark.gpu
