@@ -19,6 +19,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -35,13 +36,20 @@ from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated
 from hf_mixedprec.health import HealthEvent, HealthMonitor, layers_to_bf16
 from hf_mixedprec.recipe import Recipe
 
-__all__ = ["GuardScaler", "MixedPrecisionRuntime", "compute_dtype"]
+__all__ = ["GuardScaler", "MixedPrecisionRuntime", "compute_dtype", "is_main_rank"]
 
 log = logging.getLogger("hf_mixedprec")
 
 STATE_VERSION = 1
 #: Elements per parameter tensor sampled (strided) to measure the update size on sampled steps.
 UPDATE_PROBE = 4096
+
+
+def is_main_rank() -> bool:
+    """Rank 0 of a distributed run (or a single process), before or after the process group exists."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
 
 
 def compute_dtype(recipe: Recipe) -> torch.dtype | None:
@@ -138,6 +146,9 @@ class MixedPrecisionRuntime:
         self._optimizer_skips_itself = False
         self._schedule_rewound = 0  # skipped steps already taken back out of the LR schedule
         self._noted_schedule = False
+        self._noted_no_loss = False
+        #: ``mp/`` metrics computed at a logging step, waiting to be merged into the trainer's own log row
+        self.pending_log: dict[str, float] | None = None
         if self.rehearse:
             self.note(f"REHEARSAL: recipe {recipe.name!r} ({recipe.precision}) is rehearsed on {self.device.type}")
 
@@ -189,6 +200,8 @@ class MixedPrecisionRuntime:
         self.fp8_report = convert(model, self.recipe, backend=backend, optimizer=optimizer)
         for n in self.fp8_report.notes:
             self.notes.append(n)
+        if is_main_rank():  # which layers run in FP8 is a decision the user must see, once
+            log.warning("hf_mixedprec: %s", self.fp8_report.summary())
         return self.fp8_report
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -211,30 +224,20 @@ class MixedPrecisionRuntime:
         model.forward = forward  # type: ignore[method-assign]
         model._hf_mixedprec_autocast = True  # type: ignore[attr-defined]
 
-    def watch_loss(self, model: nn.Module) -> None:
-        """Capture the raw loss each forward (before Trainer's NaN filter) for the loss detectors.
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Record the loss one backward pass back-propagates (before any loss scaling); no host read.
 
-        A forward hook, not a wrapper of ``model.forward``: trainers replace ``forward`` (TRL's fused LM head
-        bypasses the forward it found), while a hook sees every call of the module.
+        Called from ``accelerator.backward`` (the Trainer callback and the Accelerate plugin route it here), so
+        the loss detectors see the loss that trains the model however it was computed: the model's forward,
+        label smoothing, ``compute_loss_func``, an overridden ``compute_loss`` or a hand-written loop. Under
+        gradient accumulation each micro-batch's loss is already divided for accumulation, so the step's loss
+        is their sum.
         """
-        if self.monitor is None or getattr(model, "_hf_mixedprec_loss_hook", False):
-            return
-
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if module.training:
-                loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-                if isinstance(loss, torch.Tensor):
-                    self._record_loss(loss)
-
-        model.register_forward_hook(hook)
-        model._hf_mixedprec_loss_hook = True  # type: ignore[attr-defined]
-
-    def _record_loss(self, loss: torch.Tensor) -> None:
         value = loss.detach()
         if value.dtype != torch.float32 or value.device != self.device:
             value = value.to(device=self.device, dtype=torch.float32)
         if value.dim():
-            value = value.reshape(())
+            value = value.sum()
         self._loss_sum = value if self._loss_n == 0 else self._loss_sum + value
         self._loss_n += 1
 
@@ -290,6 +293,12 @@ class MixedPrecisionRuntime:
         if self.monitor is not None:
             d = self.recipe.health.detectors
             loss = self._step_loss() if (d.loss_spike.enabled or d.nonfinite_loss.enabled) else None
+            if loss is None and (d.loss_spike.enabled or d.nonfinite_loss.enabled) and not self._noted_no_loss:
+                self._noted_no_loss = True
+                self.note(
+                    "no loss reached accelerator.backward before this optimizer step (a loss back-propagated with "
+                    "loss.backward() is not seen): the loss detectors skip such steps and never skip a step for it"
+                )
             flag = self.monitor.pre_step(loss=loss, grad_norm=norm)
             skip = flag if self.monitor.can_skip else None
         if found is None:  # no loss-scaling verdict: a non-finite norm or a skip flag
@@ -303,12 +312,12 @@ class MixedPrecisionRuntime:
         self._probe_updates(params)
         return self._last
 
-    def _step_loss(self) -> torch.Tensor:
-        """The mean raw loss of this optimizer step's forwards (NaN if none returned a loss), equal on all ranks."""
+    def _step_loss(self) -> torch.Tensor | None:
+        """The loss this optimizer step back-propagated (the sum of its micro-batches' :meth:`record_loss`), the
+        mean over ranks; None when no backward recorded one (nothing is guessed)."""
         if self._loss_n == 0:
-            loss = torch.full((), float("nan"), device=self.device)
-        else:
-            loss = self._loss_sum if self._loss_n == 1 else self._loss_sum / self._loss_n
+            return None
+        loss = self._loss_sum
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             loss = loss.clone()
             dist.all_reduce(loss, op=dist.ReduceOp.SUM)  # one decision for every rank

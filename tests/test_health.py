@@ -461,7 +461,6 @@ def test_no_sync_on_cuda_with_sync_debug_mode_error(name):
     model = tiny_llama().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     rt.convert_model(model, opt)
-    rt.watch_loss(model)
     scaler = rt.make_grad_scaler() or rt.make_guard_scaler()
     batches = byte_batches(builtin_text(), seq_len=64, batch_size=4, n_batches=12, seed=0)
 
@@ -481,6 +480,7 @@ def test_no_sync_on_cuda_with_sync_debug_mode_error(name):
             rt.begin_step(model)
         with rt.autocast():
             loss = model(input_ids=x, labels=x).loss
+        rt.record_loss(loss)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
         with no_sync(quiet):

@@ -291,3 +291,80 @@ def test_resume_is_exact(tmp_path, name):
         assert torch.equal(sf[key], sr[key]), key
     if name == "h100-fp8-delayed":
         assert any(k.endswith("fp8_amax_history") for k in sf)
+
+
+# -- the Accelerate plugin honours or refuses what the user asked of Accelerate ---------------------------
+
+
+def test_plugin_refuses_a_conflicting_accelerate_mixed_precision_env(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    recipe = hf_mixedprec.load_recipe("cpu-bf16")
+    with pytest.raises(ValueError, match=r"ACCELERATE_MIXED_PRECISION='fp16' contradicts recipe 'cpu-bf16'.*'bf16'"):
+        recipe.accelerator()
+
+
+def test_plugin_argument_wins_over_env_and_must_agree(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    recipe = hf_mixedprec.load_recipe("cpu-bf16")
+    acc = recipe.accelerator(mixed_precision="bf16")  # Accelerate's own precedence: argument > env
+    assert acc.mixed_precision == "bf16"
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.raises(ValueError, match=r"mixed_precision='no' contradicts recipe 'cpu-bf16'"):
+        recipe.accelerator(mixed_precision="no")
+
+
+def test_plugin_fp8_recipe_accepts_the_fp8_env_and_says_what_it_does(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    acc = hf_mixedprec.load_recipe("h100-fp8-delayed", rehearse=True).accelerator()
+    assert acc.mixed_precision == "bf16"
+    assert any("ACCELERATE_MIXED_PRECISION='fp8'" in n and "applies FP8 itself" in n for n in acc.mp.notes)
+
+
+def test_plugin_merges_a_users_grad_scaler_kwargs_into_the_recipe():
+    from accelerate.utils import GradScalerKwargs
+
+    recipe = hf_mixedprec.load_recipe("v100-fp16", rehearse=True)
+    acc = recipe.accelerator(kwargs_handlers=[GradScalerKwargs(init_scale=1024, growth_interval=10)])
+    assert acc.scaler.get_scale() == 1024.0 and acc.scaler._growth_interval == 10
+    assert acc.scaler._growth_factor == 2.0 and acc.scaler._backoff_factor == 0.5  # the recipe's, untouched
+    ls = acc.mp.recipe.loss_scale  # what the runtime clamps and the detectors use
+    assert (ls.init_scale, ls.growth_interval, ls.min_scale) == (1024.0, 10, 1.0)
+    note = next(n for n in acc.mp.notes if n.startswith("GradScalerKwargs("))
+    assert "loss_scale.init_scale 65536.0 -> 1024" in note and "loss_scale.growth_interval 2000 -> 10" in note
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "match"),
+    [
+        ("cpu-bf16", {"init_scale": 1024}, r"applies to fp16 loss scaling, but recipe 'cpu-bf16' has precision bf16"),
+        ("v100-fp16", {"enabled": False}, r"enabled=False\) contradicts recipe 'v100-fp16'"),
+        ("v100-fp16", {"init_scale": 0.5}, r"GradScalerKwargs\(init_scale=0.5\) merged into recipe 'v100-fp16'"),
+    ],
+)
+def test_plugin_refuses_grad_scaler_kwargs_it_cannot_honour(name, kwargs, match):
+    from accelerate.utils import GradScalerKwargs
+
+    recipe = hf_mixedprec.load_recipe(name, rehearse=name != "cpu-bf16")
+    with pytest.raises(ValueError, match=match):
+        recipe.accelerator(kwargs_handlers=[GradScalerKwargs(**kwargs)])
+
+
+def test_fp8_conversion_summary_is_visible_at_the_default_log_level(tmp_path):
+    """Rank 0 prints which Linears went FP8 and which stayed in high precision, once, at WARNING."""
+    code = (
+        "import hf_mixedprec\n"
+        "from hf_mixedprec.integrations.models import tiny_llama\n"
+        "from hf_mixedprec.runtime import MixedPrecisionRuntime\n"
+        "rt = MixedPrecisionRuntime(hf_mixedprec.load_recipe('h100-fp8-delayed', rehearse=True))\n"
+        "rt.convert_model(tiny_llama())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if "FP8 conversion" in ln]
+    assert len(lines) == 1, r.stderr[-2000:]
+    assert "(emulated, delayed scaling, HYBRID): 14 of 15 Linear layers in FP8" in lines[0]
+    assert lines[0].endswith(
+        "kept in high precision: embedding lookup (no GEMM): model.embed_tokens; output projection (keep_lm_head): lm_head"
+    )

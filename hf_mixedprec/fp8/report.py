@@ -50,6 +50,21 @@ class ConversionReport:
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.to_dict(), indent=kw.pop("indent", 2), **kw)
 
+    def summary(self) -> str:
+        """Two lines for the console: how many Linears went FP8, and which stayed in high precision and why."""
+        head = (
+            f"FP8 conversion ({self.backend}, {self.scaling} scaling, {self.format}): {len(self.converted)} of "
+            f"{sum(d.kind == 'Linear' for d in self.layers)} Linear layers in FP8"
+        )
+        by_reason: dict[str, list[str]] = {}
+        for d in self.layers:
+            if not d.fp8:
+                by_reason.setdefault(d.reason, []).append(d.name)
+        if not by_reason:
+            return head + "; none kept in high precision"
+        kept = "; ".join(f"{reason}: {_names(names)}" for reason, names in by_reason.items())
+        return f"{head}; kept in high precision: {kept}"
+
     def __str__(self) -> str:
         head = (
             f"FP8 conversion: backend={self.backend} scaling={self.scaling} format={self.format}: "
@@ -62,3 +77,8 @@ class ConversionReport:
             lines.append(f"{d.name:<{width}}  {d.kind:<9}  {shape:>11}  {'yes' if d.fp8 else 'no':<4}  {d.reason}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _names(names: list[str], most: int = 4) -> str:
+    shown = ", ".join(names[:most])
+    return shown if len(names) <= most else f"{shown} and {len(names) - most} more"

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import GradScalerKwargs
+from accelerate.utils import DistributedType, GradScalerKwargs
+from pydantic import ValidationError
 
 from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.recipe import Recipe
@@ -30,6 +32,8 @@ __all__ = ["MixedPrecisionAccelerator", "enable_native_fp16", "grad_scaler_kwarg
 
 log = logging.getLogger("hf_mixedprec")
 
+#: Accelerate's environment variable for ``mixed_precision`` (what ``accelerate launch`` exports).
+MIXED_PRECISION_ENV = "ACCELERATE_MIXED_PRECISION"
 _MIXED = {"fp32": "no", "fp16": "fp16", "bf16": "bf16", "fp8": "bf16"}
 
 
@@ -54,25 +58,29 @@ def enable_native_fp16(accelerator: Accelerator, scaler: torch.amp.GradScaler) -
 
 
 class MixedPrecisionAccelerator(Accelerator):
-    """An ``Accelerator`` that applies a recipe (see module docs). Build it with :func:`make_accelerator`."""
+    """An ``Accelerator`` that applies a recipe (see module docs). Build it with :func:`make_accelerator`.
+
+    What the user asked of Accelerate is honoured or refused, never dropped, with Accelerate's own precedence
+    (argument > environment > recipe): ``mixed_precision=`` or ``ACCELERATE_MIXED_PRECISION`` must agree with
+    the recipe's precision (a conflict is an error naming both values); a ``GradScalerKwargs`` handler's
+    non-default fields override the recipe's ``loss_scale`` keys of the same name. Each such decision is
+    recorded in :attr:`mp` ``.notes``.
+    """
 
     def __init__(self, recipe: Recipe, *, rehearse: bool | None = None, **kwargs: Any):
         rehearse = recipe.rehearse if rehearse is None else rehearse
         if not rehearse:
             check_recipe(recipe, detect())
-        if "mixed_precision" in kwargs and kwargs["mixed_precision"] not in (None, _MIXED[recipe.precision]):
-            raise ValueError(
-                f"mixed_precision={kwargs['mixed_precision']!r} contradicts recipe {recipe.name!r} "
-                f"(allowed: {_MIXED[recipe.precision]!r} or leave it out)"
-            )
+        decided = _mixed_precision_decision(recipe, kwargs.get("mixed_precision"))
         kwargs["mixed_precision"] = _MIXED[recipe.precision]
         handlers = list(kwargs.pop("kwargs_handlers", None) or [])
-        gsk = grad_scaler_kwargs(recipe)
-        if gsk is not None and not any(isinstance(h, GradScalerKwargs) for h in handlers):
-            handlers.append(gsk)
+        recipe, handlers, scaler_note = _merge_grad_scaler_kwargs(recipe, handlers)
         super().__init__(kwargs_handlers=handlers, **kwargs)
         self.recipe = recipe
         self.mp = MixedPrecisionRuntime(recipe, device=self.device, rehearse=rehearse)
+        for text in (decided, scaler_note):
+            if text:
+                self.mp.note(text)
         if recipe.precision == "fp16":
             if self.scaler is None:  # Accelerate skipped fp16 here (CPU): run its native path ourselves
                 enable_native_fp16(self, self.mp.make_grad_scaler())
@@ -87,6 +95,13 @@ class MixedPrecisionAccelerator(Accelerator):
         self.mp.apply_tf32()
         self._clipped_this_step = False
 
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Accelerate's ``backward``, after recording the loss it back-propagates for the loss detectors."""
+        if isinstance(loss, torch.Tensor):
+            gas = 1 if self.distributed_type == DistributedType.DEEPSPEED else self.gradient_accumulation_steps
+            self.mp.record_loss(loss if gas == 1 else loss / gas)
+        return super().backward(loss, **kwargs)
+
     # -- prepare -------------------------------------------------------------------------------------
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
@@ -95,7 +110,6 @@ class MixedPrecisionAccelerator(Accelerator):
             self.mp.convert_model(model)
         self._mp_model = model
         if not evaluation_mode:
-            self.mp.watch_loss(model)
             self.mp.begin_step(model)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
@@ -145,6 +159,73 @@ class MixedPrecisionAccelerator(Accelerator):
     def should_stop(self) -> str | None:
         """Why a health reaction asked to stop (save a checkpoint, then stop), or None."""
         return self.mp.stop_requested
+
+
+def _mixed_precision_decision(recipe: Recipe, argument: Any) -> str | None:
+    """Check what the user asked Accelerate for (argument, else ``ACCELERATE_MIXED_PRECISION``) against the
+    recipe; returns the note to record (None when nothing was asked or it agrees). A conflict raises
+    ``ValueError``."""
+    wanted = _MIXED[recipe.precision]
+    # an FP8 recipe trains under BF16 autocast with its FP8 layers applied by hf_mixedprec
+    allowed = (wanted, "fp8") if recipe.precision == "fp8" else (wanted,)
+    env = os.environ.get(MIXED_PRECISION_ENV)
+    if argument is not None:
+        source, value = "mixed_precision", str(argument).lower()
+    elif env:
+        source, value = MIXED_PRECISION_ENV, env.strip().lower()
+    else:
+        return None
+    if value not in allowed:
+        raise ValueError(
+            f"{source}={value!r} contradicts recipe {recipe.name!r} (precision {recipe.precision}, which Accelerate "
+            f"runs as mixed_precision={wanted!r}) (allowed: {' or '.join(repr(a) for a in allowed)}; or leave it "
+            f"out, or load a recipe with the precision you want)"
+        )
+    if value == wanted:
+        log.info("hf_mixedprec: %s=%r agrees with recipe %r", source, value, recipe.name)
+        return None
+    return (
+        f"{source}={value!r}: recipe {recipe.name!r} applies FP8 itself (backend "
+        f"{recipe.fp8.backend if recipe.fp8 else '?'}); Accelerate runs mixed_precision={wanted!r}"
+    )
+
+
+def _merge_grad_scaler_kwargs(recipe: Recipe, handlers: list[Any]) -> tuple[Recipe, list[Any], str | None]:
+    """Merge a user's ``GradScalerKwargs`` into the recipe's ``loss_scale`` (the handler's non-default fields
+    win); returns the recipe to run, the handlers for Accelerate (one stock ``GradScalerKwargs``) and a note."""
+    mine = [h for h in handlers if isinstance(h, GradScalerKwargs)]
+    rest = [h for h in handlers if not isinstance(h, GradScalerKwargs)]
+    note = None
+    if mine:
+        user = mine[-1].to_kwargs()  # only the fields the user changed from Accelerate's defaults
+        shown = ", ".join(f"{k}={v!r}" for k, v in user.items())
+        if recipe.precision != "fp16" or recipe.loss_scale is None:
+            raise ValueError(
+                f"GradScalerKwargs({shown}) applies to fp16 loss scaling, but recipe {recipe.name!r} has precision "
+                f"{recipe.precision} (allowed: no GradScalerKwargs, or an fp16 recipe)"
+            )
+        if user.pop("enabled", True) is False:
+            raise ValueError(
+                f"GradScalerKwargs(enabled=False) contradicts recipe {recipe.name!r}: its fp16 precision needs loss "
+                "scaling (allowed: enabled=True; to train without loss scaling use a bf16 or fp32 recipe)"
+            )
+        ls = recipe.loss_scale
+        try:
+            merged = type(ls).model_validate({**ls.model_dump(), **user})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            raise ValueError(
+                f"GradScalerKwargs({shown}) merged into recipe {recipe.name!r} loss_scale: {err['msg']}"
+            ) from None
+        changes = [f"loss_scale.{k} {getattr(ls, k)!r} -> {v!r}" for k, v in user.items() if getattr(ls, k) != v]
+        note = (
+            f"GradScalerKwargs({shown}) overrides recipe {recipe.name!r}: {', '.join(changes)}"
+            if changes
+            else f"GradScalerKwargs({shown}) agrees with recipe {recipe.name!r}"
+        )
+        recipe = recipe.model_copy(update={"loss_scale": merged})
+    gsk = grad_scaler_kwargs(recipe)
+    return recipe, [*rest, *([gsk] if gsk is not None else [])], note
 
 
 def make_accelerator(recipe: Recipe, **accelerator_kwargs: Any) -> MixedPrecisionAccelerator:

@@ -1,16 +1,20 @@
 """Trainer integration: ``Trainer(..., callbacks=recipe.callbacks())`` applies a recipe to an unchanged script.
 
 ``MixedPrecisionCallback`` reaches its Trainer at ``on_init_end`` (still inside ``Trainer.__init__``, before
-the model is prepared) and:
+the model is prepared), or at ``on_train_begin`` when it was added with ``trainer.add_callback`` after
+construction (then the prepared model and optimizer are adjusted in place), and:
 
-- refuses a recipe the hardware cannot run (unless rehearsed) and ``TrainingArguments`` that contradict it;
+- refuses a recipe the hardware cannot run (unless rehearsed) and ``TrainingArguments`` that contradict it
+  (a library default that contradicts it, such as TRL's ``bf16``, is fixed and said);
 - FP16: installs a real ``torch.amp.GradScaler`` with the recipe's loss-scale settings on the Trainer's
   Accelerator, so ``accelerator.backward`` scales the loss, Trainer's gradient-norm step unscales, the
   optimizer step is skipped on overflow, and Trainer saves and restores the scaler with checkpoints. Where
   Accelerate would not autocast (it ignores fp16 on CPU), the model's forward runs under autocast(float16);
 - FP8: converts the model's Linears (emulated when rehearsing), recording the conversion report;
 - clipping: the recipe's clipper replaces Trainer's fixed ``max_grad_norm`` (set to 0, said in the log);
-- after each optimizer step advances FP8 delayed scaling; at logging steps logs ``mp/...`` metrics.
+- sees every loss ``accelerator.backward`` back-propagates, however the Trainer computed it;
+- after each optimizer step advances FP8 delayed scaling; at logging steps merges the ``mp/...`` metrics into
+  Trainer's own log row.
 
 Its state (clipper statistics, counters) is saved in ``trainer_state.json`` through Transformers'
 ``ExportableState`` and restored on resume; FP8 amax histories live in the model's state_dict.
@@ -20,6 +24,7 @@ Linears go to FP8 (LoRA adapters stay in high precision).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import weakref
@@ -77,13 +82,33 @@ def training_args(recipe: Recipe, *, args_class: type | None = None, **overrides
     return (args_class or TrainingArguments)(**wanted)
 
 
+def _defaults_to_none(args: Any, name: str) -> bool:
+    """Whether ``args``'s dataclass declares ``name`` with default None (resolved later by the library)."""
+    for f in dataclasses.fields(args) if dataclasses.is_dataclass(args) else ():
+        if f.name == name:
+            return f.default is None
+    return False
+
+
+def _give_scaler(optimizer: Any, scaler: torch.amp.GradScaler) -> None:
+    """Hand ``scaler`` to an already prepared ``AcceleratedOptimizer``, as its constructor would have."""
+    from accelerate.optimizer import patch_optimizer_step
+
+    if getattr(optimizer, "scaler", None) is None:
+        optimizer._accelerate_step_called = False
+        optimizer._optimizer_original_step_method = optimizer.optimizer.step
+        optimizer._optimizer_patched_step_method = patch_optimizer_step(optimizer, optimizer.optimizer.step)
+    optimizer.scaler = scaler
+
+
 def recipe_callbacks(recipe: Recipe, *, rehearse: bool | None = None) -> list[TrainerCallback]:
     """The callbacks for ``Trainer(callbacks=...)``."""
     return [MixedPrecisionCallback(recipe=recipe, rehearse=recipe.rehearse if rehearse is None else rehearse)]
 
 
 def _find_trainer() -> Trainer | None:
-    """The Trainer whose ``__init__`` is running (``on_init_end`` is called from inside it)."""
+    """The Trainer calling this callback event (``on_init_end`` runs inside ``Trainer.__init__``,
+    ``on_train_begin`` inside ``Trainer.train``); callback events are not handed the Trainer itself."""
     frame = sys._getframe(1)
     while frame is not None:
         obj = frame.f_locals.get("self")
@@ -93,9 +118,13 @@ def _find_trainer() -> Trainer | None:
     return None
 
 
-def attach(trainer: Trainer, recipe: Recipe, *, rehearse: bool | None = None) -> MixedPrecisionCallback:
-    """Apply ``recipe`` to an already constructed ``trainer`` (the explicit form of ``callbacks=``)."""
-    cb = MixedPrecisionCallback(recipe=recipe, rehearse=recipe.rehearse if rehearse is None else rehearse)
+def attach(trainer: Trainer, recipe: Recipe | None = None, *, rehearse: bool | None = None) -> MixedPrecisionCallback:
+    """Apply ``recipe`` (default: :func:`hf_mixedprec.load_recipe`) to an already constructed ``trainer`` now.
+
+    The same as ``trainer.add_callback(cb)`` for ``cb`` in ``recipe.callbacks()``, except that the recipe is
+    installed at once (before ``trainer.train()``) and hardware or argument refusals are raised here.
+    """
+    cb = MixedPrecisionCallback(recipe=recipe, rehearse=rehearse)
     trainer.add_callback(cb)
     cb.setup(trainer)
     return cb
@@ -104,9 +133,13 @@ def attach(trainer: Trainer, recipe: Recipe, *, rehearse: bool | None = None) ->
 class MixedPrecisionCallback(TrainerCallback, ExportableState):
     """Applies a recipe inside a Trainer (see module docs)."""
 
-    def __init__(self, recipe: Recipe | dict[str, Any], rehearse: bool = False):
+    def __init__(self, recipe: Recipe | dict[str, Any] | None = None, rehearse: bool | None = None):
+        if recipe is None:  # `trainer.add_callback(MixedPrecisionCallback)`: the launcher's recipe, else auto
+            from hf_mixedprec.loader import load_recipe
+
+            recipe = load_recipe(rehearse=rehearse)
         self.recipe = recipe if isinstance(recipe, Recipe) else resolve_recipe(recipe, source="<checkpoint>")
-        self.rehearse = bool(rehearse)
+        self.rehearse = bool(self.recipe.rehearse if rehearse is None else rehearse)
         self.restored: dict[str, Any] | None = None  # set by Trainer when resuming from a checkpoint
         self.runtime: MixedPrecisionRuntime | None = None
         self.trainer: Trainer | None = None
@@ -124,25 +157,53 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
     # -- setup -------------------------------------------------------------------------------------------
     def on_init_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         if self.trainer is None:
-            trainer = _find_trainer()
-            if trainer is None:
-                raise RuntimeError(
-                    "MixedPrecisionCallback must be passed to a transformers Trainer (callbacks=recipe.callbacks()); "
-                    "for an existing trainer use hf_mixedprec.integrations.trainer.attach(trainer, recipe)"
-                )
-            self.setup(trainer)
+            self.setup(self._calling_trainer("on_init_end"))
 
-    def setup(self, trainer: Trainer) -> None:
-        """Install the recipe on ``trainer`` (before its model is prepared)."""
+    def _calling_trainer(self, event: str) -> Trainer:
+        trainer = _find_trainer()
+        if trainer is None:
+            raise RuntimeError(
+                f"MixedPrecisionCallback.{event} was not called by a transformers Trainer: pass it with "
+                "Trainer(callbacks=recipe.callbacks()), trainer.add_callback(cb) or "
+                "hf_mixedprec.integrations.trainer.attach(trainer, recipe)"
+            )
+        return trainer
+
+    def _check_attachment(self, trainer: Trainer) -> None:
+        """One recipe per Trainer, one Trainer per callback: anything else would install two scalers."""
+        if self.trainer is not None and self.trainer is not trainer:
+            raise RuntimeError(
+                "this MixedPrecisionCallback is already attached to another Trainer; give each Trainer its own "
+                "(recipe.callbacks() makes new ones)"
+            )
+        others = [
+            cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MixedPrecisionCallback) and cb is not self
+        ]
+        if others:
+            names = ", ".join(repr(cb.recipe.name) for cb in [self, *others])
+            raise RuntimeError(
+                f"more than one MixedPrecisionCallback on this Trainer (recipes {names}): a Trainer takes one recipe; "
+                "pass recipe.callbacks() once, either to Trainer(callbacks=...) or with add_callback, not both"
+            )
+
+    def setup(self, trainer: Trainer, *, late: bool = False) -> None:
+        """Install the recipe on ``trainer``: at ``on_init_end`` (before its model is prepared), or at
+        ``on_train_begin`` for a callback added after construction (the prepared model and optimizer are
+        adjusted in place)."""
+        self._check_attachment(trainer)
+        if self.runtime is not None:
+            return
         self.trainer = trainer
         recipe, args = self.recipe, trainer.args
         model = trainer.model
         device = args.device
         if not self.rehearse:
             check_recipe(recipe, detect())
-        self._check_args(args)
+        notes = self._check_args(args)
         rt = MixedPrecisionRuntime(recipe, device=device, rehearse=self.rehearse)
         self.runtime = rt
+        for text in notes:
+            rt.note(text)
         acc = trainer.accelerator
         rt.apply_tf32()
         setattr(model, RUNTIME_ATTR, rt)
@@ -151,7 +212,16 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             # DeepSpeed through TrainingArguments(deepspeed=...) or through `accelerate launch` with a
             # DeepSpeed config (what `hf-mixedprec launch` writes for distributed.strategy: deepspeed)
             self._setup_deepspeed(trainer, rt)
+            self._route_backward_and_log(trainer, rt)
             return
+        autocast_by_accelerate = acc.native_amp and acc.mixed_precision == {"fp16": "fp16", "fp32": "no"}.get(
+            recipe.precision, "bf16"
+        )
+        if recipe.precision == "fp32" and acc.mixed_precision != "no":
+            acc.state._mixed_precision = "no"
+            acc.native_amp = False
+            autocast_by_accelerate = True
+        scaler = None
         if recipe.precision == "fp16":
             scaler = rt.make_grad_scaler()
             if acc.native_amp and acc.mixed_precision == "fp16":
@@ -163,25 +233,57 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                     f"(Accelerate's mixed_precision was {'no' if not args.fp16 else 'fp16'!r} and ignores fp16 there)"
                 )
         elif rt.wants_guard():
-            acc.scaler = rt.make_guard_scaler()
+            scaler = acc.scaler = rt.make_guard_scaler()
             rt.note("a scale-1 GradScaler guards the optimizer step so that skip_step reactions skip exactly")
-        if recipe.precision in ("bf16", "fp8") and not (acc.native_amp and acc.mixed_precision == "bf16"):
+        if late and scaler is not None:
+            _give_scaler(trainer.optimizer, scaler)
+        # Accelerate autocasts at prepare time: fp16 switched on above is its own path unless the model was
+        # already prepared without it
+        if recipe.precision != "fp32" and not autocast_by_accelerate and (late or recipe.precision != "fp16"):
             rt.wrap_forward_with_autocast(model)
             rt.note(
-                f"bf16 autocast installed by hf_mixedprec (Accelerate's mixed_precision is {acc.mixed_precision!r})"
+                f"{recipe.precision if recipe.precision == 'fp16' else 'bf16'} autocast installed by hf_mixedprec "
+                f"(Accelerate's mixed_precision is {acc.mixed_precision!r}"
+                + (", callback added after the model was prepared)" if late else ")")
             )
-        rt.watch_loss(model)
+        self._route_backward_and_log(trainer, rt)
         self._route_clip_grad_norm(trainer, rt)
         if recipe.precision == "fp8":
-            report = rt.convert_model(model)
-            if report is not None:
-                log.info("hf_mixedprec: %s", report)
+            rt.convert_model(model, getattr(trainer.optimizer, "optimizer", trainer.optimizer) if late else None)
         if rt.clipper is not None and args.max_grad_norm:
             rt.note(
                 f"clipping.method {recipe.clipping.method!r} replaces Trainer's max_grad_norm="
                 f"{args.max_grad_norm:g} (set to 0)"
             )
             args.max_grad_norm = 0.0
+
+    def _route_backward_and_log(self, trainer: Trainer, rt: MixedPrecisionRuntime) -> None:
+        """See the loss every backward pass takes (however the Trainer or its subclass computed it), and merge
+        the ``mp/`` metrics into the Trainer's own training log row.
+
+        ``accelerator.backward`` is where every Trainer loss goes (``compute_loss``, ``compute_loss_func``,
+        label smoothing, TRL's trainers). ``Trainer.log`` is wrapped on the instance, so a subclass's own
+        ``log`` (TRL adds its metrics there) still runs and one row carries everything to the log history,
+        the console and every ``report_to`` integration.
+        """
+        acc = trainer.accelerator
+        inner_backward = acc.backward
+
+        def backward(loss: Any, **kwargs: Any) -> Any:
+            if isinstance(loss, torch.Tensor):
+                rt.record_loss(loss if acc.gradient_accumulation_steps == 1 else loss / acc.gradient_accumulation_steps)
+            return inner_backward(loss, **kwargs)
+
+        acc.backward = backward  # type: ignore[method-assign]
+        inner_log = trainer.log
+
+        def log_row(logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+            if rt.pending_log is not None and "loss" in logs:
+                logs.update(rt.pending_log)
+                rt.pending_log = None
+            return inner_log(logs, *args, **kwargs)
+
+        trainer.log = log_row  # type: ignore[method-assign]
 
     def _route_clip_grad_norm(self, trainer: Trainer, rt: MixedPrecisionRuntime) -> None:
         """Trainer asks ``accelerator.clip_grad_norm_`` for the gradient norm every step (with ``max_norm=inf``
@@ -224,12 +326,22 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             )
             rt.clipper = None
 
-    def _check_args(self, args: TrainingArguments) -> None:
+    def _check_args(self, args: TrainingArguments) -> list[str]:
+        """Refuse arguments that contradict the recipe; fix library defaults that do (returned as notes)."""
         p = self.recipe.precision
+        notes: list[str] = []
         if args.fp16 and p != "fp16":
             raise ValueError(
                 f"TrainingArguments.fp16=True contradicts recipe {self.recipe.name!r} (precision {p}); "
                 "remove fp16=True or build the arguments with recipe.training_args(...)"
+            )
+        if args.bf16 and p in ("fp16", "fp32") and _defaults_to_none(args, "bf16"):
+            # TRL's configs leave bf16=None and turn it into True when fp16 is not set: a library default, not
+            # the user's choice (an explicit bf16=True cannot be told apart there and is treated the same)
+            args.bf16 = False
+            notes.append(
+                f"{type(args).__name__}.bf16 was True by its library's default (bf16=None becomes True); set to "
+                f"False for recipe {self.recipe.name!r} (precision {p})"
             )
         if args.bf16 and p in ("fp16", "fp32"):
             raise ValueError(
@@ -241,6 +353,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                 f"recipe {self.recipe.name!r} (precision {p}) cannot run under DeepSpeed here "
                 "(allowed: fp16 or bf16 recipes; build the config with deepspeed_config(recipe))"
             )
+        return notes
 
     def _runtime(self, model: Any) -> MixedPrecisionRuntime:
         if self.runtime is None:  # a fresh instance made by Trainer when restoring callback state
@@ -250,7 +363,12 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
 
     # -- training ------------------------------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+        if self.trainer is None and getattr(model, RUNTIME_ATTR, None) is None:
+            # added with trainer.add_callback(...): Trainer.train has already prepared the model and optimizer
+            self.setup(self._calling_trainer("on_train_begin"), late=True)
         rt = self._runtime(model)
+        if self.trainer is not None:
+            self._check_attachment(self.trainer)
         payload = self.restored
         if payload is None and state.global_step > 0:
             # Trainer restores callback objects only with restore_callback_states_from_checkpoint=True, but
@@ -292,9 +410,8 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             if rt.stop_requested and not control.should_training_stop:
                 control.should_save = True  # Trainer saves the checkpoint, then stops
                 control.should_training_stop = True
-        if control.should_log and self.trainer is not None:
-            self.trainer.log(rt.metrics())
-            control.should_log = True  # Trainer.log() cleared it; Trainer's own loss log is still due
+            # merged into the row Trainer logs right after this event (see _route_backward_and_log)
+            rt.pending_log = rt.metrics()
 
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         rt = self._runtime(kw["model"])
