@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from hf_mixedprec._optional import require
+
 __all__ = ["HEALTH_FILE", "build_plots", "health_document", "summarize", "write_run_report"]
 
 HEALTH_FILE = "health.json"
@@ -112,8 +114,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
 
 def build_plots(run_dir: str | Path, doc: dict[str, Any] | None = None) -> list[Path]:
     """Write the PNG plots for ``run_dir`` (from ``doc`` or its ``health.json``); return the files written."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "finetune", "the run report's plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -1,0 +1,19 @@
+"""Optional dependencies: import one where it is needed, or say which extra installs it."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["require"]
+
+
+def require(module: str, extra: str, needed_for: str) -> ModuleType:
+    """Import ``module``; if it is missing, raise an ImportError naming ``pip install 'hf_mixedprec[extra]'``."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        top = module.split(".")[0]
+        raise ImportError(
+            f"{needed_for} needs {top}, which is not installed: pip install 'hf_mixedprec[{extra}]'"
+        ) from exc

@@ -1,0 +1,58 @@
+"""Packaging: what the one-line integration needs is a core dependency; a missing optional backend names
+the extra that installs it."""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import hf_mixedprec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_the_trainer_callback_and_the_plugin_need_only_core_dependencies():
+    core = {d.split(">")[0].split("<")[0].split("=")[0].strip() for d in _pyproject()["project"]["dependencies"]}
+    assert {"torch", "transformers", "accelerate"} <= core
+
+
+def test_every_extra_named_in_an_install_hint_exists():
+    extras = set(_pyproject()["project"]["optional-dependencies"])
+    assert {"finetune", "torchao", "transformer-engine", "deepspeed", "peft", "all", "test"} <= extras
+
+
+def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
+    from hf_mixedprec.report import build_plots
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    with pytest.raises(
+        ImportError, match=r"needs matplotlib, which is not installed: pip install 'hf_mixedprec\[finetune\]'"
+    ):
+        build_plots(tmp_path, {"version": 1, "series": {}, "events": [], "notes": []})
+
+
+def test_missing_torchao_names_the_extra(monkeypatch):
+    from hf_mixedprec.fp8 import convert
+    from hf_mixedprec.integrations.models import tiny_llama
+
+    model, recipe = tiny_llama(), hf_mixedprec.load_recipe("h100-fp8-current", rehearse=True)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(ImportError, match=r"pip install 'hf_mixedprec\[torchao\]'"):
+        convert(model, recipe, backend="torchao")
+
+
+def test_missing_transformer_engine_names_the_extra(monkeypatch):
+    from hf_mixedprec.fp8 import convert
+    from hf_mixedprec.integrations.models import tiny_llama
+
+    model, recipe = tiny_llama(), hf_mixedprec.load_recipe("h100-fp8-delayed", rehearse=True)
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    with pytest.raises(ImportError, match=r"pip install 'hf_mixedprec\[transformer-engine\]'"):
+        convert(model, recipe, backend="transformer_engine")
