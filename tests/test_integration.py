@@ -368,3 +368,24 @@ def test_fp8_conversion_summary_is_visible_at_the_default_log_level(tmp_path):
     assert lines[0].endswith(
         "kept in high precision: embedding lookup (no GEMM): model.embed_tokens; output projection (keep_lm_head): lm_head"
     )
+
+
+def test_a_loss_the_runtime_cannot_see_is_said_once_and_never_skips_a_step():
+    """A loop that calls loss.backward() itself bypasses accelerator.backward: no loss is guessed."""
+    from hf_mixedprec.integrations.models import tiny_llama
+
+    recipe = hf_mixedprec.load_recipe("cpu-bf16")
+    acc = recipe.accelerator()
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batches = byte_batches(builtin_text(), seq_len=32, batch_size=2, n_batches=4, seed=0)
+    for ids in batches:
+        model(input_ids=ids, labels=ids).loss.backward()  # not through accelerator.backward
+        opt.step()
+        opt.zero_grad()
+    assert acc.mp_metrics()["mp/skipped_steps"] == 0.0
+    assert all(not torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
+    said = [n for n in acc.mp.notes if n.startswith("no loss reached accelerator.backward")]
+    assert len(said) == 1

@@ -214,8 +214,9 @@ def _merge_grad_scaler_kwargs(recipe: Recipe, handlers: list[Any]) -> tuple[Reci
             merged = type(ls).model_validate({**ls.model_dump(), **user})
         except ValidationError as exc:
             err = exc.errors()[0]
+            where = ".".join(["loss_scale", *map(str, err["loc"])])
             raise ValueError(
-                f"GradScalerKwargs({shown}) merged into recipe {recipe.name!r} loss_scale: {err['msg']}"
+                f"GradScalerKwargs({shown}) merged into recipe {recipe.name!r}: {where}: {err['msg']}"
             ) from None
         changes = [f"loss_scale.{k} {getattr(ls, k)!r} -> {v!r}" for k, v in user.items() if getattr(ls, k) != v]
         note = (

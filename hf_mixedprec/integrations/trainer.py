@@ -156,8 +156,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
 
     # -- setup -------------------------------------------------------------------------------------------
     def on_init_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.trainer is None:
-            self.setup(self._calling_trainer("on_init_end"))
+        self.setup(self._calling_trainer("on_init_end"))
 
     def _calling_trainer(self, event: str) -> Trainer:
         trainer = _find_trainer()
@@ -363,12 +362,11 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
 
     # -- training ------------------------------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-        if self.trainer is None and getattr(model, RUNTIME_ATTR, None) is None:
-            # added with trainer.add_callback(...): Trainer.train has already prepared the model and optimizer
+        if getattr(model, RUNTIME_ATTR, None) is None or self.trainer is not None:
+            # added with trainer.add_callback(...): Trainer.train has already prepared the model and optimizer;
+            # else (set up already) this checks that no second callback or second Trainer appeared since
             self.setup(self._calling_trainer("on_train_begin"), late=True)
         rt = self._runtime(model)
-        if self.trainer is not None:
-            self._check_attachment(self.trainer)
         payload = self.restored
         if payload is None and state.global_step > 0:
             # Trainer restores callback objects only with restore_callback_states_from_checkpoint=True, but
