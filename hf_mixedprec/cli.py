@@ -1,13 +1,16 @@
 """The ``hf-mixedprec`` command.
 
-User mistakes (bad flags, bad recipes, missing files, hardware that cannot run a recipe) print one line per
-problem and exit with status 2, without a traceback. Anything else is a bug and keeps its traceback.
+Exit codes: 0 done; 1 a bug or crash (it keeps its traceback); 2 a user mistake or a refusal (bad flags, bad
+recipes, missing files, hardware that cannot run a recipe), one line per problem and no traceback; 3 a run
+stopped by a health reaction (``finetune``; the checkpoint and the resume command are printed); 130 Ctrl-C.
+``launch`` exits with the training script's own code (see :mod:`hf_mixedprec._launcher`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -19,9 +22,13 @@ from typing import NoReturn
 from hf_mixedprec.hardware import HardwareRefusal, detect
 from hf_mixedprec.recipe import Recipe, RecipeError, builtin_recipe_names, load_recipe_file
 
-__all__ = ["UsageError", "main"]
+__all__ = ["EXIT_STOPPED", "UsageError", "main"]
 
 PROG = "hf-mixedprec"
+#: Exit code of ``finetune`` when a health reaction stopped the run (2 is taken by user mistakes).
+EXIT_STOPPED = 3
+#: ``launch`` exports its own command line (up to the script) to the script, for resume commands.
+LAUNCH_COMMAND_ENV = "HF_MIXEDPREC_LAUNCH_COMMAND"
 
 
 class UsageError(Exception):
@@ -246,11 +253,29 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     if not args.rehearse:
         check_recipe(recipe, detect())
+    _check_deepspeed(recipe)  # rehearsal does not change what DeepSpeed itself accepts
     plan.write()
     for note in plan.notes:
         print(f"{PROG}: {note}", file=sys.stderr)
     print(f"{PROG}: {shlex.join(plan.command)}", file=sys.stderr)
-    return subprocess.call(plan.command, env=child_env(plan))
+    env = child_env(plan)
+    argv = getattr(args, "argv", None)
+    if argv:  # the user's launch command up to the script, so that `finetune` can print a resume command
+        env[LAUNCH_COMMAND_ENV] = shlex.join([PROG, *argv[: len(argv) - len(args.script_args)]])
+    code = subprocess.call(plan.command, env=env)
+    return 128 - code if code < 0 else code  # the launcher itself killed by signal N: 128+N, as a shell says
+
+
+def _check_deepspeed(recipe: Recipe) -> None:
+    """Refuse, before any process starts, a DeepSpeed recipe whose precision DeepSpeed refuses on this machine."""
+    if recipe.distributed.strategy != "deepspeed":
+        return
+    from hf_mixedprec.integrations.deepspeed import deepspeed_device, deepspeed_fp16_supported, deepspeed_refusal
+
+    device = deepspeed_device()
+    why = deepspeed_refusal(recipe, device, fp16_supported=deepspeed_fp16_supported(device))
+    if why is not None:
+        raise HardwareRefusal(why)
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
@@ -261,6 +286,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     # (DeepSpeed's logger, for one) print to stdout, so the run's own output goes to stderr
     with stdout_to_stderr():
         summary = run_finetune(
+            command=_finetune_command(getattr(args, "argv", None)),
             recipe=args.recipe,
             rehearse=True if args.rehearse else None,
             model=args.model,
@@ -276,9 +302,44 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             save=not args.no_save,
             resume=args.resume,
         )
-    if "files" in summary:  # the main process (rank 0) prints; other ranks stay quiet
+    main_process = "files" in summary  # the main process (rank 0) prints; other ranks stay quiet
+    if main_process:
         print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
-    return 0
+    if not summary.get("stopped"):
+        return 0  # finished, possibly under a fallback recipe that took over after a stop
+    if main_process:
+        where = f"checkpoint {summary['resume_from']}" if summary.get("resume_from") else "no checkpoint was saved"
+        print(
+            f"{PROG}: STOPPED by a health reaction at step {summary['steps']} (exit code {EXIT_STOPPED}); {where}",
+            file=sys.stderr,
+        )
+        if summary.get("resume_command"):
+            print(f"{PROG}: resume with: {summary['resume_command']}", file=sys.stderr)
+    return EXIT_STOPPED
+
+
+def _finetune_command(argv: Sequence[str] | None) -> list[str] | None:
+    """The command that started this ``finetune`` run, without any ``--resume``: the base of its resume command.
+
+    Under ``hf-mixedprec launch`` it is the launch command (exported by ``launch``) followed by the script's
+    arguments; otherwise ``hf-mixedprec finetune`` and the arguments given. None when not known.
+    """
+    if argv is None or "finetune" not in argv:
+        return None
+    tokens = list(argv[argv.index("finetune") + 1 :])
+    kept: list[str] = []
+    skip = False
+    for tok in tokens:
+        if skip:
+            skip = False
+        elif tok == "--resume":
+            skip = True
+        elif not tok.startswith("--resume="):
+            kept.append(tok)
+    launch = os.environ.get(LAUNCH_COMMAND_ENV)
+    if launch and ("LOCAL_RANK" in os.environ or "RANK" in os.environ):
+        return [*shlex.split(launch), *kept]
+    return [PROG, "finetune", *kept]
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -320,8 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Mixed-precision fine-tuning recipes (FP16, BF16, FP8, MXFP8) for Hugging Face Transformers "
         "and Accelerate.",
-        epilog="Recipes: `hf-mixedprec recipes`. Exit status 2 means a mistake in the input, explained in one line.",
+        epilog="Recipes: `hf-mixedprec recipes`. Exit status: 0 done, 1 a crash, 2 a mistake in the input or a "
+        "refusal (explained in one line), 3 a run stopped by a health reaction, 130 interrupted; `launch` exits with "
+        "the script's own status.",
     )
+    from hf_mixedprec import __version__
+
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -485,7 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     try:
         return int(args.func(args) or 0)
     except RecipeError as exc:

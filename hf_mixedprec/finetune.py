@@ -35,6 +35,7 @@ import json
 import math
 import os
 import resource
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ import numpy as np
 import torch
 
 from hf_mixedprec.cli import UsageError
-from hf_mixedprec.recipe import RECIPE_ENV, Recipe, load_recipe_file
+from hf_mixedprec.recipe import RECIPE_ENV, Recipe, builtin_recipe_names, load_recipe_file
 
 __all__ = [
     "DEFAULTS",
@@ -278,7 +279,7 @@ def build_model(model_dir: str | None, tokenizer: Any, *, seq_len: int, seed: in
         except Exception as exc:
             raise UsageError(f"--model: cannot load a causal LM from {model_dir!r} ({_root_cause(exc)})") from None
         name = model_dir
-    n = sum(p.numel() for p in model.parameters())
+    n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 partitioned: full size
     return model, f"{name}, {n / 1e6:.2f}M parameters"
 
 
@@ -370,6 +371,7 @@ def _check_numbers(**values: Any) -> None:
 def _precheck_recipe(recipe: str | Recipe | None, rehearse: bool | None) -> None:
     """Validate the recipe (and that this machine can run it) silently, before the data is read."""
     if isinstance(recipe, Recipe):
+        _check_deepspeed(recipe)
         return
     name = recipe or os.environ.get(RECIPE_ENV) or "auto"
     if name == "auto":
@@ -381,6 +383,30 @@ def _precheck_recipe(recipe: str | Recipe | None, rehearse: bool | None) -> None
         from hf_mixedprec.hardware import check_recipe, detect
 
         check_recipe(loaded, detect())
+    _check_deepspeed(loaded)
+
+
+def _check_deepspeed(recipe: Recipe) -> None:
+    """A DeepSpeed recipe needs a DeepSpeed launch, and a precision DeepSpeed accepts here; else refuse it.
+
+    Outside a DeepSpeed launch Trainer would train without DeepSpeed, which the recipe did not ask for.
+    """
+    if recipe.distributed.strategy != "deepspeed":
+        return
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
+        raise UsageError(
+            f"--recipe: {recipe.name!r} has distributed.strategy deepspeed, which needs a DeepSpeed launch; run "
+            "directly, finetune would train without DeepSpeed (allowed: `hf-mixedprec launch --recipe "
+            f"{recipe.name if recipe.name in builtin_recipe_names() else 'RECIPE.yaml'} hf_mixedprec/finetune.py "
+            "...`, or a recipe with distributed.strategy none)"
+        )
+    from hf_mixedprec.hardware import HardwareRefusal
+    from hf_mixedprec.integrations.deepspeed import deepspeed_device, deepspeed_fp16_supported, deepspeed_refusal
+
+    device = deepspeed_device()
+    why = deepspeed_refusal(recipe, device, fp16_supported=deepspeed_fp16_supported(device))
+    if why is not None:
+        raise HardwareRefusal(why)
 
 
 def _precision_used(recipe: Recipe, rt: Any, device: str) -> str:
@@ -428,6 +454,7 @@ def run_finetune(
     logging_steps: int | None = None,
     save: bool = True,
     resume: str | None = None,
+    command: list[str] | None = None,
 ) -> dict[str, Any]:
     """Fine-tune and write the run's files into ``output_dir``; return the summary (also ``summary.json``).
 
@@ -435,7 +462,9 @@ def run_finetune(
     ``hf-mixedprec launch`` exported, else ``auto``. ``rehearse`` as in :func:`hf_mixedprec.load_recipe`.
     ``lr`` defaults to 1e-3 for the model built from a config and 5e-5 with ``model``. ``logging_steps``
     defaults to ``max_steps // 10`` clipped to 1..10; the first step is always logged. ``resume``: a
-    checkpoint folder to continue from (e.g. the one a health ``stop`` reaction saved).
+    checkpoint folder to continue from (e.g. the one a health ``stop`` reaction saved). ``command``: the
+    command line that started the run, without ``--resume``; when a health reaction stops the run,
+    ``summary["resume_command"]`` is that command plus ``--resume`` and the checkpoint saved.
 
     When a health ``fallback`` reaction asks for a whole-model precision switch (FP16 -> BF16), the run
     stops with a checkpoint and continues from it under the fallback recipe; ``summary["fallback"]`` says
@@ -484,12 +513,13 @@ def run_finetune(
     loaded = hf_mixedprec.load_recipe(recipe, rehearse=rehearse) if not isinstance(recipe, Recipe) else recipe
     if isinstance(recipe, Recipe) and rehearse is not None:
         loaded = recipe.rehearsed(rehearse)
-    net, model_desc = build_model(model, tokenizer, seq_len=seq_len, seed=seed)
     lr = lr if lr is not None else (DEFAULTS["lr"] if model is None else DEFAULTS["lr_pretrained"])
     logging_steps = logging_steps or max(1, min(10, max_steps // 10))
     out = Path(output_dir)
 
-    def make_trainer(rec: Recipe, net: Any) -> Any:
+    def make_trainer(rec: Recipe) -> tuple[Any, Any, str]:
+        """The Trainer, its model and the model's description. The arguments come first: under DeepSpeed ZeRO-3
+        they make ``from_pretrained`` load the model already partitioned over the ranks."""
         targs = rec.training_args(
             output_dir=str(out),
             max_steps=max_steps,
@@ -502,6 +532,7 @@ def run_finetune(
             seed=seed,
             disable_tqdm=True,
         )
+        net, desc = build_model(model, tokenizer, seq_len=seq_len, seed=seed)
         tr = Trainer(
             model=net,
             args=targs,
@@ -511,9 +542,9 @@ def run_finetune(
             callbacks=[_progress_callback(max_steps), *rec.callbacks()],
         )
         tr.remove_callback(PrinterCallback)
-        return tr
+        return tr, net, desc
 
-    trainer = make_trainer(loaded, net)
+    trainer, net, model_desc = make_trainer(loaded)
     args = trainer.args
     rt = getattr(net, "_hf_mixedprec_runtime", None)
     device = args.device
@@ -541,8 +572,7 @@ def run_finetune(
         fallback["precision_before"] = _precision_used(loaded, rt, device.type)
         before = list(rt.notes)
         loaded = hf_mixedprec.load_recipe(rt.fallback_recipe)
-        net, _ = build_model(model, tokenizer, seq_len=seq_len, seed=seed)
-        trainer = make_trainer(loaded, net)
+        trainer, net, _ = make_trainer(loaded)
         rt = getattr(net, "_hf_mixedprec_runtime", None)
         if rt is not None:
             rt.notes[:0] = before
@@ -559,6 +589,10 @@ def run_finetune(
     events = list(getattr(rt, "events", []) or []) if rt is not None else []
     notes = list(rt.notes) if rt is not None else []
     fp8 = getattr(rt, "fp8_report", None)
+    stopped = rt.stop_requested if rt is not None else None
+    ckpt_dir = out / f"checkpoint-{steps}"
+    # a stop (also one after a fallback took over) leaves the checkpoint Trainer saved when it stopped
+    resume_from = str(ckpt_dir) if stopped and ckpt_dir.is_dir() else None
     summary: dict[str, Any] = {
         "recipe": loaded.name,
         "precision": loaded.precision,
@@ -597,20 +631,18 @@ def run_finetune(
         "peak_memory_source": peak_source,
         "health_events": len(events),
         "fallback": fallback,
-        "stopped": rt.stop_requested if rt is not None else None,
-        "resume_from": (
-            str(out / f"checkpoint-{steps}")
-            if rt is not None and rt.stop_requested and not fallback and (out / f"checkpoint-{steps}").is_dir()
-            else None
-        ),
+        "stopped": stopped,
+        "resume_from": resume_from,
+        "resume_command": shlex.join([*command, "--resume", resume_from]) if resume_from and command else None,
         "notes": notes,
         "output_dir": str(out),
         "saved_model": bool(save),
     }
+    if save:
+        # on every rank: under DeepSpeed ZeRO-3 saving gathers the sharded weights (Trainer writes on rank 0 only)
+        trainer.save_model(str(out))
     if main_process:
         files = write_run_report(out, log_history=history, runtime=rt)
-        if save:
-            trainer.save_model(str(out))
         summary["files"] = sorted({p.name for p in files} | {"summary.json"})
         summary["seconds"] = round(time.perf_counter() - start, 3)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -637,8 +669,10 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"FALLBACK:     {fb['from']} -> {fb['to']} at step {fb['at_step']} (resumed {fb['checkpoint']})")
     if s.get("stopped"):
         lines.append(f"STOPPED:      {s['stopped']}")
-        if s.get("resume_from"):
-            lines.append(f"resume:       add --resume {s['resume_from']} to the same command once fixed")
+        if s.get("resume_command"):
+            lines.append(f"resume:       {s['resume_command']}")
+        elif s.get("resume_from"):
+            lines.append(f"resume:       add --resume {s['resume_from']} to the same command")
     saved = ", model + tokenizer" if s["saved_model"] else ""
     lines.append(f"output:       {s['output_dir']}/ (summary.json, health.json, plots{saved})")
     return "\n".join(lines)

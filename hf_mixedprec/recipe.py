@@ -344,6 +344,12 @@ class DistributedConfig(_Section):
         "none", description="none: no sharding (plain data parallel when num_processes > 1); ddp; fsdp2; deepspeed."
     )
     zero_stage: int | None = Field(None, ge=0, le=3, description="deepspeed only: ZeRO stage 0..3.")
+    zero3_init: bool = Field(
+        False,
+        description="deepspeed zero_stage 3 only: Accelerate's zero3_init_flag (build the model already partitioned "
+        "over the ranks with DeepSpeed zero.Init). With Accelerate 1.15 and Transformers 5.23 a model loaded by "
+        "from_pretrained/from_config after TrainingArguments or the Accelerator exist is partitioned either way.",
+    )
     num_processes: int = Field(1, ge=1, description="Processes in total (all machines).")
     num_machines: int = Field(1, ge=1, description="Machines (nodes).")
 
@@ -364,6 +370,11 @@ class DistributedConfig(_Section):
     def _counts(self) -> DistributedConfig:
         if self.num_processes < self.num_machines:
             raise _rule("num_processes", f"{self.num_processes} is fewer than num_machines {self.num_machines}")
+        if self.zero3_init and self.zero_stage != 3:
+            where = (
+                f"zero_stage is {self.zero_stage}" if self.strategy == "deepspeed" else f"strategy is {self.strategy!r}"
+            )
+            raise _rule("zero3_init", f"only applies to strategy deepspeed with zero_stage 3 ({where}); remove it")
         return self
 
 

@@ -147,3 +147,29 @@ def test_help_everywhere():
     for sub in ("recipes", "show", "validate", "schema", "detect", "launch"):
         r = run(sub, "--help")
         assert r.returncode == 0 and "usage:" in r.stdout, sub
+
+
+def test_version():
+    import hf_mixedprec
+
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout == f"hf-mixedprec {hf_mixedprec.__version__}\n", (r.stdout, r.stderr)
+
+
+def test_python_dash_m_hf_mixedprec(tmp_path):
+    """`python -m hf_mixedprec` is the same command, exit codes included."""
+    import hf_mixedprec
+
+    def pym(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "hf_mixedprec", *args], capture_output=True, text=True, cwd=tmp_path, timeout=120
+        )
+
+    r = pym("--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: hf-mixedprec ") and "finetune" in r.stdout
+    assert "3 a run stopped by a health reaction" in r.stdout.replace("\n", " ").replace("  ", " ")
+    r = pym("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"hf-mixedprec {hf_mixedprec.__version__}"
+    (tmp_path / "bad.yaml").write_text("name: bad\nprecision: fp12\n")
+    r = pym("validate", "bad.yaml")
+    assert r.returncode == 2 and r.stderr.startswith("bad.yaml: precision: 'fp12' is not allowed"), r.stderr

@@ -377,3 +377,68 @@ def test_training_args_agree_with_the_generated_deepspeed_config() -> None:
         args = recipe.training_args(output_dir="/tmp/unused", use_cpu=True)
         assert args.max_grad_norm == cfg["gradient_clipping"] == clip
         assert args.fp16 is fp16 and cfg["fp16"]["enabled"] is fp16
+
+
+# --- ZeRO-3 saving and what DeepSpeed refuses ---------------------------------------------------------------------
+
+
+def _ds_recipe(base: str, stage: int) -> Any:
+    from hf_mixedprec.recipe import resolve_recipe
+
+    return resolve_recipe(
+        {"name": f"{base}-z{stage}", "extends": base, "distributed": {"strategy": "deepspeed", "zero_stage": stage}}
+    )
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_only_zero3_gathers_weights_on_save(stage: int) -> None:
+    from hf_mixedprec.integrations.deepspeed import deepspeed_config
+
+    cfg, _ = deepspeed_config(_ds_recipe("cpu-bf16", stage))
+    expected = {"stage": stage} | ({"stage3_gather_16bit_weights_on_model_save": True} if stage == 3 else {})
+    assert cfg["zero_optimization"] == expected
+
+
+def test_refusal_rule_per_precision_and_stage() -> None:
+    """fp16 is refused at every ZeRO stage where the accelerator has no FP16; bf16 and fp32 never (measured on a
+    2-core AMD EPYC without AVX512-FP16: bf16 and fp32 trained at stages 0-3 on 2 ranks, fp16 died at each)."""
+    from hf_mixedprec.integrations.deepspeed import deepspeed_refusal
+    from hf_mixedprec.recipe import resolve_recipe
+
+    fp32 = {"name": "f32", "precision": "fp32"}
+    for stage in (0, 1, 2, 3):
+        fp16 = _ds_recipe("v100-fp16", stage)
+        why = deepspeed_refusal(fp16, "cpu", fp16_supported=False)
+        assert why is not None and f"(zero_stage {stage}) cannot run on this CPU" in why
+        assert "precision fp16 with distributed.strategy deepspeed" in why and "\n" not in why
+        assert deepspeed_refusal(fp16, "cpu", fp16_supported=True) is None
+        assert deepspeed_refusal(fp16, "xpu", fp16_supported=None) is None  # not judged
+        assert deepspeed_refusal(_ds_recipe("cpu-bf16", stage), "cpu", fp16_supported=False) is None
+        f32 = resolve_recipe({**fp32, "distributed": {"strategy": "deepspeed", "zero_stage": stage}})
+        assert deepspeed_refusal(f32, "cpu", fp16_supported=False) is None
+    cuda = deepspeed_refusal(_ds_recipe("v100-fp16", 2), "cuda", fp16_supported=False)
+    assert cuda is not None and "compute capability below 7.0" in cuda and "(allowed: precision fp32" in cuda
+    ddp = resolve_recipe({"name": "d", "extends": "v100-fp16", "distributed": {"strategy": "ddp"}})
+    assert deepspeed_refusal(ddp, "cpu", fp16_supported=False) is None  # not DeepSpeed: rehearsal handles it
+
+
+def test_fp16_rule_agrees_with_deepspeeds_own_accelerator() -> None:
+    """What we predict without importing DeepSpeed is what DeepSpeed's CPU accelerator answers on this machine."""
+    from hf_mixedprec.integrations.deepspeed import deepspeed_fp16_supported
+
+    code = "from deepspeed.accelerator import get_accelerator as g; print(bool(g().is_fp16_supported()))"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == str(deepspeed_fp16_supported("cpu"))
+
+
+def test_deepspeed_device_follows_ds_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from hf_mixedprec.integrations.deepspeed import deepspeed_device
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert deepspeed_device() == "cpu"
+    monkeypatch.delenv("DS_ACCELERATOR")
+    assert deepspeed_device() == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -156,6 +156,7 @@ def test_fp16_collapse_falls_back_to_bf16_and_finishes(tmp_path):
         "precision_before": "fp16 autocast + GradScaler (init scale 1e+12, growth every 2000 steps) on cpu (REHEARSED)",
     }
     assert s["recipe"] == "cpu-bf16" and s["steps"] == 12 and s["skipped_steps"] == 6
+    assert s["stopped"] is None and s["resume_command"] is None  # the fallback finished the run: exit 0
     health = json.loads((out / "health.json").read_text())
     losses = {int(k): float(v) for k, v in health["series"]["loss"].items()}
     assert sorted(losses) == [1, 2, 4, 6, 8, 10, 12] and losses[12] < losses[8]
@@ -163,3 +164,61 @@ def test_fp16_collapse_falls_back_to_bf16_and_finishes(tmp_path):
     assert any("FALLBACK: finetune resumes" in n for n in health["notes"])
     grad = {int(k): float(v) for k, v in health["series"]["mp/grad_norm"].items()}
     assert all(math.isnan(grad[k]) for k in (2, 4, 6)) and all(math.isfinite(grad[k]) for k in (8, 10, 12))
+
+
+def test_health_stop_exits_3_with_the_resume_command_that_works(tmp_path):
+    """A `stop` reaction: exit code 3, the checkpoint and the exact command to resume; that command resumes."""
+    import shlex
+
+    from hf_mixedprec.integrations.models import tiny_llama
+
+    tiny_llama(vocab_size=512).save_pretrained(tmp_path / "base")  # a small model keeps FP16 emulation quick
+    (tmp_path / "hot.yaml").write_text(
+        "name: hot-fp16\nextends: v100-fp16\nloss_scale: {init_scale: 1.0e+12}\n"
+        "health: {detectors: {death_spiral: {threshold: 4, window: 10}}}\n"  # default reaction: stop
+    )
+    args = ["--recipe", "hot.yaml", "--rehearse", "--model", "base", "--lr", "1e-3", "--max-steps", "8"]
+    args += ["--seq-len", "32", "--batch-size", "2", "--logging-steps", "2", "--output-dir", "run", "--no-save"]
+    r = _finetune(*args, "--json", cwd=tmp_path)
+    assert r.returncode == 3, r.stderr[-3000:]
+    s = json.loads(r.stdout)
+    assert s["steps"] == 6 and s["stopped"].startswith("health: step 5: death_spiral: ")
+    assert (
+        s["resume_from"] == "run/checkpoint-6" and (tmp_path / "run" / "checkpoint-6" / "trainer_state.json").is_file()
+    )
+    command = shlex.join(["hf-mixedprec", "finetune", *args, "--json", "--resume", "run/checkpoint-6"])
+    assert s["resume_command"] == command
+    assert r.stderr.strip().splitlines()[-2:] == [
+        "hf-mixedprec: STOPPED by a health reaction at step 6 (exit code 3); checkpoint run/checkpoint-6",
+        f"hf-mixedprec: resume with: {command}",
+    ]
+    from hf_mixedprec.finetune import format_summary
+
+    assert f"resume:       {command}" in format_summary(s).splitlines()
+
+    # the printed command, run as printed (`python -m hf_mixedprec` stands for the hf-mixedprec script)
+    tokens = shlex.split(command)
+    again = subprocess.run(
+        [sys.executable, "-m", "hf_mixedprec", *tokens[1:]], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert again.returncode == 0, again.stderr[-3000:]  # steps 7-8: too few for the fresh detector window
+    s2 = json.loads(again.stdout)
+    assert s2["steps"] == 8 and s2["stopped"] is None and s2["resume_command"] is None
+    assert "resumed after a health stop" in again.stderr
+
+
+def test_deepspeed_recipe_without_a_deepspeed_launch_is_refused(tmp_path, capsys, monkeypatch):
+    """Run directly, Trainer would train without DeepSpeed: refused in one line, nothing written."""
+    from hf_mixedprec.cli import main
+
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    (tmp_path / "z2.yaml").write_text(
+        "name: z2\nextends: cpu-bf16\ndistributed: {strategy: deepspeed, zero_stage: 2}\n"
+    )
+    out = tmp_path / "out"
+    assert main(["finetune", "--recipe", str(tmp_path / "z2.yaml"), "--output-dir", str(out)]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("hf-mixedprec: error: --recipe: 'z2' has distributed.strategy deepspeed, which needs a ")
+    assert "(allowed: `hf-mixedprec launch --recipe RECIPE.yaml hf_mixedprec/finetune.py ...`" in lines[0]
+    assert not out.exists()

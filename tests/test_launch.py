@@ -212,3 +212,41 @@ def test_rehearsed_fp8_on_cpu_does_not_ask_accelerate_for_te_fp8(capsys):
     assert main([*argv, "--device", "cpu", "--dry-run", "train.py"]) == 0
     out = capsys.readouterr().out
     assert "ACCELERATE_MIXED_PRECISION=bf16" in out and "fp8_config" not in out
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_zero3_init_reaches_accelerate(tmp_path, flag):
+    """distributed.zero3_init is Accelerate's zero3_init_flag; its launcher exports it to the processes."""
+    extra = f"distributed: {{strategy: deepspeed, zero_stage: 3, zero3_init: {str(flag).lower()}, num_processes: 2}}\n"
+    recipe = load_recipe_file(_variant(tmp_path, "a100-bf16", "a100-zero3", extra))
+    assert recipe.distributed.zero3_init is flag
+    plan = plan_launch(recipe, "train.py", [], config_dir=str(tmp_path / "cfg"), device_type="cuda")
+    plan.write()
+    acc = yaml.safe_load((tmp_path / "cfg" / "accelerate_config.yaml").read_text())
+    assert acc["deepspeed_config"]["zero3_init_flag"] is flag
+    env = _accelerate_env(str(tmp_path / "cfg" / "accelerate_config.yaml"))
+    assert env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == str(flag).lower()
+    ds = json.loads((tmp_path / "cfg" / "deepspeed_config.json").read_text())
+    assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+
+
+@pytest.mark.parametrize(
+    "distributed,message",
+    [
+        (
+            "{strategy: deepspeed, zero_stage: 2, zero3_init: true}",
+            "only applies to strategy deepspeed with zero_stage 3 (zero_stage is 2)",
+        ),
+        ("{strategy: deepspeed, zero3_init: yes}", "(zero_stage is 1)"),  # the default stage; YAML's yes is true
+        ("{zero3_init: true}", "(strategy is 'none')"),
+        ("{strategy: deepspeed, zero_stage: 3, zero3_init: sometimes}", "input should be a valid boolean"),
+    ],
+)
+def test_zero3_init_mistakes(tmp_path, capsys, distributed, message):
+    from hf_mixedprec.cli import main
+
+    path = _variant(tmp_path, "a100-bf16", "bad", f"distributed: {distributed}\n")
+    assert main(["validate", str(path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{path}: distributed.zero3_init: "), lines
+    assert message in lines[0]

@@ -12,6 +12,9 @@ Several processes on a machine without CUDA are started with ``torch.distributed
 starts exactly one process unless given an MPI hostfile (``--mpirun_hostfile``), so ``--num_processes 2`` ran
 one process. ``torch.distributed.run`` starts the ranks on loopback and exports ``RANK``/``WORLD_SIZE``/
 ``LOCAL_RANK``; with ``ACCELERATE_USE_CPU=true`` Accelerate's state then picks ``MULTI_CPU`` over gloo.
+
+Either launcher runs through ``python -m hf_mixedprec._launcher -m MODULE ...`` (:data:`LAUNCHER`), so that
+``hf-mixedprec launch`` exits with the training script's own exit code instead of the launchers' 1.
 """
 
 from __future__ import annotations
@@ -29,9 +32,20 @@ import yaml
 from hf_mixedprec.integrations.deepspeed import deepspeed_config
 from hf_mixedprec.recipe import RECIPE_ENV, Recipe
 
-__all__ = ["LaunchPlan", "accelerate_config", "fp8_via_accelerate", "plan_launch", "uses_torch_distributed_run"]
+__all__ = [
+    "LAUNCHER",
+    "LaunchPlan",
+    "accelerate_config",
+    "fp8_via_accelerate",
+    "plan_launch",
+    "uses_torch_distributed_run",
+]
 
 _DIST_TYPE = {"none": "NO", "ddp": "MULTI_GPU", "fsdp2": "FSDP", "deepspeed": "DEEPSPEED"}
+
+#: Every launch runs its launcher module through hf_mixedprec._launcher, which exits with the training
+#: script's own exit code (the launchers turn any failure into 1).
+LAUNCHER = (sys.executable, "-m", "hf_mixedprec._launcher")
 
 
 def fp8_via_accelerate(recipe: Recipe) -> bool:
@@ -121,7 +135,10 @@ def accelerate_config(
     elif strategy == "deepspeed":
         if deepspeed_config_file is None:
             raise ValueError("a DeepSpeed strategy needs the path of the generated DeepSpeed config")
-        cfg["deepspeed_config"] = {"deepspeed_config_file": deepspeed_config_file, "zero3_init_flag": False}
+        cfg["deepspeed_config"] = {
+            "deepspeed_config_file": deepspeed_config_file,
+            "zero3_init_flag": bool(dist.zero3_init),
+        }
         # With a DeepSpeed config file, Accelerate takes precision from the file.
         cfg.pop("mixed_precision")
     return cfg, notes
@@ -248,15 +265,7 @@ def plan_launch(
     env = {RECIPE_ENV: str(recipe_path)}
     if not uses_torch_distributed_run(recipe, nproc, device_type):
         title = f"accelerate launch config for recipe {recipe.name!r}"
-        command = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(acc_path),
-            script,
-            *script_args,
-        ]
+        command = [*LAUNCHER, "-m", "accelerate.commands.launch", "--config_file", str(acc_path), script, *script_args]
     else:
         acc_cfg.update(distributed_type="MULTI_CPU", use_cpu=True)
         if acc_cfg.get("mixed_precision") == "fp8":
@@ -274,7 +283,7 @@ def plan_launch(
         title = f"Accelerate settings for recipe {recipe.name!r} (exported as ACCELERATE_* variables)"
         port = master_port if master_port is not None else _free_loopback_port()
         command = [
-            sys.executable, "-m", "torch.distributed.run",
+            *LAUNCHER, "-m", "torch.distributed.run",
             "--nnodes", "1",
             "--nproc_per_node", str(nproc),
             "--master_addr", "127.0.0.1",

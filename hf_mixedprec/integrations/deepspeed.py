@@ -4,11 +4,20 @@ DeepSpeed's dynamic loss scaler names (``initial_scale_power``, ``loss_scale_win
 ``min_loss_scale``) are derived from the recipe's torch-style ``loss_scale`` keys; ``loss_scale: 0`` selects
 dynamic scaling. DeepSpeed clips inside ``engine.step()`` with a value fixed at init, so adaptive clipping
 cannot run there: that is reported as a fallback note, never silently.
+
+ZeRO-3 shards the weights over the ranks, so ``trainer.save_model()`` can write a loadable
+``model.safetensors`` only when DeepSpeed gathers them first: the config sets
+``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (without it Trainer writes a DeepSpeed
+checkpoint and no weights file).
+
+:func:`deepspeed_refusal` says, before any rank starts, when DeepSpeed itself would refuse the recipe's
+precision on the device it will pick (see its docstring for the rule and where DeepSpeed raises).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import socket
 import sys
 from typing import Any
@@ -18,6 +27,9 @@ from hf_mixedprec.recipe import Recipe
 __all__ = [
     "deepspeed_config",
     "deepspeed_cpu_env",
+    "deepspeed_device",
+    "deepspeed_fp16_supported",
+    "deepspeed_refusal",
     "install_deepspeed_cpu_accelerator",
     "read_deepspeed_scaler",
 ]
@@ -38,6 +50,9 @@ def deepspeed_config(recipe: Recipe, *, zero_stage: int | None = None) -> tuple[
         "gradient_accumulation_steps": "auto",
         "zero_optimization": {"stage": stage},
     }
+    if stage == 3:
+        # gather the shards into one 16-bit state dict on save_model(), so model.safetensors is written
+        cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     if recipe.precision == "fp16":
         ls = recipe.loss_scale
         assert ls is not None
@@ -78,6 +93,74 @@ def deepspeed_clip_value(recipe: Recipe) -> float:
     if clip.method == "none":
         return 0.0
     return float(clip.max_norm) if clip.method == "zclip" and clip.max_norm else 1.0
+
+
+# --- What DeepSpeed will refuse on this machine -------------------------------------------------------------------
+
+
+def deepspeed_device() -> str:
+    """The accelerator DeepSpeed will pick in the training processes: ``DS_ACCELERATOR`` if set, else cuda or cpu.
+
+    DeepSpeed also detects XPU, NPU, HPU and other devices; those are returned only through ``DS_ACCELERATOR``.
+    """
+    name = os.environ.get("DS_ACCELERATOR", "").strip()
+    if name:
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def deepspeed_fp16_supported(device: str) -> bool | None:
+    """What DeepSpeed 0.19.8's accelerator answers to ``is_fp16_supported()`` on this machine; None if unknown.
+
+    The same rule DeepSpeed applies, without importing DeepSpeed: its CPU accelerator asks
+    ``torch.ops.mkldnn._is_mkldnn_fp16_supported()`` (true only on CPUs with native FP16 arithmetic,
+    AVX512-FP16 / AMX-FP16); its CUDA accelerator accepts compute capability 7.0 and newer, and 6.x only with
+    ``DS_ALLOW_DEPRECATED_FP16=1``. Other devices: None (not judged here).
+    """
+    import torch
+
+    if device == "cpu":
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        except Exception:
+            return False
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        major, _ = torch.cuda.get_device_capability()
+        return major >= 7 or (major == 6 and os.environ.get("DS_ALLOW_DEPRECATED_FP16", "0") == "1")
+    return None
+
+
+def deepspeed_refusal(recipe: Recipe, device: str, *, fp16_supported: bool | None) -> str | None:
+    """Why DeepSpeed cannot run ``recipe`` on ``device`` (one line naming the keys and what to use), or None.
+
+    DeepSpeed 0.19.8 checks precision in ``DeepSpeedEngine._do_sanity_check``, inside ``deepspeed.initialize``
+    on every rank: ``fp16.enabled`` on an accelerator whose ``is_fp16_supported()`` is false raises
+    ``ValueError("Type fp16 is not supported on your device.")`` at any ZeRO stage (0-3). That is the only
+    precision DeepSpeed refuses on the devices judged here: its CPU accelerator always supports bf16, and with
+    ``fp16_supported`` true (or precision bf16/fp32) every stage 0-3 trained on 2 CPU ranks. Rehearsal does
+    not help: DeepSpeed runs FP16 itself, not hf_mixedprec's emulation.
+    """
+    if recipe.distributed.strategy != "deepspeed" or recipe.precision != "fp16" or fp16_supported is not False:
+        return None
+    stage = recipe.distributed.zero_stage
+    if device == "cpu":
+        where = (
+            "this CPU: DeepSpeed's CPU accelerator has FP16 only on CPUs with AVX512-FP16/AMX-FP16 "
+            "(torch.ops.mkldnn._is_mkldnn_fp16_supported() is false here)"
+        )
+        instead = "precision bf16, e.g. a recipe that extends cpu-bf16 with the same distributed section"
+    else:
+        where = f"this {device} device: DeepSpeed's accelerator reports no FP16 (compute capability below 7.0)"
+        instead = "precision fp32 with the same distributed section"
+    return (
+        f"recipe {recipe.name!r}: precision fp16 with distributed.strategy deepspeed (zero_stage {stage}) cannot run "
+        f"on {where}; every rank would stop with DeepSpeed's 'Type fp16 is not supported on your device' "
+        f"(allowed: {instead}; or distributed.strategy none/ddp with --rehearse to rehearse FP16 loss scaling)"
+    )
 
 
 # --- DeepSpeed on a CPU-only host (tests, CI) ---------------------------------------------------------------------
