@@ -159,11 +159,10 @@ class MixedPrecisionRuntime:
 
     # -- setup -------------------------------------------------------------------------------------
     def wants_guard(self) -> bool:
-        """Whether a bf16/fp8 run needs a scale-1 GradScaler to skip steps exactly (a skip_step reaction)."""
-        if self.recipe.precision == "fp16" or self.monitor is None:
-            return False
-        d = self.recipe.health.detectors
-        return any(getattr(d, n).enabled and getattr(d, n).reaction == "skip_step" for n in type(d).model_fields)
+        """Whether this run needs the scale-1 :class:`GuardScaler`: every precision but FP16 (whose real
+        GradScaler already skips), so that a step with a non-finite loss or gradient, or one a ``skip_step``
+        reaction flags, never reaches the weights or the optimizer state, whatever the reactions are."""
+        return self.recipe.precision != "fp16"
 
     def make_guard_scaler(self) -> torch.amp.GradScaler:
         """A :class:`GuardScaler` (scale 1) whose only job is skipping flagged steps exactly."""
@@ -289,23 +288,25 @@ class MixedPrecisionRuntime:
         found = self._scaler_found_inf(optimizer) if (optimizer is not None and not self.guard) else None
         if self.clipper is not None:
             self._last = self.clipper.clip_(params, total_norm=norm)
+        loss = self._step_loss()
+        if loss is None and not self._noted_no_loss:
+            self._noted_no_loss = True
+            self.note(
+                "no loss reached accelerator.backward before this optimizer step (a loss back-propagated with "
+                "loss.backward() is not seen): such steps are judged by their gradients alone and never skipped "
+                "for a missing loss"
+            )
         skip = None
         if self.monitor is not None:
             d = self.recipe.health.detectors
-            loss = self._step_loss() if (d.loss_spike.enabled or d.nonfinite_loss.enabled) else None
-            if loss is None and (d.loss_spike.enabled or d.nonfinite_loss.enabled) and not self._noted_no_loss:
-                self._noted_no_loss = True
-                self.note(
-                    "no loss reached accelerator.backward before this optimizer step (a loss back-propagated with "
-                    "loss.backward() is not seen): the loss detectors skip such steps and never skip a step for it"
-                )
-            flag = self.monitor.pre_step(loss=loss, grad_norm=norm)
+            watched = loss if (d.loss_spike.enabled or d.nonfinite_loss.enabled) else None
+            flag = self.monitor.pre_step(loss=watched, grad_norm=norm)
             skip = flag if self.monitor.can_skip else None
-        if found is None:  # no loss-scaling verdict: a non-finite norm or a skip flag
-            bad = self._k.nonfinite(norm)
-            found = (bad if skip is None else bad | skip).float()
-        elif skip is not None:
-            found = torch.maximum(found, skip.float())
+        # a non-finite loss or gradient never reaches the weights, whatever the detectors' reactions
+        bad = self._k.nonfinite(norm) if loss is None else self._k.nonfinite(norm) | self._k.nonfinite(loss)
+        if skip is not None:
+            bad = bad | skip
+        found = bad.float() if found is None else torch.maximum(found, bad.float())
         self._mark_skip(optimizer, found)
         self._loss_n = 0
         self._found_inf = found

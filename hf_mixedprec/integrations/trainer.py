@@ -233,7 +233,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                 )
         elif rt.wants_guard():
             scaler = acc.scaler = rt.make_guard_scaler()
-            rt.note("a scale-1 GradScaler guards the optimizer step so that skip_step reactions skip exactly")
+            rt.note("a scale-1 GradScaler guards the optimizer step: non-finite steps and skip_step reactions are skipped exactly")
         if late and scaler is not None:
             _give_scaler(trainer.optimizer, scaler)
         # Accelerate autocasts at prepare time: fp16 switched on above is its own path unless the model was

@@ -1,0 +1,130 @@
+"""Fault injection: a step with a NaN loss or an inf gradient never changes the weights or the optimizer state,
+in any precision and whatever reaction the recipe gives the non-finite detectors; every checkpoint is finite.
+
+Tiny Llama on CPU under ``cpu-bf16``, rehearsed ``h100-fp8-delayed`` and rehearsed ``v100-fp16``; each
+reaction of ``nonfinite_loss`` and ``nonfinite_grad`` in turn (``warn``, ``stop``, ``fallback``, ``lower_lr``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainerCallback
+
+from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama
+from hf_mixedprec.recipe import resolve_recipe
+
+pytestmark = pytest.mark.slow
+
+FAULT_AT = 3  # the optimizer step (1-based) whose loss or gradient is made non-finite
+STEPS = 5
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+class Rows(Dataset):
+    def __init__(self, n: int = 64):
+        self.rows = [b[0] for b in byte_batches(builtin_text(), seq_len=32, batch_size=1, n_batches=n, seed=0)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+class Fault(TrainerCallback):
+    """Makes step :data:`FAULT_AT`'s loss NaN (``kind="nan_loss"``) or one weight's gradient inf
+    (``kind="inf_grad"``), and copies the parameters and the optimizer state just before and just after it."""
+
+    def __init__(self, kind: str):
+        self.kind, self.armed, self.before, self.after = kind, False, None, None
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        weight = model.model.layers[0].mlp.down_proj.weight
+        weight.register_hook(lambda g: torch.full_like(g, math.inf) if self.armed and self.kind == "inf_grad" else g)
+
+    def _snapshot(self, model, optimizer):
+        inner = getattr(optimizer, "optimizer", optimizer)
+        opt = [t.detach().clone() for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return [p.detach().clone() for p in model.parameters()], opt
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kw):
+        self.armed = state.global_step + 1 == FAULT_AT
+        if self.armed:
+            self.before = self._snapshot(model, optimizer)
+
+    def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
+        if self.armed:
+            self.after = self._snapshot(model, optimizer)
+
+
+class NanLossTrainer(Trainer):
+    """A Trainer whose loss is NaN on the faulty step (only when the fault is a NaN loss)."""
+
+    fault: Fault
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.fault.armed and self.fault.kind == "nan_loss":
+            loss = loss * math.nan
+        return loss
+
+
+def _recipe(base: str, reaction: str):
+    det = {"reaction": reaction, **({"lr_factor": 0.5} if reaction == "lower_lr" else {})}
+    data = {"name": f"fault-{reaction}", "extends": base}
+    data["health"] = {"detectors": {"nonfinite_loss": det, "nonfinite_grad": det}}
+    recipe = resolve_recipe(yaml.safe_load(yaml.safe_dump(data)))
+    return recipe if base == "cpu-bf16" else recipe.rehearsed()
+
+
+@pytest.mark.parametrize("kind", ["nan_loss", "inf_grad"])
+@pytest.mark.parametrize("reaction", ["warn", "stop", "fallback", "lower_lr"])
+@pytest.mark.parametrize("base", ["cpu-bf16", "h100-fp8-delayed", "v100-fp16"])
+def test_a_non_finite_step_changes_nothing(tmp_path, base, reaction, kind):
+    recipe = _recipe(base, reaction)
+    fault = Fault(kind)
+    args = recipe.training_args(
+        output_dir=str(tmp_path),
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=2e-3,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+    NanLossTrainer.fault = fault
+    tr = NanLossTrainer(model=tiny_llama(), args=args, train_dataset=Rows(), callbacks=[fault, *recipe.callbacks()])
+    tr.train()
+    assert fault.before is not None and fault.after is not None, "the faulty step did not run"
+    (p0, o0), (p1, o1) = fault.before, fault.after
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1)), "the faulty step changed a weight"
+    assert len(o0) == len(o1) and all(torch.equal(a, b) for a, b in zip(o0, o1)), "it changed the optimizer state"
+    assert all(torch.isfinite(p).all() for p in tr.model.parameters())
+    checkpoints = sorted(tmp_path.glob("checkpoint-*"))
+    assert checkpoints, "no checkpoint was written"
+    for ckpt in checkpoints:
+        weights = load_file(str(ckpt / "model.safetensors"))
+        bad = [k for k, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+        assert bad == [], f"{ckpt.name} holds non-finite tensors: {bad[:3]}"
+    skipped = [r["mp/skipped_steps"] for r in tr.state.log_history if "mp/skipped_steps" in r]
+    assert skipped[FAULT_AT - 1] == 1.0 and (FAULT_AT < 2 or skipped[FAULT_AT - 2] == 0.0)
+    if reaction == "stop":
+        assert tr.state.global_step == FAULT_AT  # stopped at the check right after the fault, with a checkpoint
+        assert (tmp_path / f"checkpoint-{FAULT_AT}").is_dir()
