@@ -250,3 +250,33 @@ def test_zero3_init_mistakes(tmp_path, capsys, distributed, message):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{path}: distributed.zero3_init: "), lines
     assert message in lines[0]
+
+
+@pytest.mark.parametrize(
+    "exitcodes,code,line",
+    [
+        ({0: -15, 1: 2}, 2, "rank 1 exited with code 2 (also: rank 0 was killed by SIGTERM)"),
+        ({0: 3, 1: 4}, 3, "rank 0 exited with code 3 (also: rank 1 exited with code 4)"),
+        ({0: -15, 1: -9}, 137, "rank 1 was killed by SIGKILL (also: rank 0 was killed by SIGTERM)"),
+        ({0: 1, 1: -11}, 1, "rank 0 exited with code 1 (also: rank 1 was killed by SIGSEGV)"),
+        ({1: -6}, 134, "rank 1 was killed by SIGABRT"),
+        ({0: -15, 1: -15}, 143, "rank 0 was killed by SIGTERM (also: rank 1 was killed by SIGTERM)"),
+    ],
+)
+def test_launcher_exit_code_of_a_failed_job(exitcodes, code, line):
+    """torch.distributed.run SIGTERMs the surviving ranks once one fails: the code reported is the cause's."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from hf_mixedprec._launcher import exit_code
+
+    failures = {r: ProcessFailure(local_rank=r, pid=1000 + r, exitcode=c, error_file="") for r, c in exitcodes.items()}
+    assert exit_code(ChildFailedError("train.py", failures)) == (code, line)
+    assert exit_code(subprocess.CalledProcessError(-9, ["python", "t.py"])) == (
+        137,
+        "the training process was killed by SIGKILL",
+    )
+    assert exit_code(subprocess.CalledProcessError(5, ["python", "t.py"])) == (
+        5,
+        "the training process exited with code 5",
+    )
+    assert exit_code(ValueError("not a launcher failure")) is None

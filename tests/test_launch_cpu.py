@@ -186,6 +186,8 @@ sys.exit(int(what))
         (1, "3", 3),  # accelerate launch (its simple launcher raises CalledProcessError)
         (1, "kill", 128 + 9),  # death by signal N: 128+N, as a shell reports it
         (2, "0,3", 3),  # torch.distributed.run (ChildFailedError); only rank 1 fails
+        (2, "2,2", 2),  # not 143: a rank the launcher SIGTERMs after the other failed is not the cause
+        (2, "0,kill", 128 + 9),
         (2, "0,0", 0),
     ],
 )
@@ -198,7 +200,10 @@ def test_launch_exits_with_the_scripts_code(tmp_path, nproc, codes, expected):
     if expected:
         last = r.stderr.strip().splitlines()[-1]
         assert last.endswith(f"launch exits with {expected}"), last
-        assert ("rank 1 exited with code 3" if nproc == 2 else "the training process") in last
+        if nproc == 1:
+            assert "the training process" in last
+        elif codes != "2,2":
+            assert f"rank 1 {'was killed by SIGKILL' if 'kill' in codes else 'exited with code 3'}" in last
         assert "Traceback" not in r.stderr  # the launcher's ChildFailedError is reported in one line
 
 
