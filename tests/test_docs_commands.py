@@ -43,9 +43,17 @@ def _commands(prefix: str) -> list[tuple[str, list[str]]]:
         body = re.sub(r"<<'(\w+)'\n.*?^\1$", "", body, flags=re.S | re.M)  # drop heredoc bodies
         for line in body.replace("\\\n", " ").splitlines():
             line = line.split(" #", 1)[0].strip()
-            for part in re.split(r"\s*(?:;|&&|\|\||\|)\s*", line):
-                if part.startswith(prefix + " "):
-                    found.append((doc, shlex.split(part)))
+            # split at ; && || | outside quotes (a `python -c "a; b"` stays one command)
+            lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+            lexer.whitespace_split = True
+            part: list[str] = []
+            for token in [*lexer, ";"]:
+                if token in (";", "&&", "||", "|"):
+                    if part and part[0] == prefix:
+                        found.append((doc, part))
+                    part = []
+                else:
+                    part.append(token)
     return found
 
 
@@ -172,3 +180,27 @@ def test_doc_launch_dry_runs(doc_yaml, monkeypatch, capsys):
             assert text in out, (recipe, text)
         seen.add(recipe)
     assert {"a100-fsdp2.yaml", "v100-zero2.yaml", "cpu-bf16"} <= seen
+
+
+def test_doc_deepspeed_refusals_run_as_written(doc_yaml, monkeypatch, capsys):
+    """The docs' DeepSpeed refusals, run as written: exit 2 and the very line the docs show, before any process."""
+    import torch
+
+    from hf_mixedprec.integrations.deepspeed import deepspeed_fp16_supported
+
+    if torch.cuda.is_available() or deepspeed_fp16_supported("cpu"):
+        pytest.skip("DeepSpeed has FP16 on this machine: the docs' refusal is for a CPU without AVX512-FP16")
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.chdir(doc_yaml)
+    if not (doc_yaml / "scripts").exists():
+        (doc_yaml / "scripts").symlink_to(ROOT / "scripts")
+    shown = (ROOT / "docs" / "scaling_out.md").read_text(encoding="utf-8")
+    runs = [t for _, t in _commands("hf-mixedprec") if t[1] == "launch" and "--dry-run" not in t]
+    refused = [t for t in runs if t[t.index("--recipe") + 1] == "v100-zero2.yaml"]
+    assert refused
+    for tokens in refused:
+        rc = main(tokens[1:])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1, (tokens, err)
+        assert err[0] in shown, err[0]
+    assert not list(doc_yaml.glob("runs")), "nothing was started"
