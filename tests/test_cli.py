@@ -173,3 +173,22 @@ def test_python_dash_m_hf_mixedprec(tmp_path):
     (tmp_path / "bad.yaml").write_text("name: bad\nprecision: fp12\n")
     r = pym("validate", "bad.yaml")
     assert r.returncode == 2 and r.stderr.startswith("bad.yaml: precision: 'fp12' is not allowed"), r.stderr
+
+
+def test_finetune_resume_command_base(monkeypatch):
+    """The command a stopped `finetune` prints to resume: the one given, without --resume; under `launch`, the
+    launch command followed by the script's arguments."""
+    from hf_mixedprec.cli import LAUNCH_COMMAND_ENV, _finetune_command
+
+    for name in (LAUNCH_COMMAND_ENV, "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    argv = ["finetune", "--recipe", "my recipe.yaml", "--resume", "old/checkpoint-3", "--max-steps", "9", "--resume=x"]
+    assert _finetune_command(argv) == ["hf-mixedprec", "finetune", "--recipe", "my recipe.yaml", "--max-steps", "9"]
+    assert _finetune_command(["recipes"]) is None and _finetune_command(None) is None
+    monkeypatch.setenv(LAUNCH_COMMAND_ENV, "hf-mixedprec launch --recipe z.yaml hf_mixedprec/finetune.py")
+    assert _finetune_command(argv)[:2] == ["hf-mixedprec", "finetune"]  # not a launched process
+    monkeypatch.setenv("RANK", "0")
+    assert _finetune_command(argv) == [
+        "hf-mixedprec", "launch", "--recipe", "z.yaml", "hf_mixedprec/finetune.py",
+        "--recipe", "my recipe.yaml", "--max-steps", "9",
+    ]  # fmt: skip

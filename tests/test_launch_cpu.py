@@ -171,7 +171,7 @@ import os, signal, sys
 from pathlib import Path
 
 rank = int(os.environ.get("RANK", "0"))
-Path(sys.argv[1], f"started.rank{rank}").write_text("")
+Path(sys.argv[1], f"started.rank{rank}").write_text(os.environ.get("HF_MIXEDPREC_LAUNCH_COMMAND", ""))
 what = sys.argv[2].split(",")[rank]
 if what == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
@@ -196,7 +196,12 @@ def test_launch_exits_with_the_scripts_code(tmp_path, nproc, codes, expected):
     script.write_text(_EXIT)
     r = _cli("--recipe", "cpu-bf16", "--num-processes", str(nproc), str(script), str(tmp_path), codes)
     assert r.returncode == expected, r.stderr[-3000:]
-    assert len(list(tmp_path.glob("started.rank*"))) == nproc  # every rank ran the script
+    started = sorted(tmp_path.glob("started.rank*"))
+    assert len(started) == nproc  # every rank ran the script
+    # the launch command, up to the script, for the resume command a stopped `finetune` prints
+    assert {p.read_text() for p in started} == {
+        f"hf-mixedprec launch --recipe cpu-bf16 --num-processes {nproc} {script}"
+    }
     if expected:
         last = r.stderr.strip().splitlines()[-1]
         assert last.endswith(f"launch exits with {expected}"), last
