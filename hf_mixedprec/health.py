@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from hf_mixedprec._device import Constants
 from hf_mixedprec.recipe import DetectorConfig, HealthConfig
 
-__all__ = ["STEP_DETECTORS", "HealthEvent", "HealthMonitor"]
+__all__ = ["STEP_DETECTORS", "HealthEvent", "HealthMonitor", "threshold_of"]
 
 STEP_DETECTORS = (
     "nonfinite_loss",
@@ -258,7 +258,7 @@ class HealthMonitor:
                 continue
             finite = math.isfinite(v)
             self._latch(nonfinite, not finite, v, step)
-            thr = getattr(d, spike).threshold or math.inf
+            thr = threshold_of(getattr(d, spike), math.inf)
             if spike in rec:  # decided on the device (a skip_step reaction): use that very decision
                 fired = rec[spike] > 0.5
             else:
@@ -276,18 +276,18 @@ class HealthMonitor:
         self.skip_hist.put(i, s)
         self.consecutive = (self.consecutive + 1) * s
         rate = self.skip_hist.s1 / min(step, len(self.skip_hist.vals))
-        self._latch("skip_rate", rate > (d.skip_rate.threshold or math.inf), rate, step)
-        thr = d.consecutive_skips.threshold or math.inf
+        self._latch("skip_rate", rate > threshold_of(d.skip_rate, math.inf), rate, step)
+        thr = threshold_of(d.consecutive_skips, math.inf)
         self._latch("consecutive_skips", self.consecutive >= thr, self.consecutive, step)
         scale = rec.get("scale")
         if scale is not None:
-            self._latch("scale_floor", scale <= (d.scale_floor.threshold or 0.0), scale, step)
+            self._latch("scale_floor", scale <= threshold_of(d.scale_floor, -math.inf), scale, step)
             prev = self.prev_scale
             known = math.isfinite(prev)
             self.backoff_hist.put(i, float(known and scale < prev))
             self.growth_hist.put(i, float(known and scale > prev))
             backoffs, growths = self.backoff_hist.s1, self.growth_hist.s1
-            spiral = backoffs >= (d.death_spiral.threshold or math.inf) and growths == 0
+            spiral = backoffs >= threshold_of(d.death_spiral, math.inf) and growths == 0
             self._latch("death_spiral", spiral, backoffs, step)
             self.prev_scale = scale
 
@@ -353,6 +353,13 @@ class HealthMonitor:
             "consecutive": self.consecutive,
             "prev_scale": self.prev_scale,
             "skipped_total": self.skipped_total,
+            # latched since the last check: a resumed run turns them into the same events at the same check
+            "fired": dict(self.fired),
+            "first_step": dict(self.first_step),
+            "value": dict(self.value),
+            "layer_values": {
+                layer: {k: float(v) for k, v in stats.items()} for layer, stats in self.layer_values.items()
+            },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -372,6 +379,14 @@ class HealthMonitor:
         self.consecutive = float(state["consecutive"])
         self.prev_scale = float(state["prev_scale"])
         self.skipped_total = float(state["skipped_total"])
+        for name in STEP_DETECTORS:  # absent in checkpoints written before latches were saved
+            self.fired[name] = bool(state.get("fired", {}).get(name, False))
+            self.first_step[name] = int(state.get("first_step", {}).get(name, -1))
+            self.value[name] = float(state.get("value", {}).get(name, 0.0))
+        self.layer_values = {
+            layer: {k: torch.tensor(float(v), device=self.device) for k, v in stats.items()}
+            for layer, stats in state.get("layer_values", {}).items()
+        }
 
 
 _HISTORIES = ("loss_hist", "grad_hist", "skip_hist", "backoff_hist", "growth_hist")
@@ -428,12 +443,17 @@ class _Window:
         return z > threshold
 
 
+def threshold_of(cfg: DetectorConfig, unset: float) -> float:
+    """The detector's threshold, or ``unset`` (a value that never fires) when the recipe gives none; 0 is a value."""
+    return unset if cfg.threshold is None else cfg.threshold
+
+
 def _skips(cfg: DetectorConfig) -> bool:
     return cfg.enabled and cfg.reaction == "skip_step"
 
 
 def _message(name: str, value: float, cfg: DetectorConfig) -> str:
-    thr_v = cfg.threshold or 0.0
+    thr_v = threshold_of(cfg, 0.0)
     thr = f"{thr_v:g}"
     return {
         "nonfinite_loss": f"loss is {value} (NaN/Inf)",

@@ -16,11 +16,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
+
+from hf_mixedprec.safe_yaml import YAMLRefusal, load_recipe_yaml, read_recipe_text
 
 __all__ = [
     "GENERATIONS",
@@ -53,8 +55,25 @@ def _rule(key: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("recipe_rule", "{key}: {message}", {"key": key, "message": message})
 
 
+#: Upper bounds that keep memory and arithmetic sane (windows and histories are allocated up front).
+MAX_WINDOW = 100_000
+MAX_AMAX_HISTORY = 65_536
+MAX_STEPS = 1_000_000_000
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    """Strict: no string-to-number or string-to-bool coercion (``tf32: "yes"`` is refused, not read as True),
+    and no NaN/Inf where a number is expected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True, allow_inf_nan=False)
+
+
+def _as_tuple(value: Any) -> Any:
+    """YAML gives lists; the frozen schema keeps tuples (strict mode would refuse the list itself)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+StrTuple = Annotated[tuple[str, ...], BeforeValidator(_as_tuple)]
 
 
 class LossScaleConfig(_Section):
@@ -67,7 +86,12 @@ class LossScaleConfig(_Section):
     init_scale: float = Field(65536.0, gt=0, description="Initial loss scale (torch GradScaler default 2**16).")
     growth_factor: float = Field(2.0, gt=1, description="Multiply the scale by this after growth_interval clean steps.")
     backoff_factor: float = Field(0.5, gt=0, lt=1, description="Multiply the scale by this on an overflow step.")
-    growth_interval: int = Field(2000, ge=1, description="Clean steps before the scale grows.")
+    growth_interval: int = Field(
+        2000,
+        ge=1,
+        le=MAX_STEPS,
+        description=f"Clean steps before the scale grows (at most {MAX_STEPS:,}: longer than any run).",
+    )
     min_scale: float = Field(1.0, gt=0, description="Floor for the scale; reaching it is a health event.")
     max_scale: float | None = Field(None, gt=0, description="Ceiling for the scale; null = no ceiling.")
     hysteresis: int = Field(
@@ -119,21 +143,33 @@ class FP8Config(_Section):
     format: Literal["HYBRID", "E4M3"] = Field(
         "HYBRID", description="HYBRID = E4M3 forward, E5M2 gradients; E4M3 = E4M3 everywhere. Pure E5M2 is refused."
     )
-    amax_history_len: int | None = Field(None, ge=1, description="delayed only: amax history length (TE default 1024).")
+    amax_history_len: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_AMAX_HISTORY,
+        description=f"delayed only: amax history length (TE default 1024; at most {MAX_AMAX_HISTORY}, kept per layer).",
+    )
     amax_compute_algo: Literal["max", "most_recent"] | None = Field(
         None, description="delayed only: scale from the max of the history or the most recent amax."
     )
-    margin: int | None = Field(None, ge=0, description="delayed/mxfp8: scale is divided by 2**margin.")
+    margin: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="delayed/mxfp8: scale is divided by 2**margin (at most 64: beyond it every value underflows).",
+    )
     epsilon: float | None = Field(None, ge=0, description="current only: amax floor before computing the scale.")
     power_2_scales: bool | None = Field(None, description="current/blockwise: round scales down to a power of two.")
     mx_rounding: Literal["rceil", "floor"] | None = Field(
         None, description="mxfp8 only: rceil (TE/hardware, never saturates) or floor (OCP spec, may saturate)."
     )
-    block_size: int | None = Field(None, ge=1, description="mxfp8: 32 (OCP MX); blockwise: 128 (TE).")
+    block_size: int | None = Field(
+        None, ge=1, le=4096, description="mxfp8: 32 (OCP MX); blockwise: 128 (TE); at most 4096."
+    )
     torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = Field(
         None, description="backend torchao only: torchao's float8 recipe name (default tensorwise)."
     )
-    keep_in_bf16: tuple[str, ...] = Field(
+    keep_in_bf16: StrTuple = Field(
         (), description="Module name patterns (fnmatch globs on the dotted name) kept in high precision."
     )
     keep_first_last_blocks: int = Field(0, ge=0, description="Keep this many transformer blocks at each end in BF16.")
@@ -212,9 +248,16 @@ class ClippingConfig(_Section):
     max_norm: float | None = Field(None, gt=0, description="norm: the threshold; zclip: optional hard cap.")
     alpha: float | None = Field(None, gt=0, lt=1, description="zclip: EMA factor for the norm mean/variance.")
     z_thresh: float | None = Field(None, gt=0, description="zclip: z-score above which a step is clipped.")
-    warmup_steps: int | None = Field(None, ge=1, description="zclip: steps used to initialise mean/variance.")
+    warmup_steps: int | None = Field(
+        None, ge=1, le=MAX_STEPS, description="zclip: steps used to initialise mean/variance."
+    )
     percentile: float | None = Field(None, gt=0, le=100, description="autoclip: percentile of the norm history.")
-    history_size: int | None = Field(None, ge=1, description="autoclip: how many past norms are kept.")
+    history_size: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_WINDOW,
+        description=f"autoclip: how many past norms are kept (at most {MAX_WINDOW:,}, kept in memory).",
+    )
     clip_factor: float | None = Field(None, gt=0, description="agc: lambda, the allowed grad/weight norm ratio.")
     eps: float | None = Field(None, gt=0, description="agc: floor for weight norms.")
 
@@ -247,7 +290,12 @@ class DetectorConfig(_Section):
 
     enabled: bool = Field(True, description="Whether this detector runs.")
     threshold: float | None = Field(None, description="Meaning depends on the detector (see docs/health.md).")
-    window: int | None = Field(None, ge=1, description="Steps the detector looks back over.")
+    window: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_WINDOW,
+        description=f"Steps the detector looks back over (at most {MAX_WINDOW:,}, kept in memory).",
+    )
     reaction: Reaction = Field("warn", description="log | warn | skip_step | stop | fallback | lower_lr.")
     lr_factor: float | None = Field(None, gt=0, lt=1, description="lower_lr only: multiply the learning rate by this.")
 
@@ -332,7 +380,10 @@ class HealthConfig(_Section):
 
     enabled: bool = Field(True, description="Whether health monitoring runs at all.")
     fp8_sample_every: int = Field(
-        50, ge=1, description="Collect per-layer FP8 statistics (and the tiny_update probe) every N optimizer steps."
+        50,
+        ge=1,
+        le=MAX_STEPS,
+        description="Collect per-layer FP8 statistics (and the tiny_update probe) every N optimizer steps.",
     )
     detectors: DetectorsConfig = Field(default_factory=DetectorsConfig)
 
@@ -384,7 +435,9 @@ class Recipe(_Section):
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="The recipe's name.")
     description: str = Field("", description="One line on what the recipe is for.")
     extends: str | None = Field(None, description="A recipe name or path whose values this one starts from.")
-    hardware: tuple[Generation, ...] = Field((), description="GPU generations the recipe is meant for.")
+    hardware: Annotated[tuple[Generation, ...], BeforeValidator(_as_tuple)] = Field(
+        (), description="GPU generations the recipe is meant for."
+    )
     precision: Precision = Field(..., description="Training precision: fp32, fp16 (+ loss scaling), bf16, or fp8.")
     tf32: bool = Field(False, description="Allow TF32 matmuls (Ampere and later).")
     loss_scale: LossScaleConfig | None = Field(None, description="fp16 only: dynamic loss scaling.")
@@ -500,9 +553,27 @@ class Problem:
 class RecipeError(ValueError):
     """A recipe could not be loaded; ``problems`` lists every problem found, one line each."""
 
+    #: At most this many problems are kept (then one line says how many more), each cut to :data:`MAX_LINE`
+    #: characters, so a huge or hostile file cannot flood the terminal.
+    MAX_PROBLEMS = 20
+    MAX_LINE = 300
+
     def __init__(self, problems: Iterable[Problem]):
-        self.problems = list(problems)
+        found = list(problems)
+        kept = [
+            p
+            if len(str(p)) <= self.MAX_LINE
+            else Problem(p.source, _cut(p.key, self.MAX_LINE // 3), _cut(p.message, self.MAX_LINE // 2))
+            for p in found[: self.MAX_PROBLEMS]
+        ]
+        if len(found) > self.MAX_PROBLEMS:
+            kept.append(Problem(found[0].source, "", f"... and {len(found) - self.MAX_PROBLEMS} more problems"))
+        self.problems = kept
         super().__init__("\n".join(str(p) for p in self.problems))
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _describe_input(value: Any) -> str:
@@ -574,7 +645,9 @@ def builtin_recipe_path(name: str) -> Path:
 
 def _parse_yaml(text: str, source: str) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(text)
+        data = load_recipe_yaml(text)
+    except YAMLRefusal as exc:
+        raise RecipeError([Problem(source, "", str(exc))]) from None
     except yaml.constructor.ConstructorError as exc:
         tag = getattr(exc, "problem", "") or str(exc)
         line = f" (line {exc.problem_mark.line + 1})" if exc.problem_mark else ""
@@ -606,27 +679,57 @@ def _walk_keys(data: Mapping[Any, Any], prefix: tuple[Any, ...] = ()) -> Iterabl
 def _read_source(
     name_or_path: str | os.PathLike[str], relative_to: Path | None = None
 ) -> tuple[dict[str, Any], str, Path | None]:
-    """Find a recipe by path or built-in name; return its raw mapping, a display name and its path."""
+    """Find a recipe by path or built-in name; return its raw mapping, a display name and its path.
+
+    A path is a path (it has a separator or ends in ``.yaml``/``.yml``); anything else is a built-in name. A
+    relative path inside a recipe (``extends:``) is read next to that recipe (``relative_to``), never from the
+    current directory. A file that is not ``.yaml``/``.yml`` is refused unread, so no other file's contents
+    can end up in an error message.
+    """
     text_name = os.fspath(name_or_path)
-    candidates = []
+    suffix_ok = text_name.endswith((".yaml", ".yml"))
+    looks_like_path = suffix_ok or os.sep in text_name or "/" in text_name
+    names = builtin_recipe_names()
+    if not looks_like_path:
+        if text_name in names:
+            shadow = (relative_to or Path.cwd()) / text_name
+            if shadow.exists():
+                raise RecipeError(
+                    [
+                        Problem(
+                            text_name,
+                            "",
+                            f"is both the built-in recipe {text_name!r} and the file {str(shadow)!r} (allowed: "
+                            f"the name alone for the built-in, or ./{text_name} with a .yaml suffix for a file)",
+                        )
+                    ]
+                )
+            p = builtin_recipe_path(text_name)
+            return _parse_yaml(p.read_text(encoding="utf-8"), text_name), text_name, None
+        raise RecipeError(
+            [Problem(text_name, "", f"no such recipe (allowed: a YAML path or one of: auto, {', '.join(names)})")]
+        )
     path = Path(text_name).expanduser()
     if relative_to is not None and not path.is_absolute():
-        candidates.append(relative_to / path)
-    candidates.append(path)
-    looks_like_path = text_name.endswith((".yaml", ".yml")) or os.sep in text_name or "/" in text_name
-    for cand in candidates:
-        if cand.is_file():
-            try:
-                text = cand.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                raise RecipeError([Problem(str(cand), "", f"cannot read: {exc}")]) from None
-            return _parse_yaml(text, str(cand)), str(cand), cand.resolve()
-    if not looks_like_path and text_name in builtin_recipe_names():
-        p = builtin_recipe_path(text_name)
-        return _parse_yaml(p.read_text(encoding="utf-8"), text_name), text_name, None
-    names = ", ".join(builtin_recipe_names())
-    what = "file not found" if looks_like_path else "no such recipe"
-    raise RecipeError([Problem(text_name, "", f"{what} (allowed: a YAML path or one of: auto, {names})")])
+        path = relative_to / path
+    if not suffix_ok:
+        raise RecipeError([Problem(str(path), "", "is not a .yaml/.yml file (allowed: a recipe YAML file)")])
+    if not path.is_file():
+        where = f" next to the recipe that names it ({path})" if relative_to is not None else ""
+        raise RecipeError(
+            [
+                Problem(
+                    str(path), "", f"file not found{where} (allowed: a YAML path or one of: auto, {', '.join(names)})"
+                )
+            ]
+        )
+    try:
+        text = read_recipe_text(path)
+    except YAMLRefusal as exc:
+        raise RecipeError([Problem(str(path), "", str(exc))]) from None
+    except OSError as exc:
+        raise RecipeError([Problem(str(path), "", f"cannot read: {exc.strerror or exc}")]) from None
+    return _parse_yaml(text, str(path)), str(path), path.resolve()
 
 
 def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:

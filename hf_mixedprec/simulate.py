@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated
+from hf_mixedprec.health import threshold_of
 from hf_mixedprec.recipe import Recipe
 
 __all__ = ["LayerNumerics", "SimulationResult", "default_simulation_model", "simulate"]
@@ -231,17 +232,17 @@ def simulate(
         reasons = []
         for role in ROLES:
             st = roles[role]
-            if det.fp8_saturation.enabled and st.get("saturation", 0.0) > (det.fp8_saturation.threshold or 0):
+            if det.fp8_saturation.enabled and st.get("saturation", 0.0) > threshold_of(det.fp8_saturation, 0):
                 reasons.append(
                     f"{role} saturation {100 * st['saturation']:.3f}% > {100 * det.fp8_saturation.threshold:g}%"
                 )
-            if det.fp8_underflow.enabled and st.get("underflow", 0.0) > (det.fp8_underflow.threshold or 1):
+            if det.fp8_underflow.enabled and st.get("underflow", 0.0) > threshold_of(det.fp8_underflow, 1):
                 reasons.append(
                     f"{role} underflow {100 * st['underflow']:.1f}% > {100 * det.fp8_underflow.threshold:g}%"
                 )
-            if det.fp8_sqnr.enabled and st.get("sqnr_db", math.inf) < (det.fp8_sqnr.threshold or 0):
+            if det.fp8_sqnr.enabled and st.get("sqnr_db", math.inf) < threshold_of(det.fp8_sqnr, 0):
                 reasons.append(f"{role} SQNR {st['sqnr_db']:.1f} dB < {det.fp8_sqnr.threshold:g} dB")
-            if det.mx_clamp.enabled and st.get("mx_clamp", 0.0) > (det.mx_clamp.threshold or 1):
+            if det.mx_clamp.enabled and st.get("mx_clamp", 0.0) > threshold_of(det.mx_clamp, 1):
                 reasons.append(f"{role} MX blocks at the E8M0 clamp {100 * st['mx_clamp']:.2f}%")
         layers.append(LayerNumerics(name, roles, reasons))
     return SimulationResult(
