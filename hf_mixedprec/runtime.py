@@ -147,6 +147,8 @@ class MixedPrecisionRuntime:
         self._schedule_rewound = 0  # skipped steps already taken back out of the LR schedule
         self._noted_schedule = False
         self._noted_no_loss = False
+        #: FP8 layers a fallback reaction moved to high precision, in order (restored on resume)
+        self.moved_layers: list[str] = []
         #: ``mp/`` metrics computed at a logging step, waiting to be merged into the trainer's own log row
         self.pending_log: dict[str, float] | None = None
         if self.rehearse:
@@ -475,6 +477,7 @@ class MixedPrecisionRuntime:
         if fallback_layers:
             moved = layers_to_bf16(model, sorted(set(fallback_layers)))
             if moved:
+                self.moved_layers += moved
                 self.note(f"FALLBACK: FP8 layers moved to BF16 after health events: {', '.join(moved)}")
         return events
 
@@ -498,6 +501,7 @@ class MixedPrecisionRuntime:
     def _whole_model_fallback(self, model: nn.Module, ev: HealthEvent) -> None:
         if self.recipe.precision == "fp8":
             moved = layers_to_bf16(model, [name for name, _ in iter_emulated(model)])
+            self.moved_layers += moved
             self.note(
                 f"FALLBACK: whole model moved from FP8 to BF16 after {ev.detector} at step {ev.step} "
                 f"({len(moved)} layers)"
@@ -586,9 +590,12 @@ class MixedPrecisionRuntime:
             "monitor": self.monitor.state_dict() if self.monitor is not None else None,
             "events": list(self.events),
             "stopped": self.stop_requested,
+            "moved_layers": list(self.moved_layers),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], model: nn.Module | None = None) -> None:
+        """Restore :meth:`state_dict`; with ``model``, also the decisions made on it (FP8 layers a fallback moved
+        to high precision are moved again, so the resumed run has the same module types and state-dict keys)."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"hf_mixedprec runtime state version {state.get('version')!r} (expected {STATE_VERSION})")
         self.steps = int(state["steps"])
@@ -610,6 +617,11 @@ class MixedPrecisionRuntime:
             else:
                 self.monitor.load_state_dict(state["monitor"])
         self.events = list(state.get("events", []))
+        self.moved_layers = list(state.get("moved_layers", []))
+        if model is not None and self.moved_layers:
+            moved = layers_to_bf16(model, self.moved_layers)
+            if moved:
+                self.note(f"resume: FP8 layers a fallback had moved to BF16 are moved again: {', '.join(moved)}")
 
 
 def _to_json(t: Any) -> Any:

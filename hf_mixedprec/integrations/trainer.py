@@ -233,7 +233,9 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                 )
         elif rt.wants_guard():
             scaler = acc.scaler = rt.make_guard_scaler()
-            rt.note("a scale-1 GradScaler guards the optimizer step: non-finite steps and skip_step reactions are skipped exactly")
+            rt.note(
+                "a scale-1 GradScaler guards the optimizer step: non-finite steps and skip_step reactions are skipped exactly"
+            )
         if late and scaler is not None:
             _give_scaler(trainer.optimizer, scaler)
         # Accelerate autocasts at prepare time: fp16 switched on above is its own path unless the model was
@@ -376,7 +378,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                 stored = stored[0] if stored else None
             payload = (stored or {}).get("attributes", {}).get("restored")
         if payload is not None:
-            rt.load_state_dict(payload)
+            rt.load_state_dict(payload, model)
             self.restored = None
 
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
