@@ -354,9 +354,7 @@ class HealthMonitor:
             "prev_scale": self.prev_scale,
             "skipped_total": self.skipped_total,
             # latched since the last check: a resumed run turns them into the same events at the same check
-            "fired": dict(self.fired),
-            "first_step": dict(self.first_step),
-            "value": dict(self.value),
+            "latched": {n: [self.first_step[n], self.value[n]] for n in STEP_DETECTORS if self.fired[n]},
             "layer_values": {
                 layer: {k: float(v) for k, v in stats.items()} for layer, stats in self.layer_values.items()
             },
@@ -379,10 +377,12 @@ class HealthMonitor:
         self.consecutive = float(state["consecutive"])
         self.prev_scale = float(state["prev_scale"])
         self.skipped_total = float(state["skipped_total"])
-        for name in STEP_DETECTORS:  # absent in checkpoints written before latches were saved
-            self.fired[name] = bool(state.get("fired", {}).get(name, False))
-            self.first_step[name] = int(state.get("first_step", {}).get(name, -1))
-            self.value[name] = float(state.get("value", {}).get(name, 0.0))
+        latched = state.get("latched", {})  # absent in checkpoints written before latches were saved
+        for name in STEP_DETECTORS:
+            self.fired[name] = name in latched
+            self.first_step[name], self.value[name] = (
+                (int(latched[name][0]), float(latched[name][1])) if name in latched else (-1, 0.0)
+            )
         self.layer_values = {
             layer: {k: torch.tensor(float(v), device=self.device) for k, v in stats.items()}
             for layer, stats in state.get("layer_values", {}).items()
