@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from hf_mixedprec.hardware import HardwareRefusal, detect
+from hf_mixedprec.loader import EnvValueError
 from hf_mixedprec.recipe import Recipe, RecipeError, builtin_recipe_names, load_recipe_file
 
 __all__ = ["EXIT_STOPPED", "UsageError", "main"]
@@ -254,7 +256,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if not args.rehearse:
         check_recipe(recipe, detect())
     _check_deepspeed(recipe)  # rehearsal does not change what DeepSpeed itself accepts
+    if args.config_dir:
+        _check_config_dir(Path(config_dir), list(plan.files))
     plan.write()
+    if args.config_dir:
+        _record_written(Path(config_dir), list(plan.files))
     for note in plan.notes:
         print(f"{PROG}: {note}", file=sys.stderr)
     print(f"{PROG}: {shlex.join(plan.command)}", file=sys.stderr)
@@ -262,8 +268,39 @@ def cmd_launch(args: argparse.Namespace) -> int:
     argv = getattr(args, "argv", None)
     if argv:  # the user's launch command up to the script, so that `finetune` can print a resume command
         env[LAUNCH_COMMAND_ENV] = shlex.join([PROG, *argv[: len(argv) - len(args.script_args)]])
-    code = subprocess.call(plan.command, env=env)
+    try:
+        code = subprocess.call(plan.command, env=env)
+    finally:
+        if not args.config_dir:  # our own temporary folder: nothing in it outlives the launch
+            shutil.rmtree(config_dir, ignore_errors=True)
     return 128 - code if code < 0 else code  # the launcher itself killed by signal N: 128+N, as a shell says
+
+
+#: In a ``--config-dir``, the list of files ``launch`` wrote there (and so may write again).
+LAUNCH_MANIFEST = ".hf-mixedprec-launch"
+
+
+def _check_config_dir(folder: Path, files: list[str]) -> None:
+    """Refuse to write over a file in ``--config-dir`` that an earlier launch did not write (a user's own
+    ``recipe.yaml``, say)."""
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--config-dir: {str(folder)!r} is a file (allowed: a folder, new or existing)")
+    manifest = folder / LAUNCH_MANIFEST
+    ours = set(manifest.read_text(encoding="utf-8").split("\n")) if manifest.is_file() else set()
+    for path in files:
+        p = Path(path)
+        if p.exists() and p.name not in ours:
+            raise UsageError(
+                f"--config-dir: {str(folder)!r} already has {p.name}, which hf-mixedprec launch did not write "
+                "(allowed: a new or empty folder, or one an earlier launch wrote; nothing was overwritten)"
+            )
+
+
+def _record_written(folder: Path, files: list[str]) -> None:
+    manifest = folder / LAUNCH_MANIFEST
+    ours = set(manifest.read_text(encoding="utf-8").split("\n")) if manifest.is_file() else set()
+    ours |= {Path(p).name for p in files}
+    manifest.write_text("\n".join(sorted(n for n in ours if n)) + "\n", encoding="utf-8")
 
 
 def _check_deepspeed(recipe: Recipe) -> None:
@@ -343,7 +380,7 @@ def _finetune_command(argv: Sequence[str] | None) -> list[str] | None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from hf_mixedprec.report import HEALTH_FILE, build_plots, summarize
+    from hf_mixedprec.report import HEALTH_FILE, build_plots, check_document, summarize
 
     run = Path(args.run_dir)
     if not run.is_dir():
@@ -358,8 +395,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         doc = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise UsageError(f"RUN_DIR: {path} is not valid JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("version") != 1:
-        raise UsageError(f"RUN_DIR: {path} is not a health report of version 1")
+    problem = check_document(doc)
+    if problem is not None:
+        raise UsageError(f"RUN_DIR: {path} {problem}")
     files = build_plots(run, doc)
     info = summarize(doc)
     info["plots"] = [str(f) for f in files]
@@ -560,7 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p in exc.problems:
             print(p, file=sys.stderr)
         return 2
-    except (HardwareRefusal, UsageError) as exc:
+    except (HardwareRefusal, UsageError, EnvValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -438,6 +438,25 @@ def _peak_memory(device: torch.device) -> tuple[float, str]:
     return rss_bytes / 2**20, "peak RSS of the process (resource.getrusage)"
 
 
+def check_output_dir(output_dir: str) -> None:
+    """``--output-dir`` must be a folder this process can create and write: checked before any work, without
+    creating it (a probe file in its nearest existing folder), so that a mistake costs and leaves nothing."""
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output-dir: {output_dir!r} is a file (allowed: a folder, new or existing)")
+    base = next((p for p in (out, *out.absolute().parents) if p.exists()), None)
+    try:
+        if base is None or not base.is_dir():
+            raise NotADirectoryError(20, "Not a directory")
+        probe = base / f".hf-mixedprec-write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(
+            f"--output-dir: {output_dir!r} cannot be written ({exc.strerror or exc}) (allowed: a folder you can write)"
+        ) from None
+
+
 def run_finetune(
     *,
     recipe: str | Recipe | None = None,
@@ -488,6 +507,7 @@ def run_finetune(
             f"--resume: {resume!r} is not a Trainer checkpoint (no trainer_state.json) (allowed: a checkpoint-N "
             "folder, e.g. the one a health stop saved)"
         )
+    check_output_dir(output_dir)
     _precheck_recipe(recipe, rehearse)
     start = time.perf_counter()
 

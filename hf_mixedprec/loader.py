@@ -15,7 +15,7 @@ import os
 from hf_mixedprec.hardware import HardwareInfo, auto_recipe_name, check_recipe, detect
 from hf_mixedprec.recipe import RECIPE_ENV, Recipe, load_recipe_file
 
-__all__ = ["REHEARSE_ENV", "load_recipe", "rehearse_from_env", "resolve_auto"]
+__all__ = ["REHEARSE_ENV", "EnvValueError", "load_recipe", "rehearse_from_env", "resolve_auto"]
 
 #: Set to 1 to rehearse recipes this machine cannot run natively.
 REHEARSE_ENV = "HF_MIXEDPREC_REHEARSE"
@@ -30,7 +30,11 @@ def rehearse_from_env() -> bool:
         return True
     if raw in _FALSE:
         return False
-    raise ValueError(f"{REHEARSE_ENV}={raw!r} is not a boolean (allowed: 1, 0, true, false, yes, no, on, off)")
+    raise EnvValueError(f"{REHEARSE_ENV}={raw!r} is not a boolean (allowed: 1, 0, true, false, yes, no, on, off)")
+
+
+class EnvValueError(ValueError):
+    """An environment variable hf_mixedprec reads has a value it does not accept (a user mistake)."""
 
 
 log = logging.getLogger("hf_mixedprec")

@@ -69,6 +69,35 @@ def health_document(
     return doc
 
 
+def check_document(doc: Any) -> str | None:
+    """What is wrong with a ``health.json`` read from disk (the first problem, one line), or None if it has the
+    shape :func:`health_document` writes: ``series`` a mapping of key -> {step: value}, ``events`` a list of
+    mappings, ``notes`` a list of strings."""
+    if not isinstance(doc, dict) or doc.get("version") != 1:
+        return "is not a health report of version 1"
+    series = doc.get("series", {})
+    if not isinstance(series, dict):
+        return f"field 'series' is a {type(series).__name__} (allowed: a mapping of name -> {{step: value}})"
+    for key, data in series.items():
+        if not isinstance(data, dict) or not all(isinstance(k, str) and k.lstrip("-").isdigit() for k in data):
+            return f"field 'series.{_cut(key)}' is not a mapping of step -> value"
+    events = doc.get("events", [])
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        return "field 'events' is not a list of mappings"
+    notes = doc.get("notes", [])
+    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
+        return "field 'notes' is not a list of strings"
+    for name in ("recipe", "precision"):
+        if name in doc and not isinstance(doc[name], str):
+            return f"field {name!r} is a {type(doc[name]).__name__} (allowed: a string)"
+    return None
+
+
+def _cut(text: Any, limit: int = 40) -> str:
+    t = str(text)
+    return t if len(t) <= limit else t[: limit - 3] + "..."
+
+
 def _series(doc: dict[str, Any], key: str) -> tuple[list[int], list[float]]:
     data = doc.get("series", {}).get(key, {})
     xs, ys = [], []

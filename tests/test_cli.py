@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -192,3 +193,64 @@ def test_finetune_resume_command_base(monkeypatch):
         "hf-mixedprec", "launch", "--recipe", "z.yaml", "hf_mixedprec/finetune.py",
         "--recipe", "my recipe.yaml", "--max-steps", "9",
     ]  # fmt: skip
+
+
+# -- user mistakes: one line, exit 2, nothing lost ----------------------------------------------------------
+
+
+def _one_line_exit_2(argv, capsys, expected):
+    from hf_mixedprec.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert expected in lines[0], lines[0]
+
+
+def test_finetune_output_dir_that_is_a_file_or_unwritable(tmp_path, capsys):
+    f = tmp_path / "a-file"
+    f.write_text("keep me")
+    _one_line_exit_2(["finetune", "--output-dir", str(f)], capsys, f"--output-dir: {str(f)!r} is a file")
+    assert f.read_text() == "keep me"
+    _one_line_exit_2(["finetune", "--output-dir", str(f / "sub")], capsys, "cannot be written (Not a directory)")
+    _one_line_exit_2(["finetune", "--output-dir", "/proc/1/hf-out"], capsys, "--output-dir: '/proc/1/hf-out' cannot")
+
+
+def test_a_bad_rehearse_variable_is_one_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_MIXEDPREC_REHEARSE", "maybe")
+    _one_line_exit_2(
+        ["finetune", "--output-dir", str(tmp_path / "o")], capsys, "HF_MIXEDPREC_REHEARSE='maybe' is not a boolean"
+    )
+
+
+@pytest.mark.parametrize(
+    ("doc", "expected"),
+    [
+        ({"version": 1, "series": [], "events": "x"}, "field 'series' is a list"),
+        ({"version": 1, "series": {"loss": [1, 2]}}, "field 'series.loss' is not a mapping of step -> value"),
+        ({"version": 1, "events": [1]}, "field 'events' is not a list of mappings"),
+        ({"version": 1, "notes": [5]}, "field 'notes' is not a list of strings"),
+        ({"version": 2}, "is not a health report of version 1"),
+    ],
+)
+def test_report_on_a_malformed_health_json_is_one_line(tmp_path, capsys, doc, expected):
+    (tmp_path / "health.json").write_text(json.dumps(doc))
+    _one_line_exit_2(["report", str(tmp_path)], capsys, expected)
+
+
+def test_launch_never_writes_over_a_users_file_and_cleans_its_temp_folder(tmp_path):
+    script = tmp_path / "ok.py"
+    script.write_text("import sys\nsys.exit(0)\n")
+    mine = tmp_path / "cfg" / "recipe.yaml"
+    mine.parent.mkdir()
+    mine.write_text("name: mine\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "hf_mixedprec.cli", "launch", "--recipe", "cpu-bf16"]
+    r = subprocess.run([*cmd, "--config-dir", str(mine.parent), str(script)], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "already has recipe.yaml, which hf-mixedprec launch did not write" in r.stderr
+    assert mine.read_text() == "name: mine\n"
+    r = subprocess.run([*cmd, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "hf-mixedprec-launch-cpu-bf16-" in r.stderr  # it did use a temporary folder ...
+    assert not list(tmp_path.glob("hf-mixedprec-launch-*"))  # ... and removed it

@@ -49,8 +49,8 @@ class Fault(TrainerCallback):
     """Makes step :data:`FAULT_AT`'s loss NaN (``kind="nan_loss"``) or one weight's gradient inf
     (``kind="inf_grad"``), and copies the parameters and the optimizer state just before and just after it."""
 
-    def __init__(self, kind: str):
-        self.kind, self.armed, self.before, self.after = kind, False, None, None
+    def __init__(self, kind: str, at: int = FAULT_AT):
+        self.kind, self.at, self.armed, self.before, self.after = kind, at, False, None, None
 
     def on_train_begin(self, args, state, control, model=None, **kw):
         weight = model.model.layers[0].mlp.down_proj.weight
@@ -62,7 +62,7 @@ class Fault(TrainerCallback):
         return [p.detach().clone() for p in model.parameters()], opt
 
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kw):
-        self.armed = state.global_step + 1 == FAULT_AT
+        self.armed = state.global_step + 1 == self.at
         if self.armed:
             self.before = self._snapshot(model, optimizer)
 
@@ -128,3 +128,23 @@ def test_a_non_finite_step_changes_nothing(tmp_path, base, reaction, kind):
     if reaction == "stop":
         assert tr.state.global_step == FAULT_AT  # stopped at the check right after the fault, with a checkpoint
         assert (tmp_path / f"checkpoint-{FAULT_AT}").is_dir()
+
+
+def test_a_stop_on_the_last_step_still_saves_its_checkpoint(tmp_path):
+    recipe = _recipe("cpu-bf16", "stop")
+    fault = Fault("nan_loss", at=STEPS)
+    args = recipe.training_args(
+        output_dir=str(tmp_path),
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )
+    NanLossTrainer.fault = fault
+    tr = NanLossTrainer(model=tiny_llama(), args=args, train_dataset=Rows(), callbacks=[fault, *recipe.callbacks()])
+    tr.train()
+    assert tr.model._hf_mixedprec_runtime.stop_requested
+    weights = load_file(str(tmp_path / f"checkpoint-{STEPS}" / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point())

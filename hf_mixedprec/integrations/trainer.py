@@ -145,6 +145,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         self.trainer: Trainer | None = None
         self.deepspeed = False
         self._pre_step_done = False
+        self._stop_saved = False
 
     # -- ExportableState ------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -407,8 +408,10 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             rt.rewind_schedule(kw.get("optimizer"), kw.get("lr_scheduler"))
         if control.should_log:  # the only steps that read device values
             rt.check(kw["model"], kw.get("optimizer"), kw.get("lr_scheduler"))
-            if rt.stop_requested and not control.should_training_stop:
-                control.should_save = True  # Trainer saves the checkpoint, then stops
+            if rt.stop_requested and not self._stop_saved:
+                # Trainer saves the checkpoint, then stops (also when this was the last step anyway)
+                self._stop_saved = True
+                control.should_save = True
                 control.should_training_stop = True
             # merged into the row Trainer logs right after this event (see _route_backward_and_log)
             rt.pending_log = rt.metrics()
