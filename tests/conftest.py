@@ -15,6 +15,16 @@ os.environ.pop("HF_MIXEDPREC_RECIPE", None)
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 
 
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate keeps process-wide state; a test using this starts and ends with a clean one."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_te = pytest.mark.skip(reason="needs Transformer Engine (pip install 'hf_mixedprec[transformer-engine]')")

@@ -40,7 +40,7 @@ import hf_mixedprec
 from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama, train_tokenizer
 from hf_mixedprec.integrations.trainer import MixedPrecisionCallback, attach
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_accelerate_state")]
 
 THREE = ["cpu-bf16", "v100-fp16", "h100-fp8-delayed"]
 STEPS = 6  # optimizer steps per run
@@ -49,16 +49,6 @@ BATCH = 4  # rows per micro-batch
 INJECT_AT = 3  # the optimizer step (1-based) whose loss is made inf when a test injects
 #: What the first decoder block's MLP computes in under each recipe (FP8 Linears sit inside BF16 autocast).
 COMPUTE_DTYPE = {"cpu-bf16": torch.bfloat16, "v100-fp16": torch.float16, "h100-fp8-delayed": torch.bfloat16}
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Accelerate keeps process-wide state; every test starts and ends with a clean one."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 # -- what every client needs -------------------------------------------------------------------------------

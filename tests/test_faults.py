@@ -13,36 +13,16 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback
 
-from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama
+from hf_mixedprec.integrations.models import tiny_llama
 from hf_mixedprec.recipe import resolve_recipe
+from tests.test_integration import Bytes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_accelerate_state")]
 
 FAULT_AT = 3  # the optimizer step (1-based) whose loss or gradient is made non-finite
 STEPS = 5
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
-class Rows(Dataset):
-    def __init__(self, n: int = 64):
-        self.rows = [b[0] for b in byte_batches(builtin_text(), seq_len=32, batch_size=1, n_batches=n, seed=0)]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
 class Fault(TrainerCallback):
@@ -110,7 +90,9 @@ def test_a_non_finite_step_changes_nothing(tmp_path, base, reaction, kind):
         seed=0,
     )
     NanLossTrainer.fault = fault
-    tr = NanLossTrainer(model=tiny_llama(), args=args, train_dataset=Rows(), callbacks=[fault, *recipe.callbacks()])
+    tr = NanLossTrainer(
+        model=tiny_llama(), args=args, train_dataset=Bytes(n=64, seq_len=32), callbacks=[fault, *recipe.callbacks()]
+    )
     tr.train()
     assert fault.before is not None and fault.after is not None, "the faulty step did not run"
     (p0, o0), (p1, o1) = fault.before, fault.after
@@ -143,7 +125,9 @@ def test_a_stop_on_the_last_step_still_saves_its_checkpoint(tmp_path):
         disable_tqdm=True,
     )
     NanLossTrainer.fault = fault
-    tr = NanLossTrainer(model=tiny_llama(), args=args, train_dataset=Rows(), callbacks=[fault, *recipe.callbacks()])
+    tr = NanLossTrainer(
+        model=tiny_llama(), args=args, train_dataset=Bytes(n=64, seq_len=32), callbacks=[fault, *recipe.callbacks()]
+    )
     tr.train()
     assert tr.model._hf_mixedprec_runtime.stop_requested
     weights = load_file(str(tmp_path / f"checkpoint-{STEPS}" / "model.safetensors"))

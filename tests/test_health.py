@@ -23,14 +23,7 @@ from hf_mixedprec.runtime import GuardScaler, MixedPrecisionRuntime
 sys.path.insert(0, str(Path(__file__).parent))
 from test_integration import _logs, _trainer
 
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def _health(**detectors) -> HealthConfig:

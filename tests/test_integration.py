@@ -18,17 +18,7 @@ from hf_mixedprec.fp8 import EmulatedFP8Linear
 from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama, train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Accelerate keeps process-wide state; every test starts and ends with a clean one."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_accelerate_state")]
 
 
 class Bytes(Dataset):

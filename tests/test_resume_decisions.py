@@ -14,16 +14,7 @@ from hf_mixedprec.integrations.models import tiny_llama
 from hf_mixedprec.recipe import resolve_recipe
 from tests.test_integration import Bytes
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_accelerate_state")]
 
 
 def _recipe(base: str, extra: str):
