@@ -1,7 +1,7 @@
 """Fault injection: a step with a NaN loss or an inf gradient never changes the weights or the optimizer state,
 in any precision and whatever reaction the recipe gives the non-finite detectors; every checkpoint is finite.
 
-Tiny Llama on CPU under ``cpu-bf16``, rehearsed ``h100-fp8-delayed`` and rehearsed ``v100-fp16``; each
+Tiny Llama on CPU under ``cpu-bf16``, rehearsed ``h100-fp8-delayed``, rehearsed ``v100-fp16`` and FP32; each
 reaction of ``nonfinite_loss`` and ``nonfinite_grad`` in turn (``warn``, ``stop``, ``fallback``, ``lower_lr``).
 """
 
@@ -66,14 +66,16 @@ class NanLossTrainer(Trainer):
 def _recipe(base: str, reaction: str):
     det = {"reaction": reaction, **({"lr_factor": 0.5} if reaction == "lower_lr" else {})}
     data = {"name": f"fault-{reaction}", "extends": base}
+    if base == "fp32":  # no built-in FP32 recipe: cpu-bf16's settings in full precision
+        data = {**data, "extends": "cpu-bf16", "precision": "fp32"}
     data["health"] = {"detectors": {"nonfinite_loss": det, "nonfinite_grad": det}}
     recipe = resolve_recipe(yaml.safe_load(yaml.safe_dump(data)))
-    return recipe if base == "cpu-bf16" else recipe.rehearsed()
+    return recipe if base in ("cpu-bf16", "fp32") else recipe.rehearsed()
 
 
 @pytest.mark.parametrize("kind", ["nan_loss", "inf_grad"])
 @pytest.mark.parametrize("reaction", ["warn", "stop", "fallback", "lower_lr"])
-@pytest.mark.parametrize("base", ["cpu-bf16", "h100-fp8-delayed", "v100-fp16"])
+@pytest.mark.parametrize("base", ["cpu-bf16", "h100-fp8-delayed", "v100-fp16", "fp32"])
 def test_a_non_finite_step_changes_nothing(tmp_path, base, reaction, kind):
     recipe = _recipe(base, reaction)
     fault = Fault(kind)
