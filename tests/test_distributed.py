@@ -54,3 +54,32 @@ def test_two_ranks_agree_on_skips_and_clip_thresholds(tmp_path):
     assert thresholds, "ZClip produced no threshold after warm-up"
     losses = [[row["loss"] for row in log if "loss" in row] for log in logs]
     assert losses[0][-1] < losses[0][0]
+
+
+@pytest.mark.slow
+def test_two_bf16_ranks_skip_a_non_finite_step_whatever_the_reaction(tmp_path):
+    """DDP, BF16, non-finite detectors set to `warn` (no skip_step): an inf gradient on rank 1 at step 3 reaches
+    rank 0 through the all-reduce, and both ranks skip that step through the scale-1 guard; every checkpoint
+    is finite."""
+    from safetensors.torch import load_file
+
+    recipe = tmp_path / "ddp-bf16.yaml"
+    recipe.write_text(
+        "name: ddp-bf16\nextends: cpu-bf16\n"
+        "health: {detectors: {nonfinite_loss: {reaction: warn}, nonfinite_grad: {reaction: warn}}}\n"
+    )
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hf_mixedprec.cli", "launch", "--recipe", str(recipe), "--num-processes", "2"]
+    cmd += [str(ROOT / "scripts" / "finetune_trainer.py"), "--max-steps", "6", "--output-dir", str(out)]
+    cmd += ["--save-steps", "2", "--inject-overflow-at", "3", "--inject-rank", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    logs = [json.loads((out / f"log_history.rank{k}.json").read_text()) for k in (0, 1)]
+    skipped = [[row["mp/skipped_steps"] for row in log if "mp/skipped_steps" in row] for log in logs]
+    assert skipped[0] == skipped[1] == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    import torch
+
+    for ckpt in sorted(out.glob("checkpoint-*")):
+        weights = load_file(str(ckpt / "model.safetensors"))
+        assert all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point()), ckpt.name
+    assert len(list(out.glob("checkpoint-*"))) == 3
