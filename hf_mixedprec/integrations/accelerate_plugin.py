@@ -28,7 +28,14 @@ from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.recipe import Recipe
 from hf_mixedprec.runtime import MixedPrecisionRuntime
 
-__all__ = ["MixedPrecisionAccelerator", "enable_native_fp16", "grad_scaler_kwargs", "make_accelerator"]
+__all__ = [
+    "MixedPrecisionAccelerator",
+    "accelerate_precision",
+    "backpropagated_loss",
+    "enable_native_fp16",
+    "grad_scaler_kwargs",
+    "make_accelerator",
+]
 
 log = logging.getLogger("hf_mixedprec")
 
@@ -48,6 +55,18 @@ def grad_scaler_kwargs(recipe: Recipe) -> GradScalerKwargs | None:
         backoff_factor=ls.backoff_factor,
         growth_interval=ls.growth_interval,
     )
+
+
+def accelerate_precision(recipe: Recipe) -> str:
+    """Accelerate's ``mixed_precision`` for a recipe (FP8 layers run inside BF16 autocast, applied by us)."""
+    return _MIXED[recipe.precision]
+
+
+def backpropagated_loss(accelerator: Accelerator, loss: torch.Tensor) -> torch.Tensor:
+    """The loss ``Accelerator.backward`` back-propagates for ``loss``: divided by the accumulation steps,
+    except under DeepSpeed, whose engine divides itself."""
+    gas = 1 if accelerator.distributed_type == DistributedType.DEEPSPEED else accelerator.gradient_accumulation_steps
+    return loss if gas == 1 else loss / gas
 
 
 def enable_native_fp16(accelerator: Accelerator, scaler: torch.amp.GradScaler) -> None:
@@ -72,7 +91,7 @@ class MixedPrecisionAccelerator(Accelerator):
         if not rehearse:
             check_recipe(recipe, detect())
         decided = _mixed_precision_decision(recipe, kwargs.get("mixed_precision"))
-        kwargs["mixed_precision"] = _MIXED[recipe.precision]
+        kwargs["mixed_precision"] = accelerate_precision(recipe)
         handlers = list(kwargs.pop("kwargs_handlers", None) or [])
         recipe, handlers, scaler_note = _merge_grad_scaler_kwargs(recipe, handlers)
         super().__init__(kwargs_handlers=handlers, **kwargs)
@@ -98,8 +117,7 @@ class MixedPrecisionAccelerator(Accelerator):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Accelerate's ``backward``, after recording the loss it back-propagates for the loss detectors."""
         if isinstance(loss, torch.Tensor):
-            gas = 1 if self.distributed_type == DistributedType.DEEPSPEED else self.gradient_accumulation_steps
-            self.mp.record_loss(loss if gas == 1 else loss / gas)
+            self.mp.record_loss(backpropagated_loss(self, loss))
         return super().backward(loss, **kwargs)
 
     # -- prepare -------------------------------------------------------------------------------------
@@ -165,7 +183,7 @@ def _mixed_precision_decision(recipe: Recipe, argument: Any) -> str | None:
     """Check what the user asked Accelerate for (argument, else ``ACCELERATE_MIXED_PRECISION``) against the
     recipe; returns the note to record (None when nothing was asked or it agrees). A conflict raises
     ``ValueError``."""
-    wanted = _MIXED[recipe.precision]
+    wanted = accelerate_precision(recipe)
     # an FP8 recipe trains under BF16 autocast with its FP8 layers applied by hf_mixedprec
     allowed = (wanted, "fp8") if recipe.precision == "fp8" else (wanted,)
     env = os.environ.get(MIXED_PRECISION_ENV)

@@ -36,7 +36,7 @@ from transformers.trainer_callback import ExportableState
 
 from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.health import HealthMonitor
-from hf_mixedprec.integrations.accelerate_plugin import enable_native_fp16
+from hf_mixedprec.integrations.accelerate_plugin import accelerate_precision, backpropagated_loss, enable_native_fp16
 from hf_mixedprec.recipe import Recipe, resolve_recipe
 from hf_mixedprec.runtime import MixedPrecisionRuntime
 
@@ -214,9 +214,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             self._setup_deepspeed(trainer, rt)
             self._route_backward_and_log(trainer, rt)
             return
-        autocast_by_accelerate = acc.native_amp and acc.mixed_precision == {"fp16": "fp16", "fp32": "no"}.get(
-            recipe.precision, "bf16"
-        )
+        autocast_by_accelerate = acc.native_amp and acc.mixed_precision == accelerate_precision(recipe)
         if recipe.precision == "fp32" and acc.mixed_precision != "no":
             acc.state._mixed_precision = "no"
             acc.native_amp = False
@@ -273,7 +271,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
 
         def backward(loss: Any, **kwargs: Any) -> Any:
             if isinstance(loss, torch.Tensor):
-                rt.record_loss(loss if acc.gradient_accumulation_steps == 1 else loss / acc.gradient_accumulation_steps)
+                rt.record_loss(backpropagated_loss(acc, loss))
             return inner_backward(loss, **kwargs)
 
         acc.backward = backward  # type: ignore[method-assign]
