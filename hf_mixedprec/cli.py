@@ -285,8 +285,7 @@ def _check_config_dir(folder: Path, files: list[str]) -> None:
     ``recipe.yaml``, say)."""
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"--config-dir: {str(folder)!r} is a file (allowed: a folder, new or existing)")
-    manifest = folder / LAUNCH_MANIFEST
-    ours = set(manifest.read_text(encoding="utf-8").split("\n")) if manifest.is_file() else set()
+    ours = _written_before(folder)
     for path in files:
         p = Path(path)
         if p.exists() and p.name not in ours:
@@ -296,11 +295,15 @@ def _check_config_dir(folder: Path, files: list[str]) -> None:
             )
 
 
-def _record_written(folder: Path, files: list[str]) -> None:
+def _written_before(folder: Path) -> set[str]:
+    """The names of the files earlier launches wrote in ``folder`` (its manifest)."""
     manifest = folder / LAUNCH_MANIFEST
-    ours = set(manifest.read_text(encoding="utf-8").split("\n")) if manifest.is_file() else set()
-    ours |= {Path(p).name for p in files}
-    manifest.write_text("\n".join(sorted(n for n in ours if n)) + "\n", encoding="utf-8")
+    return set(manifest.read_text(encoding="utf-8").split()) if manifest.is_file() else set()
+
+
+def _record_written(folder: Path, files: list[str]) -> None:
+    ours = _written_before(folder) | {Path(p).name for p in files}
+    (folder / LAUNCH_MANIFEST).write_text("\n".join(sorted(ours)) + "\n", encoding="utf-8")
 
 
 def _check_deepspeed(recipe: Recipe) -> None:

@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from hf_mixedprec._text import shorten, shown
 from hf_mixedprec.safe_yaml import YAMLRefusal, load_recipe_yaml, read_recipe_text
 
 __all__ = [
@@ -563,7 +564,7 @@ class RecipeError(ValueError):
         kept = [
             p
             if len(str(p)) <= self.MAX_LINE
-            else Problem(p.source, _cut(p.key, self.MAX_LINE // 3), _cut(p.message, self.MAX_LINE // 2))
+            else Problem(p.source, shorten(p.key, self.MAX_LINE // 3), shorten(p.message, self.MAX_LINE // 2))
             for p in found[: self.MAX_PROBLEMS]
         ]
         if len(found) > self.MAX_PROBLEMS:
@@ -572,13 +573,8 @@ class RecipeError(ValueError):
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _describe_input(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return shown(value)
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:

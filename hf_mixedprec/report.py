@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_mixedprec._optional import require
+from hf_mixedprec._text import shorten
 
 __all__ = ["HEALTH_FILE", "build_plots", "health_document", "summarize", "write_run_report"]
 
@@ -80,7 +81,7 @@ def check_document(doc: Any) -> str | None:
         return f"field 'series' is a {type(series).__name__} (allowed: a mapping of name -> {{step: value}})"
     for key, data in series.items():
         if not isinstance(data, dict) or not all(isinstance(k, str) and k.lstrip("-").isdigit() for k in data):
-            return f"field 'series.{_cut(key)}' is not a mapping of step -> value"
+            return f"field 'series.{shorten(str(key), 40)}' is not a mapping of step -> value"
     events = doc.get("events", [])
     if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
         return "field 'events' is not a list of mappings"
@@ -91,11 +92,6 @@ def check_document(doc: Any) -> str | None:
         if name in doc and not isinstance(doc[name], str):
             return f"field {name!r} is a {type(doc[name]).__name__} (allowed: a string)"
     return None
-
-
-def _cut(text: Any, limit: int = 40) -> str:
-    t = str(text)
-    return t if len(t) <= limit else t[: limit - 3] + "..."
 
 
 def _series(doc: dict[str, Any], key: str) -> tuple[list[int], list[float]]:

@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from hf_mixedprec._text import shown
+
 __all__ = ["MAX_BYTES", "MAX_DEPTH", "YAMLRefusal", "load_recipe_yaml", "read_recipe_text"]
 
 #: Largest recipe accepted, in bytes. The shipped recipes are under 2 KiB; this leaves room for comments.
@@ -82,14 +84,9 @@ class _StrictLoader(yaml.SafeLoader):
             except TypeError:
                 raise YAMLRefusal(f"line {line}: a key must be a string") from None
             if first is not None:
-                raise YAMLRefusal(f"line {line}: key {_short(key)} is given twice (lines {first} and {line})")
+                raise YAMLRefusal(f"line {line}: key {shown(key)} is given twice (lines {first} and {line})")
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load_recipe_yaml(text: str) -> Any:
