@@ -19,6 +19,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
 import os
 from collections import defaultdict
 from collections.abc import Iterable
@@ -120,6 +121,8 @@ class MixedPrecisionRuntime:
         self.rehearse = bool(recipe.rehearse if rehearse is None else rehearse)
         self.notes: list[str] = []
         self.clipper: Clipper | None = make_clipper(recipe.clipping.method, **recipe.clipping.params())
+        if self.clipper is not None:  # its state is made on the device now, not copied there during a step
+            self.clipper.to(self.device)
         self.scaler: torch.amp.GradScaler | None = None
         self.fp8_report: ConversionReport | None = None
         self.steps = 0  # optimizer steps seen (host-side count, known without looking at tensors)
@@ -129,6 +132,7 @@ class MixedPrecisionRuntime:
         self._k = Constants()
         #: Under DeepSpeed the engine owns loss scaling and clipping; this reads its scaler for the metrics.
         self.external_scaler: Any = None
+        self._external_skips = 0  # the engine's skipped-step count already fed to the monitor
         self.monitor: HealthMonitor | None = (
             HealthMonitor(recipe.health, device=self.device) if recipe.health.enabled else None
         )
@@ -399,17 +403,33 @@ class MixedPrecisionRuntime:
         self.steps += 1
 
     def after_external_step(self) -> None:
-        """Under DeepSpeed, after the engine's step: feed its scaler's overflow and scale to the monitor.
+        """Under DeepSpeed, after the engine's step: feed its skip, loss scale and the step's loss to the monitor.
 
-        DeepSpeed decides overflow on the host inside ``engine.step()`` (a Python bool and a Python float
-        scale), so reading them adds no sync; the monitor then lives on the CPU (see the Trainer callback).
+        DeepSpeed checks every step's gradients for inf/NaN itself and skips such a step, under FP16 and under
+        BF16 alike (``OVERFLOW! Skipping step``, counted in ``engine.skipped_steps``), so a non-finite step never
+        reaches its weights. It decides that on the host inside ``engine.step()``: reading the count, the scale
+        (Python values) and the loss it has already waited for adds no stall; the monitor lives on the CPU.
         """
         if self.monitor is not None and self.external_scaler is not None:
             ds = self.external_scaler()
             if ds is not None:
+                count = ds.get("skipped_steps")
+                if count is not None:  # the engine's count covers BF16, where DeepSpeed has no scaler
+                    skipped = count > self._external_skips
+                    self._external_skips = count
+                else:
+                    skipped = bool(ds.get("overflow"))
+                # DeepSpeed skips a step only for a non-finite gradient: that is what the grad detectors see
+                norm = ds.get("grad_norm")
+                grad = torch.tensor(math.inf) if skipped else (None if norm is None else torch.tensor(float(norm)))
+                d = self.recipe.health.detectors
+                loss = self._step_loss() if (d.loss_spike.enabled or d.nonfinite_loss.enabled) else None
+                self.monitor.pre_step(loss=loss, grad_norm=grad)
+                scale = ds.get("loss_scale")
                 self.monitor.post_step(
-                    skipped=torch.tensor(float(ds["overflow"])), scale=torch.tensor(float(ds["loss_scale"]))
+                    skipped=torch.tensor(float(skipped)), scale=None if scale is None else torch.tensor(float(scale))
                 )
+        self._loss_n = 0
         self.steps += 1
 
     def rewind_schedule(self, optimizer: Any, scheduler: Any) -> int:
@@ -549,8 +569,9 @@ class MixedPrecisionRuntime:
         if self.external_scaler is not None:
             ds = self.external_scaler()
             if ds is not None:
-                out["mp/loss_scale"] = float(ds["loss_scale"])
-                out["mp/overflow"] = float(ds["overflow"])
+                if ds.get("loss_scale") is not None:
+                    out["mp/loss_scale"] = float(ds["loss_scale"])
+                out["mp/overflow"] = float(bool(ds.get("overflow")))
                 if ds.get("skipped_steps") is not None:
                     out["mp/skipped_steps"] = float(ds["skipped_steps"])
         if self.scaler is not None:
@@ -586,6 +607,7 @@ class MixedPrecisionRuntime:
             "steps": self.steps,
             "skipped": int(self._skipped.item()),
             "schedule_rewound": self._schedule_rewound,
+            "external_skips": self._external_skips,
             "clipper": clip,
             "monitor": self.monitor.state_dict() if self.monitor is not None else None,
             "events": list(self.events),
@@ -601,6 +623,7 @@ class MixedPrecisionRuntime:
         self.steps = int(state["steps"])
         self._skipped = torch.tensor(float(state["skipped"]), device=self.device)
         self._schedule_rewound = int(state.get("schedule_rewound", 0))
+        self._external_skips = int(state.get("external_skips", 0))
         clip = state.get("clipper")
         if (clip is None) != (self.clipper is None):
             raise ValueError("checkpointed clipping state does not match the recipe's clipping.method")

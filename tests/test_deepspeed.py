@@ -356,8 +356,10 @@ def test_recipe_callbacks_log_deepspeeds_loss_scale(runs: dict[str, Any]) -> Non
     # and they agree with DeepSpeed's engine, step by step
     assert [rec["ds_cur_scale"] for rec in r["records"]] == [h["mp/loss_scale"] for h in logs]
     assert "mp/grad_norm" not in logs[0]  # DeepSpeed clips; the recipe's ZClip is not applied (said loudly)
-    # the health monitor is fed from DeepSpeed's scaler: the skipped step 5 is seen by consecutive_skips
-    assert [(e["detector"], e["step"], e["value"]) for e in r["mp_events"]] == [("consecutive_skips", 5, 1.0)]
+    # the health monitor is fed from DeepSpeed's step state: its skipped step 5 had a non-finite gradient
+    # (nonfinite_grad) and is seen by consecutive_skips
+    events = [(e["detector"], e["step"], e["value"]) for e in r["mp_events"]]
+    assert events == [("nonfinite_grad", 5, math.inf), ("consecutive_skips", 5, 1.0)]
 
 
 def test_training_args_agree_with_the_generated_deepspeed_config() -> None:

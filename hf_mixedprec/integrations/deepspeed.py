@@ -332,3 +332,25 @@ def read_deepspeed_scaler(obj: Any) -> dict[str, Any] | None:
         "hysteresis": _as_int(scaler.cur_hysteresis) if dynamic else None,
         "dynamic": dynamic,
     }
+
+
+def deepspeed_step_state(engine: Any) -> dict[str, Any] | None:
+    """What the last ``engine.step()`` did, for the health monitor: :func:`read_deepspeed_scaler`'s fields where
+    DeepSpeed keeps an FP16 scaler, else (BF16, FP32) ``loss_scale`` None and the engine's ``skipped_steps``.
+
+    DeepSpeed skips a step whose gradients hold inf/NaN under BF16 too (its ZeRO optimizers and the stage-0
+    BF16 optimizer check for overflow whatever the dtype) and counts it in ``engine.skipped_steps``; that count,
+    a Python int, is how a BF16 skip is seen without a scaler. ``grad_norm`` is the engine's last global gradient
+    norm (``get_global_grad_norm()``, what Trainer logs), None where DeepSpeed does not compute it. None when
+    ``engine`` is no DeepSpeed engine.
+    """
+    state = read_deepspeed_scaler(engine)
+    if state is None:
+        count = _as_int(getattr(engine, "skipped_steps", None))
+        if count is None:
+            return None
+        overflow = bool(getattr(getattr(engine, "optimizer", None), "overflow", False))
+        state = {"loss_scale": None, "overflow": overflow, "skipped_steps": count, "hysteresis": None, "dynamic": False}
+    norm = engine.get_global_grad_norm() if callable(getattr(engine, "get_global_grad_norm", None)) else None
+    state["grad_norm"] = _as_float(norm) if norm is not None else None
+    return state

@@ -302,21 +302,21 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
 
     def _setup_deepspeed(self, trainer: Trainer, rt: MixedPrecisionRuntime) -> None:
         """DeepSpeed owns loss scaling and clipping: monitor its scaler, apply nothing that would fight it."""
-        from hf_mixedprec.integrations.deepspeed import read_deepspeed_scaler
+        from hf_mixedprec.integrations.deepspeed import deepspeed_step_state
 
         self.deepspeed = True
-        rt.external_scaler = lambda: read_deepspeed_scaler(trainer.model_wrapped)
+        rt.external_scaler = lambda: deepspeed_step_state(trainer.model_wrapped)
         rt.note(
-            "DeepSpeed owns loss scaling (its dynamic scaler, with hysteresis) and clipping; hf_mixedprec reads "
-            "its loss scale, overflow and skipped steps for the logs"
+            "DeepSpeed owns loss scaling (its dynamic scaler, with hysteresis), clipping and the skipping of "
+            "non-finite steps (FP16 and BF16); hf_mixedprec reads its loss scale, overflow and skipped steps"
         )
         if rt.monitor is not None:
-            # fed from DeepSpeed's host-side scaler state: skip rate, consecutive skips, scale floor and death
-            # spiral run; the loss/grad detectors and skip_step reactions need the step DeepSpeed owns
+            # fed from DeepSpeed's host-side step state (skips, scale, gradient norm) and the loss; skip_step
+            # would need the step DeepSpeed owns
             rt.monitor = HealthMonitor(self.recipe.health, device="cpu")
             rt.note(
-                "under DeepSpeed the health monitor watches its loss scaler (skip_rate, consecutive_skips, "
-                "scale_floor, death_spiral); loss/grad detectors and skip_step reactions are not applied"
+                "under DeepSpeed the health monitor reads its skipped steps, loss scale and gradient norm, and the "
+                "loss; the skip_step reaction is not applied (DeepSpeed owns the step and skips non-finite ones)"
             )
         if rt.clipper is not None:
             clip = self.recipe.clipping.method
