@@ -696,3 +696,14 @@ def test_zclip_boundary_is_mean_plus_z_sigma_after_warmup():
     p.grad = torch.tensor([1.0])
     capped.clip_([p])
     assert capped.boundary().item() == 0.5
+
+
+def test_runtime_makes_the_clipper_state_on_its_device() -> None:
+    """The clipper's state lives on the runtime's device from the start: a copy at the first clip would be a
+    host-device sync inside a training step (found on an H200 by scripts/gpu_sync_check.py)."""
+    from hf_mixedprec.recipe import load_recipe_file
+    from hf_mixedprec.runtime import MixedPrecisionRuntime
+
+    rt = MixedPrecisionRuntime(load_recipe_file("cpu-bf16"), device="meta")
+    assert rt.clipper is not None and rt.clipper._state_names
+    assert {getattr(rt.clipper, n).device.type for n in rt.clipper._state_names} == {"meta"}

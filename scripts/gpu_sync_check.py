@@ -1,0 +1,188 @@
+"""Host-device syncs per training step on a CUDA GPU, counted by origin: hf_mixedprec's code vs everyone else's.
+
+Runs a Hugging Face ``Trainer`` on a small Llama (random weights, built from a config) for each recipe twice,
+one after the other in one process: a plain Trainer at the recipe's precision (baseline) and the same Trainer
+with the recipe's ``training_args`` and ``callbacks()``. During every step that does not log (Trainer logs
+every ``--logging-steps``), ``torch.cuda.set_sync_debug_mode("warn")`` is on, so torch warns at each
+synchronizing CUDA call (``.item()``, a device-to-host copy, ``nonzero``...). Each warning is attributed to the
+innermost Python frame of the stack that lies in a named package (``hf_mixedprec``, ``transformers``,
+``accelerate``, ``torch``). The promise checked: **0 syncs from hf_mixedprec on a step that does not log**.
+Logging steps are counted apart (there hf_mixedprec reads its metrics on purpose).
+
+    python scripts/gpu_sync_check.py                      # a100-bf16, v100-fp16, h100-fp8-current (rehearsed)
+    python scripts/gpu_sync_check.py --recipes a100-bf16 --steps 40 --json
+
+Needs a CUDA GPU; exits 2 without one. Exit status 1 when hf_mixedprec synced on a non-logging step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import traceback
+import warnings
+from typing import Any
+
+import torch
+
+PACKAGES = ("hf_mixedprec", "accelerate", "transformers", "torch")
+SMALL_LLAMA: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 1024,
+}
+
+
+def _origin(stack: list[traceback.FrameSummary]) -> str:
+    """The package of the innermost frame that belongs to one of :data:`PACKAGES` (hf_mixedprec wins when it is
+    on the stack at all below Trainer: a sync inside torch called by hf_mixedprec is hf_mixedprec's)."""
+    for frame in reversed(stack):
+        path = frame.filename.replace("\\", "/")
+        if "/hf_mixedprec/" in path:
+            return "hf_mixedprec"
+    for frame in reversed(stack):
+        path = frame.filename.replace("\\", "/")
+        for pkg in PACKAGES[1:]:
+            if f"/{pkg}/" in path:
+                return pkg
+    return "other"
+
+
+def run_one(recipe_name: str, use_recipe: bool, steps: int, logging_steps: int, batch: int, seq: int) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from hf_mixedprec.recipe import load_recipe_file
+
+    recipe = load_recipe_file(recipe_name)
+    rehearse = recipe.precision == "fp8"  # no Transformer Engine in this image: FP8 is rehearsed (emulated)
+    if rehearse:
+        recipe = recipe.rehearsed()
+    counts: dict[str, collections.Counter] = {"non_logging": collections.Counter(), "logging": collections.Counter()}
+    where: collections.Counter = collections.Counter()
+    state_box = {"phase": None}
+
+    def hook(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message) or state_box["phase"] is None:
+            return
+        stack = traceback.extract_stack()[:-1]
+        origin = _origin(stack)
+        counts[state_box["phase"]][origin] += 1
+        if origin == "hf_mixedprec" and state_box["phase"] == "non_logging":
+            frame = next(f for f in reversed(stack) if "/hf_mixedprec/" in f.filename.replace("\\", "/"))
+            where[f"{frame.filename.split('hf_mixedprec/')[-1]}:{frame.lineno} {frame.name}"] += 1
+
+    class Counter(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            logs = (state.global_step + 1) % logging_steps == 0
+            state_box["phase"] = "logging" if logs else "non_logging"
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+
+        def on_step_end(self, args, state, control, **kw):
+            torch.cuda.set_sync_debug_mode(0)
+            state_box["phase"] = None
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            g = torch.Generator().manual_seed(0)
+            self.data = torch.randint(0, SMALL_LLAMA["vocab_size"], (steps * batch, seq), generator=g)
+
+        def __len__(self) -> int:
+            return len(self.data)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": self.data[i], "labels": self.data[i]}
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMALL_LLAMA))
+    common = dict(
+        output_dir="/tmp/gpu_sync_check",
+        max_steps=steps,
+        per_device_train_batch_size=batch,
+        logging_steps=logging_steps,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=True,
+    )
+    if use_recipe:
+        args = recipe.training_args(**common)
+        callbacks = [Counter(), *recipe.callbacks()]
+    else:
+        fp16 = recipe.precision == "fp16"
+        args = TrainingArguments(**common, bf16=not fp16, fp16=fp16)
+        callbacks = [Counter()]
+    old = warnings.showwarning
+    warnings.showwarning = hook
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = hook
+            trainer = Trainer(model=model, args=args, train_dataset=Rows(), callbacks=callbacks)
+            trainer.train()
+    finally:
+        warnings.showwarning = old
+        torch.cuda.set_sync_debug_mode(0)
+    n_log = steps // logging_steps
+    return {
+        "recipe": recipe_name + (" (rehearsed)" if rehearse else ""),
+        "side": "hf_mixedprec" if use_recipe else "plain Trainer",
+        "steps_non_logging": steps - n_log,
+        "steps_logging": n_log,
+        "non_logging": dict(counts["non_logging"]),
+        "logging": dict(counts["logging"]),
+        "hf_mixedprec_non_logging_sites": dict(where),
+        "final_loss": next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipes", nargs="+", default=["a100-bf16", "v100-fp16", "h100-fp8-current"])
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
+    ap.add_argument("--logging-steps", type=int, default=10, help="Trainer's logging_steps (default 10)")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_sync_check: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    rows = []
+    for name in a.recipes:
+        for use in (False, True):
+            rows.append(run_one(name, use, a.steps, a.logging_steps, a.batch_size, a.seq_len))
+    if a.json:
+        print(json.dumps(rows, indent=1))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.version.__version__}; syncs per step, by origin")
+    print(
+        "| recipe | side | non-logging steps | syncs/step there: hf_mixedprec | others | logging steps: hf_mixedprec | others |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    bad = False
+    for r in rows:
+        nl, lg = r["non_logging"], r["logging"]
+        ours_nl = nl.get("hf_mixedprec", 0) / max(r["steps_non_logging"], 1)
+        others_nl = (sum(nl.values()) - nl.get("hf_mixedprec", 0)) / max(r["steps_non_logging"], 1)
+        ours_lg = lg.get("hf_mixedprec", 0) / max(r["steps_logging"], 1)
+        others_lg = (sum(lg.values()) - lg.get("hf_mixedprec", 0)) / max(r["steps_logging"], 1)
+        bad |= nl.get("hf_mixedprec", 0) > 0
+        print(
+            f"| {r['recipe']} | {r['side']} | {r['steps_non_logging']} | {ours_nl:.2f} | {others_nl:.2f} | "
+            f"{ours_lg:.2f} | {others_lg:.2f} |"
+        )
+    for r in rows:
+        if r["hf_mixedprec_non_logging_sites"]:
+            print(f"hf_mixedprec syncs on non-logging steps ({r['recipe']}): {r['hf_mixedprec_non_logging_sites']}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
