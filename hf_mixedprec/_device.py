@@ -83,3 +83,11 @@ class AsyncRead:
             self._event = None
         self.pending = False
         return self._host.item()
+
+    def wait(self) -> Any:
+        """The pushed value as a Python number, waiting for its copy to land if it has not yet (the event of that
+        one copy, not the whole device); None when nothing is pending or the device is not CPU/CUDA."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self.poll()

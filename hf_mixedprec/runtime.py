@@ -31,7 +31,7 @@ from torch import nn
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from torch.optim.lr_scheduler import LambdaLR
 
-from hf_mixedprec._device import Constants
+from hf_mixedprec._device import AsyncRead, Constants
 from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper
 from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated
 from hf_mixedprec.health import HealthEvent, HealthMonitor, layers_to_bf16
@@ -112,6 +112,15 @@ class GuardScaler(torch.amp.GradScaler):
             self._scale.fill_(1.0)
 
 
+def _schedule_steps_per_step(scheduler: Any) -> int:
+    """How far one optimizer step moves ``scheduler``: Accelerate's ``AcceleratedScheduler`` steps the wrapped
+    schedule once per process per step unless batches are split (``accelerate/scheduler.py``); a plain
+    scheduler (Trainer's) once."""
+    if getattr(scheduler, "step_with_optimizer", False) and not getattr(scheduler, "split_batches", True):
+        return max(1, dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
+    return 1
+
+
 class MixedPrecisionRuntime:
     """Applies one recipe to one model/optimizer pair (see module docs)."""
 
@@ -149,6 +158,8 @@ class MixedPrecisionRuntime:
         self.last_norm: torch.Tensor | None = None  # the unscaled gradient norm of the last step (device)
         self._optimizer_skips_itself = False
         self._schedule_rewound = 0  # skipped steps already taken back out of the LR schedule
+        self._flag_read = AsyncRead()  # the last step's skip flag, on its way to the host
+        self._unsettled_skips = 0  # skips read but not yet taken out of the schedule
         self._noted_schedule = False
         self._noted_no_loss = False
         #: FP8 layers a fallback reaction moved to high precision, in order (restored on resume)
@@ -400,7 +411,17 @@ class MixedPrecisionRuntime:
             self._skipped.add_(self._found_inf)
             inner = getattr(optimizer, "optimizer", optimizer)
             self._optimizer_skips_itself = bool(getattr(inner, "_step_supports_amp_scaling", False))
+            if self._optimizer_skips_itself:
+                self._send_skip_flag()
         self.steps += 1
+
+    def _send_skip_flag(self) -> None:
+        """Start copying this step's skip flag to the host without waiting for it (see :meth:`rewind_schedule`)."""
+        if self._flag_read.pending:  # not settled since the last step (no rewind call in between)
+            self._unsettled_skips += int(self._flag_read.wait() or 0)
+        self._flag_read.push(self._found_inf)
+        if not self._flag_read.pending:  # a device AsyncRead cannot read without blocking (mps, xpu)
+            self._unsettled_skips += int(float(self._found_inf))
 
     def after_external_step(self) -> None:
         """Under DeepSpeed, after the engine's step: feed its skip, loss scale and the step's loss to the monitor.
@@ -433,39 +454,39 @@ class MixedPrecisionRuntime:
         self.steps += 1
 
     def rewind_schedule(self, optimizer: Any, scheduler: Any) -> int:
-        """Take skipped steps back out of the LR schedule; returns how many (host sync: log/save steps only).
+        """If the last optimizer step was skipped, take it back out of the LR schedule; returns how many steps.
 
-        torch's ``GradScaler.step`` lets optimizers that handle AMP scaling themselves
-        (``_step_supports_amp_scaling``, e.g. fused AdamW, Trainer's default) skip an overflow step inside
-        ``optimizer.step()`` without a host read. Accelerate infers a skip from ``step()`` not being called,
-        so it reports none and Trainer advances the LR schedule on skipped steps. Reading the skip flag every
-        step would add a host sync, so the schedule is corrected here instead, at logging and checkpoint
-        steps: between a skip and the next log the learning rate runs at most that many steps ahead.
-        Closed-form schedules (``LambdaLR``, which Trainer's schedules are) are rewound exactly; others are
-        left as they are, with a note.
+        Call it before the next optimizer step (and at logging and checkpoint steps). torch's
+        ``GradScaler.step`` lets optimizers that handle AMP scaling themselves (``_step_supports_amp_scaling``,
+        e.g. fused AdamW, Trainer's default) skip a step inside ``optimizer.step()`` without a host read;
+        Accelerate infers a skip from ``step()`` not being called, so it reports none and Trainer advances
+        the LR schedule on a skipped step. The skip flag is therefore copied to the host without blocking
+        right after the step and read here, one step later: by then the copy has long landed (Trainer's own
+        loop waits on the device every step), so the wait is free, and the next step already runs at the
+        learning rate it would have had without the skipped step. Closed-form schedules (``LambdaLR``, which
+        Trainer's schedules are) are rewound exactly; others are left as they are, with a note.
         """
-        if self.scaler is None or not self._optimizer_skips_itself:
+        n = self._unsettled_skips + int(self._flag_read.wait() or 0)
+        self._unsettled_skips = 0
+        if not n:
             return 0
-        new = int(self._skipped.item()) - self._schedule_rewound
-        if new <= 0:
-            return 0
-        self._schedule_rewound += new
+        self._schedule_rewound += n
         if scheduler is None or not isinstance(getattr(scheduler, "scheduler", scheduler), LambdaLR):
             if not self._noted_schedule:
                 self._noted_schedule = True
                 self.note(
-                    f"{new} skipped step(s) advanced the LR scheduler ({type(scheduler).__name__}): only "
+                    f"{n} skipped step(s) advanced the LR scheduler ({type(scheduler).__name__}): only "
                     "LambdaLR-based schedules (Trainer's) can be rewound"
                 )
             return 0
         sched = getattr(scheduler, "scheduler", scheduler)
-        sched.last_epoch -= new
+        sched.last_epoch -= n * _schedule_steps_per_step(scheduler)
         lrs = [base * fn(sched.last_epoch) for fn, base in zip(sched.lr_lambdas, sched.base_lrs)]
         inner = getattr(optimizer, "optimizer", optimizer)
         for group, lr in zip(inner.param_groups, lrs):
             group["lr"] = lr
         sched._last_lr = list(lrs)
-        return new
+        return n
 
     def check(self, model: nn.Module, optimizer: Any = None, scheduler: Any = None) -> list[HealthEvent]:
         """Turn what the detectors latched into events and apply their reactions (host sync: check steps only)."""

@@ -134,3 +134,84 @@ def test_a_stop_on_the_last_step_still_saves_its_checkpoint(tmp_path):
     assert tr.model._hf_mixedprec_runtime.stop_requested
     weights = load_file(str(tmp_path / f"checkpoint-{STEPS}" / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point())
+
+
+class LrUsed(TrainerCallback):
+    """The learning rate each optimizer step ran with (read after the step, before the scheduler moves)."""
+
+    def __init__(self):
+        self.lrs: list[float] = []
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kw):
+        self.lrs.append(getattr(optimizer, "optimizer", optimizer).param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("base", ["cpu-bf16", "v100-fp16", "h100-fp8-delayed"])
+def test_a_skipped_step_does_not_advance_the_lr_schedule_between_logs(base):
+    """Logging only at the end: the step after a skipped one runs at the learning rate the skipped one had,
+    and every later step one schedule position behind a run without the fault (linear decay, exact)."""
+    used = {}
+    for kind in ("none", "inf_grad"):
+        recipe = _recipe(base, "warn")
+        fault, lrs = Fault(kind), LrUsed()
+        args = recipe.training_args(
+            output_dir="/tmp/unused",
+            max_steps=STEPS + 1,
+            per_device_train_batch_size=4,
+            learning_rate=2e-3,
+            logging_steps=100,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            seed=0,
+        )
+        NanLossTrainer.fault = fault
+        tr = NanLossTrainer(
+            model=tiny_llama(),
+            args=args,
+            train_dataset=Bytes(n=64, seq_len=32),
+            callbacks=[*recipe.callbacks(), fault, lrs],
+        )
+        tr.train()
+        used[kind] = lrs.lrs
+    clean, faulty = used["none"], used["inf_grad"]
+    assert len(clean) == len(faulty) == STEPS + 1
+    assert clean[0] > clean[1] > clean[2]  # the schedule really decays step by step
+    k = FAULT_AT - 1  # 0-based index of the skipped step
+    assert faulty[: k + 1] == clean[: k + 1]
+    assert faulty[k + 1 :] == clean[k : len(clean) - 1], "the skipped step advanced the LR schedule"
+
+
+@pytest.mark.parametrize("base", ["cpu-bf16", "v100-fp16"])
+def test_own_accelerate_loop_with_fused_adamw_holds_the_schedule_on_a_skipped_step(base):
+    """Fused AdamW skips inside ``step()`` (no host read), so Accelerate's prepared scheduler would advance;
+    the plugin takes the skipped step back out before the next step runs."""
+    from torch.utils.data import DataLoader
+    from transformers import get_linear_schedule_with_warmup
+
+    used = {}
+    for inject in (False, True):
+        recipe = _recipe(base, "warn")
+        accelerator = recipe.accelerator()
+        torch.manual_seed(0)
+        model = tiny_llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3, fused=True)
+        sched = get_linear_schedule_with_warmup(opt, 0, STEPS + 1)
+        loader = DataLoader(Bytes(n=4 * (STEPS + 1), seq_len=32), batch_size=4)
+        model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+        lrs = []
+        for step, batch in enumerate(loader, start=1):
+            loss = model(**batch).loss
+            if inject and step == FAULT_AT:
+                loss = loss * math.inf
+            accelerator.backward(loss)
+            opt.step()
+            lrs.append(opt.optimizer.param_groups[0]["lr"])
+            sched.step()
+            opt.zero_grad()
+        used[inject] = lrs
+    clean, faulty = used[False], used[True]
+    k = FAULT_AT - 1
+    assert clean[0] > clean[1] > clean[2]
+    assert faulty[: k + 1] == clean[: k + 1]
+    assert faulty[k + 1 :] == clean[k : len(clean) - 1], "the skipped step advanced the LR schedule"

@@ -138,6 +138,8 @@ class MixedPrecisionAccelerator(Accelerator):
         @functools.wraps(inner_step)
         def step(*args: Any, **kwargs: Any) -> Any:
             if self.sync_gradients:
+                # the previous step, if skipped, is taken out of the LR schedule before this step uses it
+                self.mp.rewind_schedule(opt, self._schedulers[0] if self._schedulers else None)
                 if not self._clipped_this_step:
                     self.unscale_gradients()
                     self.mp.before_optimizer_step(self._params(), opt.optimizer)

@@ -387,6 +387,8 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
     def on_pre_optimizer_step(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         if self.deepspeed:
             return
+        # the previous step, if skipped, is taken out of the LR schedule before this step uses it
+        self._runtime(kw["model"]).rewind_schedule(kw.get("optimizer"), kw.get("lr_scheduler"))
         if self._pre_step_done:  # Trainer's clip_grad_norm_ call already ran it this step
             self._pre_step_done = False
             return
@@ -402,8 +404,8 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
 
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         rt = self._runtime(kw["model"])
-        if (control.should_log or control.should_save) and not self.deepspeed:
-            rt.rewind_schedule(kw.get("optimizer"), kw.get("lr_scheduler"))
+        if (control.should_log or control.should_save or control.should_training_stop) and not self.deepspeed:
+            rt.rewind_schedule(kw.get("optimizer"), kw.get("lr_scheduler"))  # what is logged or saved is exact
         if control.should_log:  # the only steps that read device values
             rt.check(kw["model"], kw.get("optimizer"), kw.get("lr_scheduler"))
             if rt.stop_requested and not self._stop_saved:
