@@ -92,3 +92,47 @@ def test_fp8_layers_a_fallback_moved_stay_moved_after_resume(tmp_path):
     assert list(a) == list(b)
     assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run diverged from the straight one"
     assert resumed.model._hf_mixedprec_runtime.moved_layers == moved
+
+
+class InfGradOn(InfGradAt):
+    """:class:`InfGradAt` on several optimizer steps."""
+
+    def __init__(self, steps: set[int]):
+        super().__init__(0)
+        self.steps = steps
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.armed = state.global_step + 1 in self.steps
+
+
+@pytest.mark.parametrize("base", ["v100-fp16", "h100-fp8-delayed"])
+def test_a_run_resumed_from_any_checkpoint_ends_as_the_straight_run(tmp_path, base):
+    """Skips at steps 2 and 5, a log every 4 steps, a checkpoint after every step: resumed from each checkpoint,
+    the run ends bit for bit where the straight run ends (weights, loss scale or FP8 histories, skip count, LR,
+    events)."""
+    from accelerate.state import AcceleratorState
+
+    recipe = _recipe(base, "{health: {detectors: {nonfinite_grad: {reaction: warn}}}}")
+    common = {"logging_steps": 4, "save_strategy": "steps", "save_steps": 1}
+    faults = {2, 5}
+    straight = _trainer(recipe, tmp_path / "straight", steps=8, callbacks=[InfGradOn(faults)], **common)
+    straight.train()
+    want = straight.model.state_dict()
+    rt = straight.model._hf_mixedprec_runtime
+    want_events = [(e["step"], e["detector"]) for e in rt.events]
+    assert (2, "nonfinite_grad") in want_events and (5, "nonfinite_grad") in want_events
+    assert int(rt._skipped.item()) == 2
+    for k in range(1, 8):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        resumed = _trainer(recipe, tmp_path / f"resumed-{k}", steps=8, callbacks=[InfGradOn(faults)], **common)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / f"checkpoint-{k}"))
+        got = resumed.model.state_dict()
+        assert list(got) == list(want)
+        diff = [n for n in want if not torch.equal(want[n], got[n])]
+        assert diff == [], f"resumed from checkpoint-{k}: {diff[:3]} differ"
+        rr = resumed.model._hf_mixedprec_runtime
+        assert int(rr._skipped.item()) == 2, k
+        assert resumed.lr_scheduler.get_last_lr() == straight.lr_scheduler.get_last_lr(), k
+        assert [(e["step"], e["detector"]) for e in rr.events] == want_events, k
+        if base == "v100-fp16":
+            assert resumed.accelerator.scaler.get_scale() == straight.accelerator.scaler.get_scale(), k
