@@ -4,10 +4,19 @@ One validated YAML recipe per GPU generation (FP16 with loss scaling on V100, BF
 current and blockwise on H100, MXFP8 on B200), applied with one line to a Trainer or an Accelerate loop.
 """
 
-from hf_mixedprec.hardware import HardwareInfo, HardwareRefusal, detect
-from hf_mixedprec.loader import load_recipe
-from hf_mixedprec.recipe import Recipe, RecipeError
+from hf_mixedprec.errors import HardwareRefusal, MixedPrecisionError, RecipeError
+from hf_mixedprec.hardware import HardwareInfo, detect
+from hf_mixedprec.recipe import Recipe, load_recipe
 
 __version__ = "0.1.0"
 
-__all__ = ["HardwareInfo", "HardwareRefusal", "Recipe", "RecipeError", "__version__", "detect", "load_recipe"]
+__all__ = [
+    "HardwareInfo",
+    "HardwareRefusal",
+    "MixedPrecisionError",
+    "Recipe",
+    "RecipeError",
+    "__version__",
+    "detect",
+    "load_recipe",
+]

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from hf_mixedprec.hardware import HardwareRefusal, detect
-from hf_mixedprec.loader import EnvValueError
-from hf_mixedprec.recipe import Recipe, RecipeError, builtin_recipe_names, load_recipe_file
+from hf_mixedprec.errors import HardwareRefusal, MixedPrecisionError, Problem, RecipeError, UsageError
+from hf_mixedprec.hardware import detect
+from hf_mixedprec.recipe import Recipe, builtin_recipe_names, load_recipe_file
 
 __all__ = ["EXIT_STOPPED", "UsageError", "main"]
 
@@ -31,10 +31,6 @@ PROG = "hf-mixedprec"
 EXIT_STOPPED = 3
 #: ``launch`` exports its own command line (up to the script) to the script, for resume commands.
 LAUNCH_COMMAND_ENV = "HF_MIXEDPREC_LAUNCH_COMMAND"
-
-
-class UsageError(Exception):
-    """A user mistake: printed as one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -105,7 +101,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _problem(source: str, message: str):
-    from hf_mixedprec.recipe import Problem
 
     return Problem(source, "", message)
 
@@ -601,7 +596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p in exc.problems:
             print(p, file=sys.stderr)
         return 2
-    except (HardwareRefusal, UsageError, EnvValueError) as exc:
+    except MixedPrecisionError as exc:  # a user mistake (flag, environment, hardware asked for): one line
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -609,8 +604,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # run the imported module's main, so that `python -m hf_mixedprec.cli` and modules that import
-    # hf_mixedprec.cli (finetune raises its UsageError) share one class
-    from hf_mixedprec.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

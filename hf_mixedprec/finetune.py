@@ -24,7 +24,7 @@ The pipeline is data -> examples -> tokens -> fixed-length blocks -> ``Trainer``
   :func:`hf_mixedprec.report.write_run_report` (``health.json``, PNG plots, and ``conversion_report.json`` for
   FP8 recipes), and the trained model and tokenizer (``save_pretrained``) unless ``save=False``.
 
-User mistakes raise :class:`hf_mixedprec.cli.UsageError` with one line naming the flag. They are checked
+User mistakes raise :class:`hf_mixedprec.errors.UsageError` with one line naming the flag. They are checked
 before anything heavy is imported or built (numbers, paths, the recipe, the data, the tokenizer, the packed
 blocks, then the model), so that a mistake costs seconds and prints nothing else.
 """
@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hf_mixedprec.cli import UsageError
+from hf_mixedprec.errors import UsageError
 from hf_mixedprec.recipe import RECIPE_ENV, Recipe, builtin_recipe_names, load_recipe_file
 
 __all__ = [

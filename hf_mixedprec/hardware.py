@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from hf_mixedprec.recipe import Recipe
+from hf_mixedprec.errors import HardwareRefusal
+from hf_mixedprec.schema import RecipeSpec
 
 __all__ = [
     "HardwareInfo",
@@ -31,10 +32,6 @@ __all__ = [
     "generation_of",
     "support_for",
 ]
-
-
-class HardwareRefusal(RuntimeError):
-    """The recipe cannot run on this hardware; the message says why and what to use instead."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +211,7 @@ def auto_recipe_name(
     return "a100-bf16", notes
 
 
-def check_recipe(recipe: Recipe, info: HardwareInfo) -> None:
+def check_recipe(recipe: RecipeSpec, info: HardwareInfo) -> None:
     """Refuse, with one clear message, a recipe that this hardware cannot run natively."""
     sup = support_for(info.device_type, info.capability, info.cuda_version)
     missing: str | None = None

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TypeVar
 
+from hf_mixedprec.errors import EnvValueError
 from hf_mixedprec.hardware import HardwareInfo, auto_recipe_name, check_recipe, detect
-from hf_mixedprec.recipe import RECIPE_ENV, Recipe, load_recipe_file
+from hf_mixedprec.recipe_files import load_recipe_file
+from hf_mixedprec.schema import RECIPE_ENV, RecipeSpec
+
+R = TypeVar("R", bound=RecipeSpec)
 
 __all__ = ["REHEARSE_ENV", "EnvValueError", "load_recipe", "rehearse_from_env", "resolve_auto"]
 
@@ -31,10 +36,6 @@ def rehearse_from_env() -> bool:
     if raw in _FALSE:
         return False
     raise EnvValueError(f"{REHEARSE_ENV}={raw!r} is not a boolean (allowed: 1, 0, true, false, yes, no, on, off)")
-
-
-class EnvValueError(ValueError):
-    """An environment variable hf_mixedprec reads has a value it does not accept (a user mistake)."""
 
 
 log = logging.getLogger("hf_mixedprec")
@@ -58,10 +59,12 @@ def load_recipe(
     rehearse: bool | None = None,
     check_hardware: bool = True,
     hardware: HardwareInfo | None = None,
-) -> Recipe:
+    cls: type[R] = RecipeSpec,  # type: ignore[assignment]
+) -> R:
     """Load and validate a recipe by built-in name, YAML path or ``"auto"``.
 
-    Raises :class:`~hf_mixedprec.recipe.RecipeError` for invalid recipes (every problem, one line each) and
+    Builds ``cls`` (the facade :func:`hf_mixedprec.recipe.load_recipe` passes its ``Recipe``). Raises
+    :class:`~hf_mixedprec.errors.RecipeError` for invalid recipes (every problem, one line each) and
     :class:`~hf_mixedprec.hardware.HardwareRefusal` when ``check_hardware`` and this machine cannot run it.
     """
     if name_or_path is None:
@@ -72,9 +75,9 @@ def load_recipe(
         name, notes = resolve_auto(info)
         for note in notes:
             log.warning("hf_mixedprec: %s", note)
-        recipe = load_recipe_file(name)
+        recipe = load_recipe_file(name, cls=cls)
     else:
-        recipe = load_recipe_file(name_or_path)
+        recipe = load_recipe_file(name_or_path, cls=cls)
     if rehearse is None:
         rehearse = rehearse_from_env()
     if rehearse:

@@ -18,7 +18,7 @@ OUT = Path(__file__).resolve().parent.parent / "docs" / "recipes.md"
 def _type(field: Any) -> str:
     ann = field.annotation
     text = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
-    text = text.replace("hf_mixedprec.recipe.", "").replace(" | None", " or null")
+    text = text.replace("hf_mixedprec.schema.", "").replace("hf_mixedprec.recipe.", "").replace(" | None", " or null")
     text = re.sub(r"Literal\[([^\]]*)\]", lambda m: m.group(1).replace("'", "").replace(", ", " / "), text)
     return text.replace("|", "/")
 

@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from hf_mixedprec.integrations.deepspeed import deepspeed_config
-from hf_mixedprec.recipe import RECIPE_ENV, Recipe
+from hf_mixedprec.schema import RECIPE_ENV, RecipeSpec
 
 __all__ = [
     "LAUNCHER",
@@ -48,7 +48,7 @@ _DIST_TYPE = {"none": "NO", "ddp": "MULTI_GPU", "fsdp2": "FSDP", "deepspeed": "D
 LAUNCHER = (sys.executable, "-m", "hf_mixedprec._launcher")
 
 
-def fp8_via_accelerate(recipe: Recipe) -> bool:
+def fp8_via_accelerate(recipe: RecipeSpec) -> bool:
     """True when Accelerate's own FP8 path (TE) builds exactly this recipe's scaling."""
     fp8 = recipe.fp8
     return (
@@ -60,7 +60,7 @@ def fp8_via_accelerate(recipe: Recipe) -> bool:
 
 
 def accelerate_config(
-    recipe: Recipe,
+    recipe: RecipeSpec,
     *,
     num_processes: int | None = None,
     deepspeed_config_file: str | None = None,
@@ -159,7 +159,7 @@ class LaunchPlan:
             Path(path).write_text(text, encoding="utf-8")
 
 
-def uses_torch_distributed_run(recipe: Recipe, num_processes: int, device_type: str) -> bool:
+def uses_torch_distributed_run(recipe: RecipeSpec, num_processes: int, device_type: str) -> bool:
     """True when the launch goes through ``torch.distributed.run`` rather than ``accelerate launch``.
 
     That is several data-parallel processes on one machine without CUDA: Accelerate's launcher would start
@@ -213,7 +213,7 @@ def _cpu_threads_per_process(num_processes: int) -> int:
 
 
 def plan_launch(
-    recipe: Recipe,
+    recipe: RecipeSpec,
     script: str,
     script_args: list[str],
     *,

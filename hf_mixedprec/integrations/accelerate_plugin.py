@@ -25,8 +25,8 @@ from accelerate.utils import DistributedType, GradScalerKwargs
 from pydantic import ValidationError
 
 from hf_mixedprec.hardware import check_recipe, detect
-from hf_mixedprec.recipe import Recipe
 from hf_mixedprec.runtime import MixedPrecisionRuntime
+from hf_mixedprec.schema import RecipeSpec
 
 __all__ = [
     "MixedPrecisionAccelerator",
@@ -44,7 +44,7 @@ MIXED_PRECISION_ENV = "ACCELERATE_MIXED_PRECISION"
 _MIXED = {"fp32": "no", "fp16": "fp16", "bf16": "bf16", "fp8": "bf16"}
 
 
-def grad_scaler_kwargs(recipe: Recipe) -> GradScalerKwargs | None:
+def grad_scaler_kwargs(recipe: RecipeSpec) -> GradScalerKwargs | None:
     """Accelerate's stock ``GradScalerKwargs`` with the recipe's loss-scale settings (fp16 only)."""
     ls = recipe.loss_scale
     if recipe.precision != "fp16" or ls is None:
@@ -57,7 +57,7 @@ def grad_scaler_kwargs(recipe: Recipe) -> GradScalerKwargs | None:
     )
 
 
-def accelerate_precision(recipe: Recipe) -> str:
+def accelerate_precision(recipe: RecipeSpec) -> str:
     """Accelerate's ``mixed_precision`` for a recipe (FP8 layers run inside BF16 autocast, applied by us)."""
     return _MIXED[recipe.precision]
 
@@ -86,7 +86,7 @@ class MixedPrecisionAccelerator(Accelerator):
     recorded in :attr:`mp` ``.notes``.
     """
 
-    def __init__(self, recipe: Recipe, *, rehearse: bool | None = None, **kwargs: Any):
+    def __init__(self, recipe: RecipeSpec, *, rehearse: bool | None = None, **kwargs: Any):
         rehearse = recipe.rehearse if rehearse is None else rehearse
         if not rehearse:
             check_recipe(recipe, detect())
@@ -181,7 +181,7 @@ class MixedPrecisionAccelerator(Accelerator):
         return self.mp.stop_requested
 
 
-def _mixed_precision_decision(recipe: Recipe, argument: Any) -> str | None:
+def _mixed_precision_decision(recipe: RecipeSpec, argument: Any) -> str | None:
     """Check what the user asked Accelerate for (argument, else ``ACCELERATE_MIXED_PRECISION``) against the
     recipe; returns the note to record (None when nothing was asked or it agrees). A conflict raises
     ``ValueError``."""
@@ -210,7 +210,7 @@ def _mixed_precision_decision(recipe: Recipe, argument: Any) -> str | None:
     )
 
 
-def _merge_grad_scaler_kwargs(recipe: Recipe, handlers: list[Any]) -> tuple[Recipe, list[Any], str | None]:
+def _merge_grad_scaler_kwargs(recipe: RecipeSpec, handlers: list[Any]) -> tuple[RecipeSpec, list[Any], str | None]:
     """Merge a user's ``GradScalerKwargs`` into the recipe's ``loss_scale`` (the handler's non-default fields
     win); returns the recipe to run, the handlers for Accelerate (one stock ``GradScalerKwargs``) and a note."""
     mine = [h for h in handlers if isinstance(h, GradScalerKwargs)]
@@ -249,6 +249,6 @@ def _merge_grad_scaler_kwargs(recipe: Recipe, handlers: list[Any]) -> tuple[Reci
     return recipe, [*rest, *([gsk] if gsk is not None else [])], note
 
 
-def make_accelerator(recipe: Recipe, **accelerator_kwargs: Any) -> MixedPrecisionAccelerator:
+def make_accelerator(recipe: RecipeSpec, **accelerator_kwargs: Any) -> MixedPrecisionAccelerator:
     """An ``Accelerator`` configured by ``recipe`` (precision, GradScaler settings, FP8 conversion, clipping)."""
     return MixedPrecisionAccelerator(recipe, **accelerator_kwargs)

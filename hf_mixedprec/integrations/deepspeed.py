@@ -22,7 +22,7 @@ import socket
 import sys
 from typing import Any
 
-from hf_mixedprec.recipe import Recipe
+from hf_mixedprec.schema import RecipeSpec
 
 __all__ = [
     "deepspeed_config",
@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 
-def deepspeed_config(recipe: Recipe, *, zero_stage: int | None = None) -> tuple[dict[str, Any], list[str]]:
+def deepspeed_config(recipe: RecipeSpec, *, zero_stage: int | None = None) -> tuple[dict[str, Any], list[str]]:
     """Build a DeepSpeed config dict for ``recipe`` and the fallback notes that go with it.
 
     Batch size, accumulation and optimizer settings are ``"auto"`` so that Trainer / Accelerate fill them.
@@ -82,7 +82,7 @@ def deepspeed_config(recipe: Recipe, *, zero_stage: int | None = None) -> tuple[
     return cfg, notes
 
 
-def deepspeed_clip_value(recipe: Recipe) -> float:
+def deepspeed_clip_value(recipe: RecipeSpec) -> float:
     """The fixed ``gradient_clipping`` DeepSpeed gets for ``recipe`` (and Trainer's ``max_grad_norm`` must equal).
 
     ``norm``: its ``max_norm``; ``none``: 0 (off); adaptive methods: ZClip's ``max_norm`` cap if set, else 1.0.
@@ -134,7 +134,7 @@ def deepspeed_fp16_supported(device: str) -> bool | None:
     return None
 
 
-def deepspeed_refusal(recipe: Recipe, device: str, *, fp16_supported: bool | None) -> str | None:
+def deepspeed_refusal(recipe: RecipeSpec, device: str, *, fp16_supported: bool | None) -> str | None:
     """Why DeepSpeed cannot run ``recipe`` on ``device`` (one line naming the keys and what to use), or None.
 
     DeepSpeed 0.19.8 checks precision in ``DeepSpeedEngine._do_sanity_check``, inside ``deepspeed.initialize``

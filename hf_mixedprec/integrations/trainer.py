@@ -37,8 +37,9 @@ from transformers.trainer_callback import ExportableState
 from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.health import HealthMonitor
 from hf_mixedprec.integrations.accelerate_plugin import accelerate_precision, backpropagated_loss, enable_native_fp16
-from hf_mixedprec.recipe import Recipe, resolve_recipe
+from hf_mixedprec.recipe_files import resolve_recipe
 from hf_mixedprec.runtime import MixedPrecisionRuntime
+from hf_mixedprec.schema import RecipeSpec
 
 __all__ = ["MixedPrecisionCallback", "attach", "recipe_callbacks", "training_args"]
 
@@ -48,7 +49,7 @@ RUNTIME_ATTR = "_hf_mixedprec_runtime"
 TRAINER_ATTR = "_hf_mixedprec_trainer"
 
 
-def training_args(recipe: Recipe, *, args_class: type | None = None, **overrides: Any) -> TrainingArguments:
+def training_args(recipe: RecipeSpec, *, args_class: type | None = None, **overrides: Any) -> TrainingArguments:
     """``TrainingArguments`` (or ``args_class``, e.g. TRL's ``SFTConfig``) whose flags agree with ``recipe``.
 
     Rehearsed FP16 on CPU keeps ``fp16=False`` (Accelerate would silently ignore it there); the callback
@@ -101,7 +102,7 @@ def _give_scaler(optimizer: Any, scaler: torch.amp.GradScaler) -> None:
     optimizer.scaler = scaler
 
 
-def recipe_callbacks(recipe: Recipe, *, rehearse: bool | None = None) -> list[TrainerCallback]:
+def recipe_callbacks(recipe: RecipeSpec, *, rehearse: bool | None = None) -> list[TrainerCallback]:
     """The callbacks for ``Trainer(callbacks=...)``."""
     return [MixedPrecisionCallback(recipe=recipe, rehearse=recipe.rehearse if rehearse is None else rehearse)]
 
@@ -118,7 +119,9 @@ def _find_trainer() -> Trainer | None:
     return None
 
 
-def attach(trainer: Trainer, recipe: Recipe | None = None, *, rehearse: bool | None = None) -> MixedPrecisionCallback:
+def attach(
+    trainer: Trainer, recipe: RecipeSpec | None = None, *, rehearse: bool | None = None
+) -> MixedPrecisionCallback:
     """Apply ``recipe`` (default: :func:`hf_mixedprec.load_recipe`) to an already constructed ``trainer`` now.
 
     The same as ``trainer.add_callback(cb)`` for ``cb`` in ``recipe.callbacks()``, except that the recipe is
@@ -133,12 +136,12 @@ def attach(trainer: Trainer, recipe: Recipe | None = None, *, rehearse: bool | N
 class MixedPrecisionCallback(TrainerCallback, ExportableState):
     """Applies a recipe inside a Trainer (see module docs)."""
 
-    def __init__(self, recipe: Recipe | dict[str, Any] | None = None, rehearse: bool | None = None):
+    def __init__(self, recipe: RecipeSpec | dict[str, Any] | None = None, rehearse: bool | None = None):
         if recipe is None:  # `trainer.add_callback(MixedPrecisionCallback)`: the launcher's recipe, else auto
             from hf_mixedprec.loader import load_recipe
 
             recipe = load_recipe(rehearse=rehearse)
-        self.recipe = recipe if isinstance(recipe, Recipe) else resolve_recipe(recipe, source="<checkpoint>")
+        self.recipe = recipe if isinstance(recipe, RecipeSpec) else resolve_recipe(recipe, source="<checkpoint>")
         self.rehearse = bool(self.recipe.rehearse if rehearse is None else rehearse)
         self.restored: dict[str, Any] | None = None  # set by Trainer when resuming from a checkpoint
         self.runtime: MixedPrecisionRuntime | None = None

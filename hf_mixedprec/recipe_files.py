@@ -1,0 +1,259 @@
+"""Reading recipes: built-in names and YAML paths, ``extends:`` chains, and the one-line error text.
+
+A path is a path (a separator or a ``.yaml``/``.yml`` suffix) and a bare name is a built-in; ``extends:`` is
+resolved next to the file that says it. The YAML is read by :mod:`hf_mixedprec.safe_yaml` (bounded, no aliases,
+no tags), validated by :class:`hf_mixedprec.schema.RecipeSpec`, and every problem becomes one
+``source: dotted.key: message`` line of a :class:`~hf_mixedprec.errors.RecipeError`. The loaders take the class
+to build (``cls``), so the facade above the integrations (:mod:`hf_mixedprec.recipe`) gets its own
+:class:`~hf_mixedprec.recipe.Recipe` without this module importing it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from hf_mixedprec._text import shown
+from hf_mixedprec.errors import Problem, RecipeError
+from hf_mixedprec.safe_yaml import YAMLRefusal, load_recipe_yaml, read_recipe_text
+from hf_mixedprec.schema import _CLIP_PARAMS, _FP8_SCALING_ONLY, RecipeSpec
+
+__all__ = ["builtin_recipe_names", "builtin_recipe_path", "load_recipe_file", "parse_recipe_yaml", "resolve_recipe"]
+
+R = TypeVar("R", bound=RecipeSpec)
+
+
+def _describe_input(value: Any) -> str:
+    return shown(value)
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: Any = RecipeSpec
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        args = getattr(ann, "__args__", ())
+        candidates = [ann, *args]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _problems_from(err: ValidationError, source: str) -> list[Problem]:
+    problems = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        etype = e["type"]
+        ctx = e.get("ctx") or {}
+        key = ".".join(str(p) for p in loc)
+        if etype == "recipe_rule":
+            key = ".".join(x for x in (key, ctx["key"]) if x)
+            msg = ctx["message"]
+        elif etype == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            allowed = ", ".join(parent.model_fields) if parent else "see `hf-mixedprec schema`"
+            msg = f"unknown key (allowed: {allowed})"
+        elif etype in ("literal_error", "enum"):
+            expected = str(ctx.get("expected", "")).replace("'", "").replace(" or ", ", ")
+            msg = f"{_describe_input(e['input'])} is not allowed (allowed: {expected})"
+        elif etype == "missing":
+            msg = "is required"
+        elif etype in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+            op = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}[etype]
+            bound = next(iter(ctx.values()))
+            bound = f"{bound:g}" if isinstance(bound, float) else bound
+            msg = f"{_describe_input(e['input'])} is out of range (allowed: {op} {bound})"
+        elif etype == "string_pattern_mismatch":
+            msg = f"{_describe_input(e['input'])} is not a valid name (allowed: letters, digits, '-', '_', '.')"
+        elif etype in ("model_type", "model_attributes_type", "dict_type"):
+            msg = f"expected a mapping, got {_describe_input(e['input'])}"
+        else:
+            msg = f"{e['msg'][0].lower()}{e['msg'][1:]}, got {_describe_input(e['input'])}"
+        problems.append(Problem(source, key, msg))
+    return problems
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+
+def builtin_recipe_names() -> list[str]:
+    """Names of the recipes shipped with the package, in a stable order."""
+    folder = resources.files("hf_mixedprec") / "recipes"
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def builtin_recipe_path(name: str) -> Path:
+    return Path(str(resources.files("hf_mixedprec") / "recipes" / f"{name}.yaml"))
+
+
+def _parse_yaml(text: str, source: str) -> dict[str, Any]:
+    try:
+        data = load_recipe_yaml(text)
+    except YAMLRefusal as exc:
+        raise RecipeError([Problem(source, "", str(exc))]) from None
+    except yaml.constructor.ConstructorError as exc:
+        tag = getattr(exc, "problem", "") or str(exc)
+        line = f" (line {exc.problem_mark.line + 1})" if exc.problem_mark else ""
+        raise RecipeError([Problem(source, "", f"refused YAML tag{line}: {tag}; recipes are plain data")]) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError([Problem(source, "", f"invalid YAML: {where}{what}")]) from None
+    if data is None:
+        raise RecipeError(
+            [Problem(source, "", "the document is empty (expected a mapping with at least name and precision)")]
+        )
+    if not isinstance(data, dict):
+        raise RecipeError([Problem(source, "", f"expected a mapping at the top level, got {type(data).__name__}")])
+    bad = [k for k in _walk_keys(data) if not isinstance(k[-1], str)]
+    if bad:
+        raise RecipeError([Problem(source, ".".join(map(str, k)), "keys must be strings") for k in bad])
+    return data
+
+
+def _walk_keys(data: Mapping[Any, Any], prefix: tuple[Any, ...] = ()) -> Iterable[tuple[Any, ...]]:
+    for k, v in data.items():
+        yield (*prefix, k)
+        if isinstance(v, Mapping):
+            yield from _walk_keys(v, (*prefix, k))
+
+
+def _read_source(
+    name_or_path: str | os.PathLike[str], relative_to: Path | None = None
+) -> tuple[dict[str, Any], str, Path | None]:
+    """Find a recipe by path or built-in name; return its raw mapping, a display name and its path.
+
+    A path is a path (it has a separator or ends in ``.yaml``/``.yml``); anything else is a built-in name. A
+    relative path inside a recipe (``extends:``) is read next to that recipe (``relative_to``), never from the
+    current directory. A file that is not ``.yaml``/``.yml`` is refused unread, so no other file's contents
+    can end up in an error message.
+    """
+    text_name = os.fspath(name_or_path)
+    suffix_ok = text_name.endswith((".yaml", ".yml"))
+    looks_like_path = suffix_ok or os.sep in text_name or "/" in text_name
+    names = builtin_recipe_names()
+    if not looks_like_path:
+        if text_name in names:
+            shadow = (relative_to or Path.cwd()) / text_name
+            if shadow.exists():
+                raise RecipeError(
+                    [
+                        Problem(
+                            text_name,
+                            "",
+                            f"is both the built-in recipe {text_name!r} and the file {str(shadow)!r} (allowed: "
+                            f"the name alone for the built-in, or ./{text_name} with a .yaml suffix for a file)",
+                        )
+                    ]
+                )
+            p = builtin_recipe_path(text_name)
+            return _parse_yaml(p.read_text(encoding="utf-8"), text_name), text_name, None
+        raise RecipeError(
+            [Problem(text_name, "", f"no such recipe (allowed: a YAML path or one of: auto, {', '.join(names)})")]
+        )
+    path = Path(text_name).expanduser()
+    if relative_to is not None and not path.is_absolute():
+        path = relative_to / path
+    if not suffix_ok:
+        raise RecipeError([Problem(str(path), "", "is not a .yaml/.yml file (allowed: a recipe YAML file)")])
+    if not path.is_file():
+        where = f" next to the recipe that names it ({path})" if relative_to is not None else ""
+        raise RecipeError(
+            [
+                Problem(
+                    str(path), "", f"file not found{where} (allowed: a YAML path or one of: auto, {', '.join(names)})"
+                )
+            ]
+        )
+    try:
+        text = read_recipe_text(path)
+    except YAMLRefusal as exc:
+        raise RecipeError([Problem(str(path), "", str(exc))]) from None
+    except OSError as exc:
+        raise RecipeError([Problem(str(path), "", f"cannot read: {exc.strerror or exc}")]) from None
+    return _parse_yaml(text, str(path)), str(path), path.resolve()
+
+
+def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge mappings; an explicit null in ``override`` removes the key; lists are replaced."""
+    out = dict(base)
+    for k, v in override.items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _resolve_raw(data: Mapping[str, Any], source: str, base_dir: Path | None, chain: tuple[str, ...]) -> dict[str, Any]:
+    parent = data.get("extends")
+    if parent is None:
+        return dict(data)
+    if not isinstance(parent, str) or not parent:
+        raise RecipeError([Problem(source, "extends", f"{_describe_input(parent)} is not a recipe name or path")])
+    try:
+        raw, parent_source, parent_path = _read_source(parent, base_dir)
+    except RecipeError as exc:
+        detail = exc.problems[0].message
+        raise RecipeError([Problem(source, "extends", f"{parent!r}: {detail}")]) from None
+    ident = str(parent_path) if parent_path else parent_source
+    if ident in chain:
+        cycle = " -> ".join([*chain, ident])
+        raise RecipeError([Problem(source, "extends", f"cycle: {cycle}")])
+    resolved_parent = _resolve_raw(raw, parent_source, parent_path.parent if parent_path else None, (*chain, ident))
+    child = {k: v for k, v in data.items() if k != "extends"}
+    return _merge(_drop_switched_options(resolved_parent, child), child)
+
+
+def _drop_switched_options(parent: dict[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
+    """A child that switches ``clipping.method`` or ``fp8.scaling`` does not inherit the parent's options for
+    the old method/scaling (``alpha`` of zclip under ``norm``, ``amax_history_len`` of delayed under mxfp8)."""
+    out = dict(parent)
+    for section, selector, options in (("clipping", "method", _CLIP_PARAMS), ("fp8", "scaling", _FP8_SCALING_ONLY)):
+        mine, theirs = child.get(section), out.get(section)
+        if not (isinstance(mine, Mapping) and isinstance(theirs, Mapping)):
+            continue
+        if selector in mine and mine[selector] != theirs.get(selector):
+            out[section] = {k: v for k, v in theirs.items() if k not in options}
+    return out
+
+
+def resolve_recipe(
+    data: Mapping[str, Any],
+    *,
+    source: str = "<dict>",
+    base_dir: Path | None = None,
+    _ident: str | None = None,
+    cls: type[R] = RecipeSpec,  # type: ignore[assignment]
+) -> R:
+    """Validate a raw mapping (following ``extends``) into ``cls``, or raise :class:`RecipeError`."""
+    merged = _resolve_raw(data, source, base_dir, (_ident or source,))
+    merged.pop("extends", None)
+    try:
+        return cls.model_validate(merged)
+    except ValidationError as exc:
+        raise RecipeError(_problems_from(exc, source)) from None
+
+
+def load_recipe_file(name_or_path: str | os.PathLike[str], *, cls: type[R] = RecipeSpec) -> R:  # type: ignore[assignment]
+    """Load a built-in recipe by name, or a YAML file by path, resolving ``extends``. No hardware check."""
+    raw, source, path = _read_source(name_or_path)
+    ident = str(path) if path else source
+    return resolve_recipe(raw, source=source, base_dir=path.parent if path else None, _ident=ident, cls=cls)
+
+
+def parse_recipe_yaml(text: str, *, source: str = "<string>", cls: type[R] = RecipeSpec) -> R:  # type: ignore[assignment]
+    """A recipe from YAML text (``extends:`` relative to the current directory is refused: there is no file)."""
+    return resolve_recipe(_parse_yaml(text, source), source=source, cls=cls)
