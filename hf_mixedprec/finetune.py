@@ -489,6 +489,67 @@ def run_finetune(
     stops with a checkpoint and continues from it under the fallback recipe; ``summary["fallback"]`` says
     from which recipe to which, at which step.
     """
+    _check_inputs(
+        recipe=recipe,
+        rehearse=rehearse,
+        model=model,
+        data=data,
+        output_dir=output_dir,
+        max_steps=max_steps,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        logging_steps=logging_steps,
+        lr=lr,
+        resume=resume,
+    )
+    start = time.perf_counter()
+    prepared = _prepare_data(data, text_field, model, seq_len)
+
+    import hf_mixedprec
+
+    loaded = hf_mixedprec.load_recipe(recipe, rehearse=rehearse) if not isinstance(recipe, Recipe) else recipe
+    if isinstance(recipe, Recipe) and rehearse is not None:
+        loaded = recipe.rehearsed(rehearse)
+    run = _RunSettings(
+        out=Path(output_dir),
+        model=model,
+        max_steps=max_steps,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        lr=lr if lr is not None else (DEFAULTS["lr"] if model is None else DEFAULTS["lr_pretrained"]),
+        seed=seed,
+        logging_steps=logging_steps or max(1, min(10, max_steps // 10)),
+    )
+    trained = _train(run, prepared, loaded, resume)
+    summary = _summary(run, prepared, trained, save=save, command=command)
+    if save:
+        # on every rank: under DeepSpeed ZeRO-3 saving gathers the sharded weights (Trainer writes on rank 0 only)
+        trained.trainer.save_model(str(run.out))
+    if trained.trainer.is_world_process_zero():
+        from hf_mixedprec.report import write_run_report
+
+        files = write_run_report(run.out, log_history=trained.trainer.state.log_history, runtime=trained.runtime)
+        summary["files"] = sorted({p.name for p in files} | {"summary.json"})
+        summary["seconds"] = round(time.perf_counter() - start, 3)
+        (run.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _check_inputs(
+    *,
+    recipe: str | Recipe | None,
+    rehearse: bool | None,
+    model: str | None,
+    data: str | None,
+    output_dir: str,
+    max_steps: int,
+    seq_len: int,
+    batch_size: int,
+    logging_steps: int | None,
+    lr: float | None,
+    resume: str | None,
+) -> None:
+    """Every check that needs no data read and no model built: flags, paths, the recipe (one line each)."""
     _check_numbers(
         **{
             "max-steps": (max_steps, 1),
@@ -509,9 +570,21 @@ def run_finetune(
         )
     check_output_dir(output_dir)
     _precheck_recipe(recipe, rehearse)
-    start = time.perf_counter()
 
-    # data, tokenizer and blocks: every remaining user mistake shows up here, before the model is built
+
+@dataclass
+class _Prepared:
+    """The run's text, tokenizer and packed blocks."""
+
+    texts: Any
+    tokenizer: Any
+    tokenizer_how: str
+    train_ds: Any
+    n_tokens: int
+
+
+def _prepare_data(data: str | None, text_field: str | None, model: str | None, seq_len: int) -> _Prepared:
+    """Text, tokenizer and blocks: every remaining user mistake shows up here, before the model is built."""
     texts = load_texts(data, text_field)
     model_config = _model_config(model) if model is not None else None
     if model_config is not None:
@@ -524,57 +597,79 @@ def run_finetune(
     tokenizer, tokenizer_how = build_tokenizer(model, texts, model_config)
     source = "the built-in text" if data is None else repr(data)
     train_ds, n_tokens = pack_blocks(texts.texts, tokenizer, seq_len, source=source)
+    return _Prepared(texts, tokenizer, tokenizer_how, train_ds, n_tokens)
 
+
+@dataclass(frozen=True)
+class _RunSettings:
+    out: Path
+    model: str | None
+    max_steps: int
+    seq_len: int
+    batch_size: int
+    lr: float
+    seed: int
+    logging_steps: int
+
+
+@dataclass
+class _Trained:
+    """What training left: the (last) Trainer and runtime, the recipe it ended under, the fallback taken."""
+
+    trainer: Any
+    runtime: Any
+    recipe: Recipe
+    model_desc: str
+    fallback: dict[str, Any] | None
+    train_seconds: float
+
+
+def _make_trainer(run: _RunSettings, prepared: _Prepared, rec: Recipe) -> tuple[Any, Any, str]:
+    """The Trainer, its model and the model's description. The arguments come first: under DeepSpeed ZeRO-3
+    they make ``from_pretrained`` load the model already partitioned over the ranks."""
     from transformers import PrinterCallback, Trainer, default_data_collator
 
+    targs = rec.training_args(
+        output_dir=str(run.out),
+        max_steps=run.max_steps,
+        per_device_train_batch_size=run.batch_size,
+        learning_rate=run.lr,
+        logging_steps=run.logging_steps,
+        logging_first_step=True,
+        save_strategy="no",  # a health `stop`/`fallback` still saves the checkpoint it needs
+        report_to=[],
+        seed=run.seed,
+        disable_tqdm=True,
+    )
+    net, desc = build_model(run.model, prepared.tokenizer, seq_len=run.seq_len, seed=run.seed)
+    tr = Trainer(
+        model=net,
+        args=targs,
+        train_dataset=prepared.train_ds,
+        data_collator=default_data_collator,
+        processing_class=prepared.tokenizer,
+        callbacks=[_progress_callback(run.max_steps), *rec.callbacks()],
+    )
+    tr.remove_callback(PrinterCallback)
+    return tr, net, desc
+
+
+def _train(run: _RunSettings, prepared: _Prepared, loaded: Recipe, resume: str | None) -> _Trained:
+    """Train; after a whole-model fallback (FP16 -> BF16) that stopped the run with a checkpoint, go on from it
+    under the fallback recipe, as the message tells a plain Trainer user to do by hand."""
     import hf_mixedprec
-    from hf_mixedprec.report import write_run_report
 
-    loaded = hf_mixedprec.load_recipe(recipe, rehearse=rehearse) if not isinstance(recipe, Recipe) else recipe
-    if isinstance(recipe, Recipe) and rehearse is not None:
-        loaded = recipe.rehearsed(rehearse)
-    lr = lr if lr is not None else (DEFAULTS["lr"] if model is None else DEFAULTS["lr_pretrained"])
-    logging_steps = logging_steps or max(1, min(10, max_steps // 10))
-    out = Path(output_dir)
-
-    def make_trainer(rec: Recipe) -> tuple[Any, Any, str]:
-        """The Trainer, its model and the model's description. The arguments come first: under DeepSpeed ZeRO-3
-        they make ``from_pretrained`` load the model already partitioned over the ranks."""
-        targs = rec.training_args(
-            output_dir=str(out),
-            max_steps=max_steps,
-            per_device_train_batch_size=batch_size,
-            learning_rate=lr,
-            logging_steps=logging_steps,
-            logging_first_step=True,
-            save_strategy="no",  # a health `stop`/`fallback` still saves the checkpoint it needs
-            report_to=[],
-            seed=seed,
-            disable_tqdm=True,
-        )
-        net, desc = build_model(model, tokenizer, seq_len=seq_len, seed=seed)
-        tr = Trainer(
-            model=net,
-            args=targs,
-            train_dataset=train_ds,
-            data_collator=default_data_collator,
-            processing_class=tokenizer,
-            callbacks=[_progress_callback(max_steps), *rec.callbacks()],
-        )
-        tr.remove_callback(PrinterCallback)
-        return tr, net, desc
-
-    trainer, net, model_desc = make_trainer(loaded)
-    args = trainer.args
+    trainer, net, model_desc = _make_trainer(run, prepared, loaded)
     rt = getattr(net, "_hf_mixedprec_runtime", None)
-    device = args.device
-    main_process = trainer.is_world_process_zero()
-    if main_process:
+    device = trainer.args.device
+    if trainer.is_world_process_zero():
+        texts = prepared.texts
         print(
             f"finetune: recipe {loaded.name} ({loaded.precision}{', rehearsed' if loaded.rehearse else ''}) on "
-            f"{device.type}; model: {model_desc}; tokenizer: {tokenizer_how}; data: {texts.source} "
-            f"({len(texts.texts)} examples, {n_tokens} tokens -> {len(train_ds)} blocks of {seq_len}); "
-            f"{max_steps} steps x {batch_size} x {args.world_size} process(es), lr {lr:g}",
+            f"{device.type}; model: {model_desc}; tokenizer: {prepared.tokenizer_how}; data: {texts.source} "
+            f"({len(texts.texts)} examples, {prepared.n_tokens} tokens -> {len(prepared.train_ds)} blocks of "
+            f"{run.seq_len}); {run.max_steps} steps x {run.batch_size} x {trainer.args.world_size} process(es), "
+            f"lr {run.lr:g}",
             file=sys.stderr,
             flush=True,
         )
@@ -583,61 +678,67 @@ def run_finetune(
     t0 = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     fallback: dict[str, Any] | None = None
-    if rt is not None and rt.fallback_recipe and trainer.state.global_step < max_steps:
-        # a whole-model fallback (FP16 -> BF16) stopped the run with a checkpoint: go on from it under the
-        # fallback recipe, as the message told a plain Trainer user to do by hand
+    if rt is not None and rt.fallback_recipe and trainer.state.global_step < run.max_steps:
         step = int(trainer.state.global_step)
-        ckpt = out / f"checkpoint-{step}"
+        ckpt = run.out / f"checkpoint-{step}"
         fallback = {"from": loaded.name, "to": rt.fallback_recipe, "at_step": step, "checkpoint": str(ckpt)}
         fallback["precision_before"] = _precision_used(loaded, rt, device.type)
         before = list(rt.notes)
         loaded = hf_mixedprec.load_recipe(rt.fallback_recipe)
-        trainer, net, _ = make_trainer(loaded)
+        trainer, net, _ = _make_trainer(run, prepared, loaded)
         rt = getattr(net, "_hf_mixedprec_runtime", None)
         if rt is not None:
             rt.notes[:0] = before
             rt.note(f"FALLBACK: finetune resumes {ckpt} under recipe {loaded.name} ({loaded.precision})")
         trainer.train(resume_from_checkpoint=str(ckpt))
-    train_s = time.perf_counter() - t0
+    return _Trained(trainer, rt, loaded, model_desc, fallback, time.perf_counter() - t0)
 
+
+def _summary(
+    run: _RunSettings, prepared: _Prepared, trained: _Trained, *, save: bool, command: list[str] | None
+) -> dict[str, Any]:
+    """The run's summary (``summary.json``; :func:`format_summary` prints it)."""
+    trainer, rt, loaded, fallback = trained.trainer, trained.runtime, trained.recipe, trained.fallback
+    args, device = trainer.args, trainer.args.device
     history = trainer.state.log_history
     losses = [(r["step"], float(r["loss"])) for r in history if "loss" in r and "step" in r]
     steps = int(trainer.state.global_step)
-    tokens = steps * batch_size * args.gradient_accumulation_steps * args.world_size * seq_len
+    tokens = steps * run.batch_size * args.gradient_accumulation_steps * args.world_size * run.seq_len
+    train_s = trained.train_seconds
     peak_mib, peak_source = _peak_memory(device)
     metrics = rt.metrics() if rt is not None else {}
     events = list(getattr(rt, "events", []) or []) if rt is not None else []
-    notes = list(rt.notes) if rt is not None else []
     fp8 = getattr(rt, "fp8_report", None)
     stopped = rt.stop_requested if rt is not None else None
-    ckpt_dir = out / f"checkpoint-{steps}"
+    ckpt_dir = run.out / f"checkpoint-{steps}"
     # a stop (also one after a fallback took over) leaves the checkpoint Trainer saved when it stopped
     resume_from = str(ckpt_dir) if stopped and ckpt_dir.is_dir() else None
-    summary: dict[str, Any] = {
+    used = _precision_used(loaded, rt, device.type)
+    if fallback:
+        used = (
+            f"{fallback['precision_before']} for steps 1-{fallback['at_step']}, then {used} "
+            f"(fallback recipe {loaded.name})"
+        )
+    return {
         "recipe": loaded.name,
         "precision": loaded.precision,
-        "precision_used": (
-            f"{fallback['precision_before']} for steps 1-{fallback['at_step']}, then "
-            f"{_precision_used(loaded, rt, device.type)} (fallback recipe {loaded.name})"
-            if fallback
-            else _precision_used(loaded, rt, device.type)
-        ),
+        "precision_used": used,
         "rehearsed": bool(loaded.rehearse),
         "device": device.type,
         "fp8_backend": fp8.backend if fp8 is not None else None,
         "fp8_layers": {"converted": len(fp8.converted), "kept": len(fp8.kept)} if fp8 is not None else None,
-        "model": model_desc,
-        "tokenizer": tokenizer_how,
-        "data": texts.source,
-        "examples": len(texts.texts),
-        "examples_skipped": texts.skipped,
-        "tokens_in_data": n_tokens,
-        "blocks": len(train_ds),
-        "seq_len": seq_len,
-        "batch_size": batch_size,
+        "model": trained.model_desc,
+        "tokenizer": prepared.tokenizer_how,
+        "data": prepared.texts.source,
+        "examples": len(prepared.texts.texts),
+        "examples_skipped": prepared.texts.skipped,
+        "tokens_in_data": prepared.n_tokens,
+        "blocks": len(prepared.train_ds),
+        "seq_len": run.seq_len,
+        "batch_size": run.batch_size,
         "world_size": args.world_size,
-        "learning_rate": lr,
-        "seed": seed,
+        "learning_rate": run.lr,
+        "seed": run.seed,
         "steps": steps,
         "skipped_steps": int(metrics.get("mp/skipped_steps", 0)),
         "loss_first": losses[0][1] if losses else None,
@@ -654,19 +755,10 @@ def run_finetune(
         "stopped": stopped,
         "resume_from": resume_from,
         "resume_command": shlex.join([*command, "--resume", resume_from]) if resume_from and command else None,
-        "notes": notes,
-        "output_dir": str(out),
+        "notes": list(rt.notes) if rt is not None else [],
+        "output_dir": str(run.out),
         "saved_model": bool(save),
     }
-    if save:
-        # on every rank: under DeepSpeed ZeRO-3 saving gathers the sharded weights (Trainer writes on rank 0 only)
-        trainer.save_model(str(out))
-    if main_process:
-        files = write_run_report(out, log_history=history, runtime=rt)
-        summary["files"] = sorted({p.name for p in files} | {"summary.json"})
-        summary["seconds"] = round(time.perf_counter() - start, 3)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
 
 
 def format_summary(s: dict[str, Any]) -> str:
