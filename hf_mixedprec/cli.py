@@ -18,7 +18,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from hf_mixedprec.errors import HardwareRefusal, MixedPrecisionError, Problem, RecipeError, UsageError
 from hf_mixedprec.hardware import detect
@@ -191,7 +191,7 @@ def _check_model_dir(path: str) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from hf_mixedprec.integrations.accelerate import child_env, plan_launch
+    from hf_mixedprec.integrations.launch import child_env, plan_launch
 
     recipe = _load(args.recipe)
     if args.num_processes is not None and args.num_processes < 1:
@@ -413,6 +413,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: one sub-parser per command, each added by its ``_add_<command>``."""
     p = _Parser(
         prog=PROG,
         description="Mixed-precision fine-tuning recipes (FP16, BF16, FP8, MXFP8) for Hugging Face Transformers "
@@ -427,10 +428,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
+    _add_recipes(sub)
+    _add_show(sub)
+    _add_validate(sub)
+    _add_schema(sub)
+    _add_detect(sub)
+    _add_launch(sub)
+    _add_simulate(sub)
+    _add_finetune(sub)
+    _add_report(sub)
+    return p
+
+
+def _add_recipes(sub: Any) -> None:
     s = sub.add_parser("recipes", help="list the built-in recipes", description="List the built-in recipes.")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=cmd_recipes)
 
+
+def _add_show(sub: Any) -> None:
     s = sub.add_parser(
         "show",
         help="print a recipe, resolved after extends",
@@ -439,6 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("recipe", metavar="NAME|PATH", help="a built-in recipe name, `auto`, or a YAML file")
     s.set_defaults(func=cmd_show)
 
+
+def _add_validate(sub: Any) -> None:
     s = sub.add_parser(
         "validate",
         help="check recipe files",
@@ -449,9 +467,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-q", "--quiet", action="store_true", help="print only problems")
     s.set_defaults(func=cmd_validate)
 
+
+def _add_schema(sub: Any) -> None:
     s = sub.add_parser("schema", help="print the recipe JSON Schema", description="Print the recipe JSON Schema.")
     s.set_defaults(func=cmd_schema)
 
+
+def _add_detect(sub: Any) -> None:
     s = sub.add_parser(
         "detect",
         help="show this machine and the recipe `auto` picks",
@@ -460,6 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print JSON (keys include device, generation, recipe)")
     s.set_defaults(func=cmd_detect)
 
+
+def _add_launch(sub: Any) -> None:
     s = sub.add_parser(
         "launch",
         help="run a training script under a recipe (accelerate launch; torch.distributed.run for multi-process CPU)",
@@ -496,6 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments for the script")
     s.set_defaults(func=cmd_launch)
 
+
+def _add_simulate(sub: Any) -> None:
     s = sub.add_parser(
         "simulate",
         help="rehearse an FP8 recipe on any hardware and get per-layer advice",
@@ -517,6 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=cmd_simulate)
 
+
+def _add_finetune(sub: Any) -> None:
     s = sub.add_parser(
         "finetune",
         help="fine-tune a causal LM with Trainer and a recipe; write a summary, health report and plots",
@@ -571,6 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the summary as JSON (the content of summary.json)")
     s.set_defaults(func=cmd_finetune)
 
+
+def _add_report(sub: Any) -> None:
     s = sub.add_parser(
         "report",
         help="summarise a run's health.json and rebuild its PNG plots",
@@ -582,7 +612,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("run_dir", metavar="RUN_DIR", help="a run's output directory")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
     s.set_defaults(func=cmd_report)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

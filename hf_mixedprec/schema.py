@@ -19,6 +19,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 from pydantic_core import PydanticCustomError
 
 __all__ = [
+    "ACCELERATE_MIXED_PRECISION",
     "GENERATIONS",
     "RECIPE_ENV",
     "ClippingConfig",
@@ -35,6 +36,10 @@ Generation = Literal["cpu", "mps", "volta", "turing", "ampere", "ada", "hopper",
 GENERATIONS: tuple[str, ...] = ("cpu", "mps", "volta", "turing", "ampere", "ada", "hopper", "blackwell")
 Precision = Literal["fp32", "fp16", "bf16", "fp8"]
 Reaction = Literal["log", "warn", "skip_step", "stop", "fallback", "lower_lr"]
+
+#: Accelerate's ``mixed_precision`` for each recipe precision: FP8 layers run inside BF16 autocast, applied by
+#: hf_mixedprec (Accelerate's own ``fp8`` is Transformer Engine's, chosen only by ``hf-mixedprec launch``).
+ACCELERATE_MIXED_PRECISION: dict[str, str] = {"fp32": "no", "fp16": "fp16", "bf16": "bf16", "fp8": "bf16"}
 
 #: Environment variable through which ``hf-mixedprec launch`` hands the resolved recipe to its child.
 RECIPE_ENV = "HF_MIXEDPREC_RECIPE"

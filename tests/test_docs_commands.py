@@ -159,7 +159,7 @@ def test_doc_launch_dry_runs(doc_yaml, monkeypatch, capsys):
     monkeypatch.chdir(doc_yaml)
     # the docs show the plans made on a machine without CUDA; make that so here too (a GPU machine plans
     # `accelerate launch` instead of torch.distributed.run for the CPU DDP example)
-    monkeypatch.setattr("hf_mixedprec.integrations.accelerate._detect_device_type", lambda: "cpu")
+    monkeypatch.setattr("hf_mixedprec.integrations.launch._detect_device_type", lambda: "cpu")
     expect = {
         "a100-fsdp2.yaml": ["distributed_type: FSDP", "fsdp_version: 2", "mixed_precision: bf16"],
         "v100-zero2.yaml": ['"stage": 2', '"initial_scale_power": 16', "distributed_type: DEEPSPEED"],

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hf_mixedprec.integrations.accelerate import plan_launch
+from hf_mixedprec.integrations.launch import plan_launch
 from hf_mixedprec.recipe import RECIPE_ENV, load_recipe_file, resolve_recipe
 
 

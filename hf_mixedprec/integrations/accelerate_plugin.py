@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.runtime import MixedPrecisionRuntime
-from hf_mixedprec.schema import RecipeSpec
+from hf_mixedprec.schema import ACCELERATE_MIXED_PRECISION, RecipeSpec
 
 __all__ = [
     "MixedPrecisionAccelerator",
@@ -41,7 +41,6 @@ log = logging.getLogger("hf_mixedprec")
 
 #: Accelerate's environment variable for ``mixed_precision`` (what ``accelerate launch`` exports).
 MIXED_PRECISION_ENV = "ACCELERATE_MIXED_PRECISION"
-_MIXED = {"fp32": "no", "fp16": "fp16", "bf16": "bf16", "fp8": "bf16"}
 
 
 def grad_scaler_kwargs(recipe: RecipeSpec) -> GradScalerKwargs | None:
@@ -59,7 +58,7 @@ def grad_scaler_kwargs(recipe: RecipeSpec) -> GradScalerKwargs | None:
 
 def accelerate_precision(recipe: RecipeSpec) -> str:
     """Accelerate's ``mixed_precision`` for a recipe (FP8 layers run inside BF16 autocast, applied by us)."""
-    return _MIXED[recipe.precision]
+    return ACCELERATE_MIXED_PRECISION[recipe.precision]
 
 
 def backpropagated_loss(accelerator: Accelerator, loss: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from hf_mixedprec.integrations.deepspeed import deepspeed_config
-from hf_mixedprec.schema import RECIPE_ENV, RecipeSpec
+from hf_mixedprec.schema import ACCELERATE_MIXED_PRECISION, RECIPE_ENV, RecipeSpec
 
 __all__ = [
     "LAUNCHER",
@@ -84,10 +84,7 @@ def accelerate_config(
     if strategy == "none" and nproc > 1:
         dist_type = "MULTI_GPU"
         notes.append(f"{nproc} processes with distributed.strategy none: plain data parallel (DDP), no sharding")
-    if recipe.precision == "fp8":
-        mixed = "fp8" if fp8_via_accelerate(recipe) else "bf16"
-    else:
-        mixed = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}[recipe.precision]
+    mixed = "fp8" if fp8_via_accelerate(recipe) else ACCELERATE_MIXED_PRECISION[recipe.precision]
     cfg: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
@@ -106,22 +103,35 @@ def accelerate_config(
         cfg["main_process_ip"] = main_process_ip
     if main_process_port is not None:
         cfg["main_process_port"] = main_process_port
-    if recipe.precision == "fp8" and recipe.fp8 is not None:
-        fp8 = recipe.fp8
-        if mixed == "fp8":
-            fp8_cfg: dict[str, Any] = {"backend": "TE", "fp8_format": fp8.format, "use_autocast_during_eval": False}
-            if fp8.scaling == "delayed":
-                fp8_cfg.update(
-                    amax_history_len=fp8.amax_history_len, amax_compute_algo=fp8.amax_compute_algo, margin=fp8.margin
-                )
-            else:
-                fp8_cfg.update(margin=fp8.margin, use_mxfp8_block_scaling=True)
-            cfg["fp8_config"] = fp8_cfg
-        else:
-            notes.append(
-                f"Accelerate cannot build fp8.scaling {fp8.scaling!r} with backend {fp8.backend!r}: it runs in BF16 and "
-                "hf_mixedprec applies FP8 in the training process from the recipe"
-            )
+    _add_fp8_section(cfg, recipe, notes)
+    _add_strategy_section(cfg, recipe, deepspeed_config_file)
+    return cfg, notes
+
+
+def _add_fp8_section(cfg: dict[str, Any], recipe: RecipeSpec, notes: list[str]) -> None:
+    """Accelerate's ``fp8_config`` (Transformer Engine) where Accelerate can build the recipe's FP8, else a note."""
+    fp8 = recipe.fp8
+    if recipe.precision != "fp8" or fp8 is None:
+        return
+    if cfg["mixed_precision"] != "fp8":
+        notes.append(
+            f"Accelerate cannot build fp8.scaling {fp8.scaling!r} with backend {fp8.backend!r}: it runs in BF16 and "
+            "hf_mixedprec applies FP8 in the training process from the recipe"
+        )
+        return
+    fp8_cfg: dict[str, Any] = {"backend": "TE", "fp8_format": fp8.format, "use_autocast_during_eval": False}
+    if fp8.scaling == "delayed":
+        fp8_cfg.update(
+            amax_history_len=fp8.amax_history_len, amax_compute_algo=fp8.amax_compute_algo, margin=fp8.margin
+        )
+    else:
+        fp8_cfg.update(margin=fp8.margin, use_mxfp8_block_scaling=True)
+    cfg["fp8_config"] = fp8_cfg
+
+
+def _add_strategy_section(cfg: dict[str, Any], recipe: RecipeSpec, deepspeed_config_file: str | None) -> None:
+    """FSDP2's or DeepSpeed's section of the Accelerate config."""
+    strategy = recipe.distributed.strategy
     if strategy == "fsdp2":
         cfg["fsdp_config"] = {
             "fsdp_version": 2,
@@ -137,11 +147,10 @@ def accelerate_config(
             raise ValueError("a DeepSpeed strategy needs the path of the generated DeepSpeed config")
         cfg["deepspeed_config"] = {
             "deepspeed_config_file": deepspeed_config_file,
-            "zero3_init_flag": bool(dist.zero3_init),
+            "zero3_init_flag": bool(recipe.distributed.zero3_init),
         }
         # With a DeepSpeed config file, Accelerate takes precision from the file.
         cfg.pop("mixed_precision")
-    return cfg, notes
 
 
 @dataclass
@@ -267,41 +276,55 @@ def plan_launch(
         title = f"accelerate launch config for recipe {recipe.name!r}"
         command = [*LAUNCHER, "-m", "accelerate.commands.launch", "--config_file", str(acc_path), script, *script_args]
     else:
-        acc_cfg.update(distributed_type="MULTI_CPU", use_cpu=True)
-        if acc_cfg.get("mixed_precision") == "fp8":
-            # no FP8 hardware here: the training processes run the recipe's FP8 emulated (rehearsal) in BF16
-            # autocast, so Accelerate must not be asked for Transformer Engine FP8
-            acc_cfg["mixed_precision"] = "bf16"
-            acc_cfg.pop("fp8_config", None)
-            notes.append("no CUDA device: Accelerate gets mixed_precision bf16; FP8 runs emulated (rehearsal)")
-        notes.append(
-            f"no CUDA device: {nproc} CPU processes are started with torch.distributed.run (gloo, loopback "
-            "127.0.0.1), not accelerate launch, whose launcher starts only one process for --cpu/MULTI_CPU "
-            "unless given an MPI hostfile; ACCELERATE_USE_CPU=true makes Accelerate in each process pick "
-            "MULTI_CPU, and ACCELERATE_MIXED_PRECISION carries this file's mixed_precision"
-        )
         title = f"Accelerate settings for recipe {recipe.name!r} (exported as ACCELERATE_* variables)"
-        port = master_port if master_port is not None else _free_loopback_port()
-        command = [
-            *LAUNCHER, "-m", "torch.distributed.run",
-            "--nnodes", "1",
-            "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1",
-            "--master_port", str(port),
-            script, *script_args,
-        ]  # fmt: skip
-        env["ACCELERATE_USE_CPU"] = "true"
-        env["ACCELERATE_MIXED_PRECISION"] = str(acc_cfg.get("mixed_precision", "no"))
-        if "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(_cpu_threads_per_process(nproc))
-        ifname = _loopback_ifname()
-        if ifname is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
-            env["GLOO_SOCKET_IFNAME"] = ifname
+        command = _cpu_processes(acc_cfg, env, notes, nproc, master_port, script, script_args)
     header = "".join(f"# {line}\n" for line in [title, *notes])
     files[str(acc_path)] = header + yaml.safe_dump(acc_cfg, sort_keys=False)
     launched = recipe.distributed.model_copy(update={"num_processes": nproc, "num_machines": acc_cfg["num_machines"]})
     files[str(recipe_path)] = recipe.model_copy(update={"distributed": launched}).to_yaml()
     return LaunchPlan(command, env, files, notes)
+
+
+def _cpu_processes(
+    acc_cfg: dict[str, Any],
+    env: dict[str, str],
+    notes: list[str],
+    nproc: int,
+    master_port: int | None,
+    script: str,
+    script_args: list[str],
+) -> list[str]:
+    """Several CPU processes: the ``torch.distributed.run`` command, with Accelerate's settings moved into the
+    child environment (``acc_cfg``, ``env`` and ``notes`` are updated in place)."""
+    acc_cfg.update(distributed_type="MULTI_CPU", use_cpu=True)
+    if acc_cfg.get("mixed_precision") == "fp8":
+        # no FP8 hardware here: the training processes run the recipe's FP8 emulated (rehearsal) in BF16
+        # autocast, so Accelerate must not be asked for Transformer Engine FP8
+        acc_cfg["mixed_precision"] = "bf16"
+        acc_cfg.pop("fp8_config", None)
+        notes.append("no CUDA device: Accelerate gets mixed_precision bf16; FP8 runs emulated (rehearsal)")
+    notes.append(
+        f"no CUDA device: {nproc} CPU processes are started with torch.distributed.run (gloo, loopback "
+        "127.0.0.1), not accelerate launch, whose launcher starts only one process for --cpu/MULTI_CPU "
+        "unless given an MPI hostfile; ACCELERATE_USE_CPU=true makes Accelerate in each process pick "
+        "MULTI_CPU, and ACCELERATE_MIXED_PRECISION carries this file's mixed_precision"
+    )
+    port = master_port if master_port is not None else _free_loopback_port()
+    env["ACCELERATE_USE_CPU"] = "true"
+    env["ACCELERATE_MIXED_PRECISION"] = str(acc_cfg.get("mixed_precision", "no"))
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(_cpu_threads_per_process(nproc))
+    ifname = _loopback_ifname()
+    if ifname is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = ifname
+    return [
+        *LAUNCHER, "-m", "torch.distributed.run",
+        "--nnodes", "1",
+        "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1",
+        "--master_port", str(port),
+        script, *script_args,
+    ]  # fmt: skip
 
 
 def child_env(plan: LaunchPlan) -> dict[str, str]:
