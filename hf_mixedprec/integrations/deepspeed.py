@@ -238,6 +238,31 @@ def _as_int(value: Any) -> int | None:
     return int(value.item() if hasattr(value, "item") else value)
 
 
+def _scaler_owner(obj: Any) -> tuple[Any, Any] | None:
+    """Unwrap Accelerate's wrappers and the engine down to the object that owns DeepSpeed's loss scaler (a ZeRO
+    or stage-0 FP16 optimizer, or a scaler itself); returns (the engine met on the way or None, that object)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.fp16.loss_scaler import LossScaleConfig, LossScalerBase
+
+    engine = None
+    for _ in range(8):
+        if isinstance(obj, DeepSpeedEngine):
+            engine = obj
+            obj = obj.optimizer
+        elif (
+            isinstance(obj, LossScalerBase)
+            or isinstance(getattr(obj, "loss_scaler", None), LossScalerBase)
+            or isinstance(getattr(obj, "loss_scale_config", None), LossScaleConfig)
+        ):
+            return engine, obj
+        else:
+            inner = getattr(obj, "optimizer", None)
+            if inner is None or inner is obj:
+                return None
+            obj = inner
+    return None
+
+
 def read_deepspeed_scaler(obj: Any) -> dict[str, Any] | None:
     """The state of DeepSpeed's FP16 loss scaler behind ``obj``, or None where there is no DeepSpeed scaler.
 
@@ -276,25 +301,10 @@ def read_deepspeed_scaler(obj: Any) -> dict[str, Any] | None:
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaleConfig, LossScalerBase
 
-    engine = None
-    for _ in range(8):  # unwrap Accelerate wrappers and the engine down to the DeepSpeed optimizer
-        if isinstance(obj, DeepSpeedEngine):
-            engine = obj
-            obj = obj.optimizer
-        elif (
-            isinstance(obj, LossScalerBase)
-            or isinstance(getattr(obj, "loss_scaler", None), LossScalerBase)
-            or isinstance(getattr(obj, "loss_scale_config", None), LossScaleConfig)
-        ):
-            break
-        else:
-            inner = getattr(obj, "optimizer", None)
-            if inner is None or inner is obj:
-                return None
-            obj = inner
-    else:
+    found = _scaler_owner(obj)
+    if found is None:
         return None
-
+    engine, obj = found
     if engine is None and isinstance(getattr(obj, "deepspeed", None), DeepSpeedEngine):
         engine = obj.deepspeed  # stage-0 FP16 optimizers keep their engine
     skipped = _as_int(getattr(engine, "skipped_steps", None)) if engine is not None else None
