@@ -1,0 +1,364 @@
+"""Loss scaling and exact step skipping: the GradScaler a recipe trains with, its found-inf, the skipped-step count
+and taking skipped steps back out of the LR schedule.
+
+torch's ``GradScaler`` (``torch/amp/grad_scaler.py``) skips ``optimizer.step()`` when the gradients it unscaled
+hold an inf/NaN; :class:`LossScaling` folds the runtime's own skip decision (a non-finite loss or gradient, a
+``skip_step`` detector) into that found-inf, so every skip happens on the device, without a host read. FP16 uses
+a real scaler with the recipe's ``loss_scale``; every other precision a scale-1 :class:`GuardScaler`.
+
+Every private torch attribute hf_mixedprec relies on is read or written in the "private torch surface" block
+below, and only there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.amp import grad_scaler as _torch_grad_scaler
+from torch.optim.lr_scheduler import LambdaLR
+
+from hf_mixedprec._device import AsyncRead
+from hf_mixedprec.recipe import Recipe
+
+__all__ = ["GuardScaler", "LossScaling"]
+
+# -- the private torch surface (checked against torch 2.13) ---------------------------------------------------
+
+# torch/amp/grad_scaler.py: the stage of one optimizer in the scaler's unscale_ -> step -> update cycle
+# (READY, UNSCALED, STEPPED). Private enum; needed to mark an optimizer unscaled without unscaling (the guard).
+OptState = _torch_grad_scaler.OptState
+# torch/amp/grad_scaler.py: the default factory of ``_per_optimizer_states``; ``update()`` resets the states
+# with it, and so does the guard's ``update()``.
+_fresh_optimizer_state = _torch_grad_scaler._refresh_per_optimizer_state
+
+
+def _optimizer_state(scaler: torch.amp.GradScaler, optimizer: Any, *, create: bool = True) -> dict[str, Any] | None:
+    """One optimizer's ``{"stage", "found_inf_per_device"}`` in the scaler; ``create=False`` peeks (None if absent)."""
+    # torch/amp/grad_scaler.py: ``GradScaler._per_optimizer_states`` (a defaultdict keyed by ``id(optimizer)``)
+    # holds the inf flags ``unscale_`` wrote and ``step`` reads to decide a skip. No public API reads or sets
+    # them: the runtime folds its own skip flag into them, so the skip stays on the device.
+    states = scaler._per_optimizer_states
+    return states[id(optimizer)] if create else states.get(id(optimizer))
+
+
+def _reset_optimizer_states(scaler: torch.amp.GradScaler) -> None:
+    # torch/amp/grad_scaler.py: what ``GradScaler.update()`` does last (same attribute as above).
+    scaler._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+
+
+def _scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """The loss scale as a device tensor (None before the scaler's first use)."""
+    # torch/amp/grad_scaler.py: ``GradScaler._scale``. ``get_scale()`` reads it on the host (a sync); the
+    # monitor needs it on the device every step and the recipe's min_scale/max_scale clamp it in place.
+    return scaler._scale
+
+
+def _ensure_scale_tensor(scaler: torch.amp.GradScaler, device: torch.device) -> None:
+    # torch/amp/grad_scaler.py: ``_lazy_init_scale_growth_tracker`` makes ``_scale`` and ``_growth_tracker``,
+    # which ``step()`` requires; torch calls it from ``scale()``/``unscale_``, which the guard never runs.
+    if scaler._scale is None:
+        scaler._lazy_init_scale_growth_tracker(device)
+
+
+def _pin_scale(scaler: torch.amp.GradScaler, value: float) -> None:
+    # torch/amp/grad_scaler.py: ``_init_scale`` is the scale ``_scale`` is made with (``load_state_dict`` sets it
+    # from a checkpoint); ``_scale`` the live one. Both are set so the guard stays at ``value`` after a restore.
+    scaler._init_scale = value
+    if scaler._scale is not None:
+        scaler._scale.fill_(value)
+
+
+def _skips_inside_step(optimizer: Any) -> bool:
+    # torch/optim/adam.py (also sgd.py, adagrad.py): ``_step_supports_amp_scaling`` is True for fused optimizers,
+    # whose ``step()`` reads the scaler's found-inf itself and skips on the device; ``GradScaler.step`` then calls
+    # it without a host read, and Accelerate (``accelerate/optimizer.py``) cannot tell the step was skipped.
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+@contextlib.contextmanager
+def _found_inf_handed_to(optimizer: Any, found: torch.Tensor) -> Iterator[None]:
+    # torch/amp/grad_scaler.py ``GradScaler.step``: for such an optimizer it sets ``grad_scale`` and ``found_inf``
+    # attributes for the duration of ``step()`` (the fused kernels read them); the guard does the same directly.
+    optimizer.grad_scale = None
+    optimizer.found_inf = found
+    try:
+        yield
+    finally:
+        del optimizer.grad_scale
+        del optimizer.found_inf
+
+
+def _set_last_lr(scheduler: Any, lrs: list[float]) -> None:
+    # torch/optim/lr_scheduler.py: ``LRScheduler._last_lr`` is what ``get_last_lr()`` returns (Trainer logs it
+    # as ``learning_rate``); only ``step()`` writes it, so a rewound schedule sets it too.
+    scheduler._last_lr = list(lrs)
+
+
+# -- end of the private torch surface ---------------------------------------------------------------------------
+
+
+class GuardScaler(torch.amp.GradScaler):
+    """A ``GradScaler`` held at scale 1 that only skips flagged optimizer steps (BF16/FP8 runs).
+
+    torch's GradScaler skips ``optimizer.step()`` when found-inf is set, inside the optimizer for AMP-aware
+    ones such as fused AdamW (Trainer's default), without a host read. At scale 1 the rest of its work is
+    exact no-ops, so this one does none of it: :meth:`scale` returns the loss as it is (a product with 1),
+    the runtime marks the optimizer unscaled with its skip flag as found-inf (no pass over the gradients),
+    :meth:`step` hands that flag to an AMP-aware optimizer directly, and :meth:`update` leaves the scale at 1
+    (torch's would halve it after a skipped step). Anything else (a closure, an optimizer that is not
+    AMP-aware, a stage the runtime did not set) goes through torch's own code.
+    """
+
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__(device, init_scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2**30)
+        self._takes_scaler: dict[Any, bool] = {}
+
+    def scale(self, outputs: Any) -> Any:
+        return outputs
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        state = _optimizer_state(self, optimizer)
+        found = state["found_inf_per_device"]
+        fn = getattr(optimizer.step, "__func__", optimizer.step)
+        if fn not in self._takes_scaler:  # torch's older contract: step(grad_scaler=...) does its own skipping
+            self._takes_scaler[fn] = "grad_scaler" in inspect.signature(optimizer.step).parameters
+        direct = (
+            state["stage"] is OptState.UNSCALED
+            and len(found) == 1
+            and "closure" not in kwargs
+            and _skips_inside_step(optimizer)
+            and not self._takes_scaler[fn]
+        )
+        if not direct:
+            return super().step(optimizer, *args, **kwargs)
+        try:
+            with _found_inf_handed_to(optimizer, next(iter(found.values()))):
+                return optimizer.step(*args, **kwargs)
+        finally:
+            state["stage"] = OptState.STEPPED
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        _reset_optimizer_states(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restoring any scaler's state (e.g. an FP16 run's ``scaler.pt``) keeps the guard at scale 1."""
+        super().load_state_dict(state_dict)
+        _pin_scale(self, 1.0)
+
+
+def _schedule_steps_per_step(scheduler: Any) -> int:
+    """How far one optimizer step moves ``scheduler``: Accelerate's ``AcceleratedScheduler`` steps the wrapped
+    schedule once per process per step unless batches are split (``accelerate/scheduler.py``); a plain
+    scheduler (Trainer's) once."""
+    if getattr(scheduler, "step_with_optimizer", False) and not getattr(scheduler, "split_batches", True):
+        return max(1, dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
+    return 1
+
+
+class LossScaling:
+    """The run's GradScaler (a real one for FP16, the scale-1 guard otherwise), its per-step skip flag, the
+    skipped-step count and the LR-schedule rewind. Owned by the runtime; nothing here reads a device value on
+    the host except :meth:`metrics`, :meth:`skipped_count` and the one-step-late skip-flag read."""
+
+    def __init__(self, recipe: Recipe, device: torch.device, note: Callable[[str], None]) -> None:
+        self.recipe = recipe
+        self.device = device
+        self._note = note
+        self.scaler: torch.amp.GradScaler | None = None
+        self.guard = False  # a scale-1 GradScaler that only exists to skip steps exactly (bf16/fp8)
+        self.skipped = torch.zeros((), device=device)  # float32: exact up to 2**24 skipped steps
+        self.found_inf = torch.zeros((), device=device)  # this step's skip flag (device, float 0/1)
+        self.optimizer_skips_itself = False
+        self.schedule_rewound = 0  # skipped steps already taken back out of the LR schedule
+        self.external_skips = 0  # DeepSpeed: the engine's skipped-step count already fed to the monitor
+        self._flag_read = AsyncRead()  # the last step's skip flag, on its way to the host
+        self._unsettled_skips = 0  # skips read but not yet taken out of the schedule
+        self._noted_schedule = False
+
+    # -- setup -------------------------------------------------------------------------------------------
+    def wants_guard(self) -> bool:
+        """Whether this run needs the scale-1 :class:`GuardScaler`: every precision but FP16 (whose real
+        GradScaler already skips), so that a step with a non-finite loss or gradient, or one a ``skip_step``
+        reaction flags, never reaches the weights or the optimizer state, whatever the reactions are."""
+        return self.recipe.precision != "fp16"
+
+    def make_guard_scaler(self) -> torch.amp.GradScaler:
+        """A :class:`GuardScaler` (scale 1) whose only job is skipping flagged steps exactly."""
+        self.guard = True
+        self.scaler = GuardScaler(self.device.type)
+        return self.scaler
+
+    def make_grad_scaler(self) -> torch.amp.GradScaler | None:
+        """A real ``torch.amp.GradScaler`` with the recipe's loss-scale settings (fp16 only)."""
+        ls = self.recipe.loss_scale
+        if self.recipe.precision != "fp16" or ls is None:
+            return None
+        if ls.hysteresis != 1:
+            self._note(
+                f"loss_scale.hysteresis {ls.hysteresis} is applied by DeepSpeed only; torch GradScaler backs off on "
+                "every overflow (hysteresis 1)"
+            )
+        self.scaler = torch.amp.GradScaler(
+            self.device.type,
+            init_scale=ls.init_scale,
+            growth_factor=ls.growth_factor,
+            backoff_factor=ls.backoff_factor,
+            growth_interval=ls.growth_interval,
+        )
+        return self.scaler
+
+    # -- per optimizer step (device only) ----------------------------------------------------------------
+    def ensure_unscaled(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """FP16: unscale the gradients once (the GradScaler refuses a second unscale_ before update())."""
+        if self.scaler is None or self.guard or optimizer is None:
+            return
+        if _optimizer_state(self.scaler, optimizer)["stage"] is OptState.READY:
+            self.scaler.unscale_(optimizer)
+
+    def scaler_found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """The found-inf the scaler recorded while unscaling ``optimizer``'s gradients (0/1 on the device)."""
+        if self.scaler is None:
+            return None
+        found = (_optimizer_state(self.scaler, optimizer, create=False) or {}).get("found_inf_per_device")
+        if not found:
+            return None
+        return torch.stack([v.to(self.found_inf.device) for v in found.values()]).sum().clamp(max=1)
+
+    def set_skip(self, optimizer: torch.optim.Optimizer | None, bad: torch.Tensor) -> torch.Tensor:
+        """Make this step's skip flag (``bad`` or the scaler's own found-inf) and hand it to the scaler."""
+        found = self.scaler_found_inf(optimizer) if (optimizer is not None and not self.guard) else None
+        found = bad.float() if found is None else torch.maximum(found, bad.float())
+        self.mark_skip(optimizer, found)
+        self.found_inf = found
+        return found
+
+    def mark_skip(self, optimizer: torch.optim.Optimizer | None, found: torch.Tensor) -> None:
+        """Hand the skip decision to the GradScaler so that ``optimizer.step()`` is skipped exactly.
+
+        FP16: fold it into the found-inf the scaler recorded while unscaling. The scale-1 guard (BF16/FP8)
+        never unscales (multiplying by 1 is a pass over every gradient for nothing): its per-optimizer state
+        is set to "unscaled" with our flag (non-finite gradient norm or a skip_step detector) as found-inf.
+        """
+        if self.scaler is None or optimizer is None:
+            return
+        state = _optimizer_state(self.scaler, optimizer)
+        if self.guard:
+            _ensure_scale_tensor(self.scaler, found.device)
+            # ``found`` is a fresh float32 tensor of this step; nothing writes into it (the guard never unscales)
+            state["found_inf_per_device"] = {found.device: found}
+            state["stage"] = OptState.UNSCALED
+            return
+        for t in state["found_inf_per_device"].values():
+            t.copy_(torch.maximum(t, found.to(t.dtype).to(t.device)))
+
+    def device_scale(self) -> torch.Tensor | None:
+        """The FP16 loss scale on the device, for the monitor (None under the guard or without a scaler)."""
+        return _scale_tensor(self.scaler) if (self.scaler is not None and not self.guard) else None
+
+    def after_step(self, optimizer: Any) -> None:
+        """After ``optimizer.step()``: clamp the loss scale to the recipe's bounds, count a skip and start
+        reading the skip flag for :meth:`rewind_schedule` when the optimizer skipped inside its step."""
+        scale = self.device_scale()
+        if scale is not None and self.recipe.loss_scale is not None:
+            # torch's GradScaler has no bounds; the recipe's min_scale/max_scale are applied on the device
+            ls = self.recipe.loss_scale
+            scale.clamp_(min=ls.min_scale, max=ls.max_scale)
+        if self.scaler is not None:
+            self.skipped.add_(self.found_inf)
+            self.optimizer_skips_itself = _skips_inside_step(getattr(optimizer, "optimizer", optimizer))
+            if self.optimizer_skips_itself:
+                self._send_skip_flag()
+
+    def _send_skip_flag(self) -> None:
+        """Start copying this step's skip flag to the host without waiting for it (see :meth:`rewind_schedule`)."""
+        if self._flag_read.pending:  # not settled since the last step (no rewind call in between)
+            self._unsettled_skips += int(self._flag_read.wait() or 0)
+        self._flag_read.push(self.found_inf)
+        if not self._flag_read.pending:  # a device AsyncRead cannot read without blocking (mps, xpu)
+            self._unsettled_skips += int(float(self.found_inf))
+
+    def rewind_schedule(self, optimizer: Any, scheduler: Any) -> int:
+        """If the last optimizer step was skipped, take it back out of the LR schedule; returns how many steps.
+
+        Call it before the next optimizer step (and at logging and checkpoint steps). torch's
+        ``GradScaler.step`` lets optimizers that handle AMP scaling themselves (``_step_supports_amp_scaling``,
+        e.g. fused AdamW, Trainer's default) skip a step inside ``optimizer.step()`` without a host read;
+        Accelerate infers a skip from ``step()`` not being called (``accelerate/optimizer.py``), so it reports
+        none and Trainer advances the LR schedule on a skipped step. The skip flag is therefore copied to the
+        host without blocking right after the step and read here, one step later: by then the copy has long
+        landed (Trainer's own loop waits on the device every step), so the wait is free, and the next step
+        already runs at the learning rate it would have had without the skipped step. Closed-form schedules
+        (``LambdaLR``, which Trainer's schedules are) are rewound exactly; others are left as they are, with a
+        note.
+        """
+        n = self._unsettled_skips + int(self._flag_read.wait() or 0)
+        self._unsettled_skips = 0
+        if not n:
+            return 0
+        self.schedule_rewound += n
+        sched = getattr(scheduler, "scheduler", scheduler)  # Accelerate's AcceleratedScheduler wraps it
+        if scheduler is None or not isinstance(sched, LambdaLR):
+            if not self._noted_schedule:
+                self._noted_schedule = True
+                self._note(
+                    f"{n} skipped step(s) advanced the LR scheduler ({type(scheduler).__name__}): only "
+                    "LambdaLR-based schedules (Trainer's) can be rewound"
+                )
+            return 0
+        sched.last_epoch -= n * _schedule_steps_per_step(scheduler)
+        lrs = [base * fn(sched.last_epoch) for fn, base in zip(sched.lr_lambdas, sched.base_lrs)]
+        inner = getattr(optimizer, "optimizer", optimizer)
+        for group, lr in zip(inner.param_groups, lrs):
+            group["lr"] = lr
+        _set_last_lr(sched, lrs)
+        return n
+
+    def external_step(self, ds: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """Under DeepSpeed, which skips a non-finite step itself: the step's gradient norm, skip flag and loss scale
+        as the monitor takes them, made from the engine's step state (host values, read after ``engine.step()``;
+        ``hf_mixedprec.integrations.deepspeed.deepspeed_step_state``)."""
+        count = ds.get("skipped_steps")
+        if count is not None:  # the engine's count covers BF16, where DeepSpeed has no scaler
+            skipped = count > self.external_skips
+            self.external_skips = count
+        else:
+            skipped = bool(ds.get("overflow"))
+        # DeepSpeed skips a step only for a non-finite gradient: that is what the grad detectors see
+        norm = ds.get("grad_norm")
+        grad = torch.tensor(math.inf) if skipped else (None if norm is None else torch.tensor(float(norm)))
+        scale = ds.get("loss_scale")
+        return grad, torch.tensor(float(skipped)), None if scale is None else torch.tensor(float(scale))
+
+    # -- reporting and state (host reads: logging and checkpoint steps only) --------------------------------
+    def metrics(self, external: dict[str, Any] | None = None) -> dict[str, float]:
+        """``mp/loss_scale``, ``mp/overflow`` and ``mp/skipped_steps``; ``external`` is DeepSpeed's step state
+        (``hf_mixedprec.integrations.deepspeed.deepspeed_step_state``) when the engine owns loss scaling."""
+        out: dict[str, float] = {}
+        if external is not None:
+            if external.get("loss_scale") is not None:
+                out["mp/loss_scale"] = float(external["loss_scale"])
+            out["mp/overflow"] = float(bool(external.get("overflow")))
+            if external.get("skipped_steps") is not None:
+                out["mp/skipped_steps"] = float(external["skipped_steps"])
+        if self.scaler is not None:
+            if not self.guard:
+                out["mp/loss_scale"] = float(self.scaler.get_scale())
+            out["mp/skipped_steps"] = float(self.skipped.item())
+        return out
+
+    def skipped_count(self) -> int:
+        """Steps skipped so far (a host read)."""
+        return int(self.skipped.item())
+
+    def load_counts(self, skipped: float, schedule_rewound: int, external_skips: int) -> None:
+        """Restore :meth:`skipped_count`, :attr:`schedule_rewound` and :attr:`external_skips` from a checkpoint."""
+        self.skipped = torch.tensor(float(skipped), device=self.device)
+        self.schedule_rewound = schedule_rewound
+        self.external_skips = external_skips
