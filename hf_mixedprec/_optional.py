@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from types import ModuleType
 
-__all__ = ["require"]
+__all__ = ["available", "require"]
+
+
+def available(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (``importlib.util.find_spec``)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module with no spec
+        return False
 
 
 def require(module: str, extra: str, needed_for: str) -> ModuleType:

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hf_mixedprec import metrics as M
 from hf_mixedprec.errors import UsageError
 from hf_mixedprec.recipe import RECIPE_ENV, Recipe, builtin_recipe_names, load_recipe_file
 
@@ -338,19 +339,19 @@ def _progress_callback(max_steps: int) -> Any:
             if not state.is_world_process_zero or not logs:
                 return
             if "loss" not in logs:  # the recipe's mp/ metrics come as their own log entry, just before
-                self.pending = {k: v for k, v in logs.items() if k.startswith("mp/")}
+                self.pending = {k: v for k, v in logs.items() if k.startswith(M.PREFIX)}
                 return
             logs = {**self.pending, **logs}
             self.pending = {}
             parts = [f"step {state.global_step}/{max_steps}", f"loss {logs['loss']:.4f}"]
             if "learning_rate" in logs:
                 parts.append(f"lr {logs['learning_rate']:.2e}")
-            norm = logs.get("mp/grad_norm", logs.get("grad_norm"))
+            norm = logs.get(M.GRAD_NORM, logs.get("grad_norm"))
             if norm is not None:
                 parts.append(f"grad_norm {norm:.3g}")
-            if "mp/loss_scale" in logs:
+            if M.LOSS_SCALE in logs:
                 parts.append(f"loss_scale {logs['mp/loss_scale']:g}")
-            if logs.get("mp/skipped_steps"):
+            if logs.get(M.SKIPPED_STEPS):
                 parts.append(f"skipped {logs['mp/skipped_steps']:g}")
             print("finetune: " + "  ".join(parts), file=sys.stderr, flush=True)
 
@@ -740,7 +741,7 @@ def _summary(
         "learning_rate": run.lr,
         "seed": run.seed,
         "steps": steps,
-        "skipped_steps": int(metrics.get("mp/skipped_steps", 0)),
+        "skipped_steps": int(metrics.get(M.SKIPPED_STEPS, 0)),
         "loss_first": losses[0][1] if losses else None,
         "loss_first_step": losses[0][0] if losses else None,
         "loss_last": losses[-1][1] if losses else None,

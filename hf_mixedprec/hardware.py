@@ -13,12 +13,12 @@ the recipe to use instead.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from hf_mixedprec._optional import available
 from hf_mixedprec.errors import HardwareRefusal
 from hf_mixedprec.schema import RecipeSpec
 
@@ -245,8 +245,8 @@ def check_recipe(recipe: RecipeSpec, info: HardwareInfo) -> None:
 
 def detect() -> HardwareInfo:
     """Look at this machine: device 0 of CUDA if present, else MPS, else CPU; plus library versions."""
-    te = importlib.util.find_spec("transformer_engine") is not None
-    ao = importlib.util.find_spec("torchao") is not None
+    te = available("transformer_engine")
+    ao = available("torchao")
     te_version = (_dist_version("transformer-engine") or _dist_version("transformer_engine")) if te else None
     ao_version = (_dist_version("torchao") or "unknown") if ao else None
     te_version = te_version or ("unknown" if te else None)

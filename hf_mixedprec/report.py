@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from hf_mixedprec import metrics as M
 from hf_mixedprec._optional import require
 from hf_mixedprec._text import shorten
 
@@ -22,12 +23,12 @@ SERIES_KEYS = (
     "loss",
     "grad_norm",
     "learning_rate",
-    "mp/loss_scale",
-    "mp/skipped_steps",
-    "mp/grad_norm",
-    "mp/clip_threshold",
-    "mp/clipped",
-    "mp/overflow",
+    M.LOSS_SCALE,
+    M.SKIPPED_STEPS,
+    M.GRAD_NORM,
+    M.CLIP_THRESHOLD,
+    M.CLIPPED,
+    M.OVERFLOW,
 )
 
 
@@ -47,7 +48,7 @@ def health_document(
         if step is None:
             continue
         for key, value in row.items():
-            if key in SERIES_KEYS or key.startswith("mp/fp8/"):
+            if key in SERIES_KEYS or key.startswith(M.FP8_PREFIX):
                 series.setdefault(key, {})[str(step)] = _clean(value)
     doc: dict[str, Any] = {
         "version": 1,
@@ -114,7 +115,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     for e in events:
         by_detector[e.get("detector", "?")] = by_detector.get(e.get("detector", "?"), 0) + 1
     last: dict[str, float] = {}
-    for key in ("loss", "mp/loss_scale", "mp/skipped_steps", "mp/grad_norm", "mp/clip_threshold"):
+    for key in ("loss", M.LOSS_SCALE, M.SKIPPED_STEPS, M.GRAD_NORM, M.CLIP_THRESHOLD):
         xs, ys = _series(doc, key)
         if xs:
             last[key] = ys[-1]
@@ -155,7 +156,7 @@ def build_plots(run_dir: str | Path, doc: dict[str, Any] | None = None) -> list[
         plt.close(fig)
         written.append(path)
 
-    x, y = _series(doc, "mp/loss_scale")
+    x, y = _series(doc, M.LOSS_SCALE)
     if x:
         fig, ax = plt.subplots(figsize=(7, 3.5))
         ax.step(x, y, where="post")
@@ -165,13 +166,13 @@ def build_plots(run_dir: str | Path, doc: dict[str, Any] | None = None) -> list[
             ax.axvline(e.get("step", 0), color="red", alpha=0.3, lw=1)
         save(fig, "loss_scale.png")
 
-    x, y = _series(doc, "mp/grad_norm")
+    x, y = _series(doc, M.GRAD_NORM)
     if not x:
         x, y = _series(doc, "grad_norm")
     if x:
         fig, ax = plt.subplots(figsize=(7, 3.5))
         ax.plot(x, y, label="grad norm (unscaled, before clipping)", lw=1)
-        tx, ty = _series(doc, "mp/clip_threshold")
+        tx, ty = _series(doc, M.CLIP_THRESHOLD)
         if tx:
             ax.plot(tx, ty, label="clip threshold", lw=1, ls="--")
         ax.set_yscale("log")
@@ -179,19 +180,21 @@ def build_plots(run_dir: str | Path, doc: dict[str, Any] | None = None) -> list[
         ax.legend(fontsize=8)
         save(fig, "grad_norm.png")
 
-    x, y = _series(doc, "mp/skipped_steps")
+    x, y = _series(doc, M.SKIPPED_STEPS)
     if x:
         fig, ax = plt.subplots(figsize=(7, 3))
         ax.step(x, y, where="post", color="tab:red")
         ax.set(title="skipped optimizer steps (cumulative)", xlabel="step")
         save(fig, "skipped_steps.png")
 
-    sat = {k: _series(doc, k) for k in doc.get("series", {}) if k.startswith("mp/fp8/") and k.endswith("/saturation")}
+    sat = {
+        k: _series(doc, k) for k in doc.get("series", {}) if k.startswith(M.FP8_PREFIX) and k.endswith("/saturation")
+    }
     if sat:
         fig, ax = plt.subplots(figsize=(7, 4))
         top = sorted(sat.items(), key=lambda kv: -max(kv[1][1] or [0]))[:8]
         for key, (sx, sy) in top:
-            ax.plot(sx, [100 * v for v in sy], label=key[len("mp/fp8/") : -len("/saturation")], lw=1, marker=".")
+            ax.plot(sx, [100 * v for v in sy], label=key[len(M.FP8_PREFIX) : -len("/saturation")], lw=1, marker=".")
         ax.set(title="FP8 saturation per layer (top 8)", xlabel="step", ylabel="% of values clipped")
         ax.legend(fontsize=7)
         save(fig, "fp8_saturation.png")

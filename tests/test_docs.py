@@ -17,3 +17,16 @@ def test_recipe_reference_is_up_to_date():
     text = (ROOT / "docs" / "recipes.md").read_text()
     for key in ("`fp8.amax_history_len`", "`loss_scale.hysteresis`", "`clipping.z_thresh`", "`distributed.zero_stage`"):
         assert key in text
+
+
+def test_metric_table_in_health_md_is_the_one_in_the_code():
+    """docs/health.md's `mp/` metric table lists exactly :data:`hf_mixedprec.metrics.METRICS`, same words."""
+    from hf_mixedprec.metrics import METRICS
+
+    text = (ROOT / "docs" / "health.md").read_text()
+    table = text[text.index("| metric | meaning |") :].split("\n\n")[0].splitlines()[2:]
+    rows = {}
+    for line in table:
+        name, meaning = (c.strip() for c in line.strip("|").split(" | ", 1))
+        rows[name.replace("`", "")] = meaning
+    assert rows == METRICS

@@ -1,0 +1,56 @@
+"""The names of the metrics hf_mixedprec adds to Trainer's log rows (``mp/...``), in one place.
+
+Use these constants to read the metrics back (``row[metrics.SKIPPED_STEPS]``) instead of spelling the keys.
+:data:`METRICS` is the documented table (docs/health.md shows the same rows; a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CLIPPED",
+    "CLIP_THRESHOLD",
+    "FP8_PREFIX",
+    "GRAD_NORM",
+    "HEALTH_EVENTS",
+    "LOSS_SCALE",
+    "METRICS",
+    "OVERFLOW",
+    "PREFIX",
+    "SKIPPED_STEPS",
+    "fp8_layer_key",
+]
+
+PREFIX = "mp/"
+LOSS_SCALE = "mp/loss_scale"
+SKIPPED_STEPS = "mp/skipped_steps"
+GRAD_NORM = "mp/grad_norm"
+CLIP_THRESHOLD = "mp/clip_threshold"
+CLIPPED = "mp/clipped"
+HEALTH_EVENTS = "mp/health_events"
+OVERFLOW = "mp/overflow"
+FP8_PREFIX = "mp/fp8/"
+#: Per-layer FP8 statistics: ``mp/fp8/<layer>/<stat>``.
+FP8_LAYER_STATS = ("saturation", "underflow", "sqnr_db", "input_amax")
+
+#: metric (or pattern) -> meaning.
+METRICS: dict[str, str] = {
+    LOSS_SCALE: "the GradScaler's scale (FP16; also DeepSpeed's scale under DeepSpeed)",
+    SKIPPED_STEPS: "optimizer steps skipped so far (overflow or `skip_step`); present whenever a GradScaler exists "
+    "(FP16, or the scale-1 guard)",
+    GRAD_NORM: "the last step's total gradient norm, unscaled, before clipping; inf or NaN on an overflow step",
+    CLIP_THRESHOLD: "where the recipe's clipper clips now (ZClip: absent during its 25-step warm-up)",
+    CLIPPED: "1 if the last step was clipped, else 0",
+    HEALTH_EVENTS: "events so far",
+    OVERFLOW: "DeepSpeed only: its overflow flag",
+    "mp/fp8/<layer>/saturation, /underflow": "from the last FP8 sampled step: the largest fraction over the "
+    "layer's input, weight and gradient (0.0625 = 6.25%)",
+    "mp/fp8/<layer>/sqnr_db": "the smallest SQNR over input, weight and gradient, in dB",
+    "mp/fp8/<layer>/input_amax": "the input's absolute maximum",
+}
+
+
+def fp8_layer_key(layer: str, stat: str) -> str:
+    """``mp/fp8/<layer>/<stat>`` for one of :data:`FP8_LAYER_STATS`."""
+    if stat not in FP8_LAYER_STATS:
+        raise ValueError(f"{stat!r} is not an FP8 layer statistic (allowed: {', '.join(FP8_LAYER_STATS)})")
+    return f"{FP8_PREFIX}{layer}/{stat}"
