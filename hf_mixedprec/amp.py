@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch.amp import grad_scaler as _torch_grad_scaler
 from torch.optim.lr_scheduler import LambdaLR
 
+from hf_mixedprec import metrics as M
 from hf_mixedprec._device import AsyncRead
-from hf_mixedprec.recipe import Recipe
+from hf_mixedprec.schema import RecipeSpec
 
 __all__ = ["GuardScaler", "LossScaling"]
 
@@ -167,7 +168,7 @@ class LossScaling:
     skipped-step count and the LR-schedule rewind. Owned by the runtime; nothing here reads a device value on
     the host except :meth:`metrics`, :meth:`skipped_count` and the one-step-late skip-flag read."""
 
-    def __init__(self, recipe: Recipe, device: torch.device, note: Callable[[str], None]) -> None:
+    def __init__(self, recipe: RecipeSpec, device: torch.device, note: Callable[[str], None]) -> None:
         self.recipe = recipe
         self.device = device
         self._note = note
@@ -343,14 +344,14 @@ class LossScaling:
         out: dict[str, float] = {}
         if external is not None:
             if external.get("loss_scale") is not None:
-                out["mp/loss_scale"] = float(external["loss_scale"])
-            out["mp/overflow"] = float(bool(external.get("overflow")))
+                out[M.LOSS_SCALE] = float(external["loss_scale"])
+            out[M.OVERFLOW] = float(bool(external.get("overflow")))
             if external.get("skipped_steps") is not None:
-                out["mp/skipped_steps"] = float(external["skipped_steps"])
+                out[M.SKIPPED_STEPS] = float(external["skipped_steps"])
         if self.scaler is not None:
             if not self.guard:
-                out["mp/loss_scale"] = float(self.scaler.get_scale())
-            out["mp/skipped_steps"] = float(self.skipped.item())
+                out[M.LOSS_SCALE] = float(self.scaler.get_scale())
+            out[M.SKIPPED_STEPS] = float(self.skipped.item())
         return out
 
     def skipped_count(self) -> int:

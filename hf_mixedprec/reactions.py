@@ -16,7 +16,7 @@ from torch import nn
 
 from hf_mixedprec.fp8 import iter_emulated
 from hf_mixedprec.health import HealthEvent, layers_to_bf16
-from hf_mixedprec.recipe import Recipe
+from hf_mixedprec.schema import RecipeSpec
 
 __all__ = ["Reactions"]
 
@@ -27,7 +27,7 @@ class Reactions:
     """Applies the recipe's reactions to health events and keeps what they decided (all restored on resume):
     :attr:`events`, :attr:`stop_requested`, :attr:`fallback_recipe`, :attr:`moved_layers`."""
 
-    def __init__(self, recipe: Recipe, note: Callable[[str], None]) -> None:
+    def __init__(self, recipe: RecipeSpec, note: Callable[[str], None]) -> None:
         self.recipe = recipe
         self._note = note
         self.events: list[dict[str, Any]] = []

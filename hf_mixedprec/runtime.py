@@ -23,6 +23,7 @@ import contextlib
 import functools
 import logging
 import os
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,13 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_mixedprec import metrics as M
 from hf_mixedprec._device import Constants
 from hf_mixedprec.amp import GuardScaler, LossScaling
 from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper
 from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated
 from hf_mixedprec.health import HealthEvent, HealthMonitor
 from hf_mixedprec.reactions import Reactions
-from hf_mixedprec.recipe import Recipe
+from hf_mixedprec.schema import RecipeSpec
 
 __all__ = ["GuardScaler", "MixedPrecisionRuntime", "compute_dtype", "is_main_rank"]
 
@@ -54,7 +56,11 @@ def is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def compute_dtype(recipe: Recipe) -> torch.dtype | None:
+#: Models whose forward already runs under a recipe's autocast (weak: no attribute is set on the user's model).
+_AUTOCAST_WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def compute_dtype(recipe: RecipeSpec) -> torch.dtype | None:
     """The autocast dtype a recipe trains in (None for fp32). FP8 layers sit inside a BF16 autocast."""
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(recipe.precision)
 
@@ -75,7 +81,7 @@ def _delegate(part: str, name: str, doc: str, *, writable: bool = True) -> Any:
 class MixedPrecisionRuntime:
     """Applies one recipe to one model/optimizer pair (see module docs)."""
 
-    def __init__(self, recipe: Recipe, *, device: torch.device | str = "cpu", rehearse: bool | None = None):
+    def __init__(self, recipe: RecipeSpec, *, device: torch.device | str = "cpu", rehearse: bool | None = None):
         self.recipe = recipe
         self.device = torch.device(device)
         self.rehearse = bool(recipe.rehearse if rehearse is None else rehearse)
@@ -161,7 +167,7 @@ class MixedPrecisionRuntime:
 
     def wrap_forward_with_autocast(self, model: nn.Module) -> None:
         """Run ``model.forward`` under the recipe's autocast (where the framework would not)."""
-        if compute_dtype(self.recipe) is None or getattr(model, "_hf_mixedprec_autocast", False):
+        if compute_dtype(self.recipe) is None or model in _AUTOCAST_WRAPPED:
             return
         inner = model.forward
 
@@ -171,7 +177,7 @@ class MixedPrecisionRuntime:
                 return inner(*args, **kwargs)
 
         model.forward = forward  # type: ignore[method-assign]
-        model._hf_mixedprec_autocast = True  # type: ignore[attr-defined]
+        _AUTOCAST_WRAPPED.add(model)
 
     def apply_tf32(self) -> None:
         if self.device.type == "cuda":
@@ -315,7 +321,7 @@ class MixedPrecisionRuntime:
         """The ``mp/`` metrics of the last step; reads device values, so only when a log is due."""
         out = self.amp.metrics(self.external_scaler() if self.external_scaler is not None else None)
         if self.monitor is not None:
-            out["mp/health_events"] = float(len(self.events))
+            out[M.HEALTH_EVENTS] = float(len(self.events))
         out.update(self._fp8_metrics)
         self._fp8_metrics = {}
         if self.clipper is not None:
@@ -414,14 +420,14 @@ class _UpdateProbe:
 
 def _clip_metrics(last: ClipResult, clipper: Clipper | None) -> dict[str, float]:
     """``mp/grad_norm``, ``mp/clip_threshold`` (when there is one) and ``mp/clipped`` of the last step (host reads)."""
-    out = {"mp/grad_norm": float(last.total_norm.item())}
+    out = {M.GRAD_NORM: float(last.total_norm.item())}
     thr = float(last.threshold.item())
     boundary = getattr(clipper, "boundary", None)
     if thr == float("inf") and boundary is not None:
         thr = float(boundary().item())  # ZClip on an unclipped step: where clipping would start
     if thr == thr and thr != float("inf"):  # NaN (AGC) and inf (warm-up) are not thresholds
-        out["mp/clip_threshold"] = thr
-    out["mp/clipped"] = float(last.clipped.item())
+        out[M.CLIP_THRESHOLD] = thr
+    out[M.CLIPPED] = float(last.clipped.item())
     return out
 
 
@@ -433,10 +439,16 @@ def _fp8_layer_metrics(model: nn.Module) -> dict[str, float]:
         if not st:
             continue
         vals = {k: float(v) for k, v in st.items()}
-        out[f"mp/fp8/{name}/saturation"] = max(vals.get(f"{r}_saturation", 0.0) for r in ("input", "weight", "grad"))
-        out[f"mp/fp8/{name}/underflow"] = max(vals.get(f"{r}_underflow", 0.0) for r in ("input", "weight", "grad"))
-        out[f"mp/fp8/{name}/sqnr_db"] = min(vals.get(f"{r}_sqnr_db", float("inf")) for r in ("input", "weight", "grad"))
-        out[f"mp/fp8/{name}/input_amax"] = vals.get("input_amax", 0.0)
+        out[M.fp8_layer_key(name, "saturation")] = max(
+            vals.get(f"{r}_saturation", 0.0) for r in ("input", "weight", "grad")
+        )
+        out[M.fp8_layer_key(name, "underflow")] = max(
+            vals.get(f"{r}_underflow", 0.0) for r in ("input", "weight", "grad")
+        )
+        out[M.fp8_layer_key(name, "sqnr_db")] = min(
+            vals.get(f"{r}_sqnr_db", float("inf")) for r in ("input", "weight", "grad")
+        )
+        out[M.fp8_layer_key(name, "input_amax")] = vals.get("input_amax", 0.0)
     return out
 
 
