@@ -480,8 +480,7 @@ def test_no_sync_on_cuda_with_sync_debug_mode_error(name):
             loss = model(input_ids=x, labels=x).loss
         rt.record_loss(loss)
         scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        with no_sync(quiet):
+        with no_sync(quiet):  # unscales (FP16) or marks the guard's optimizer state itself
             rt.before_optimizer_step(model.parameters(), opt)
         scaler.step(opt)
         scaler.update()
