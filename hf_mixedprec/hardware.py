@@ -1,6 +1,7 @@
 """Which hardware can run which recipe, decided by a pure function of (device, capability, versions).
 
-Facts (Transformer Engine's own checks, see DESIGN.md): FP8 delayed/current scaling needs compute
+Facts (Transformer Engine's own checks: ``check_fp8_support``, ``check_mxfp8_support`` and
+``check_fp8_block_scaling_support`` in ``transformer_engine/pytorch/fp8.py``): FP8 delayed/current scaling needs compute
 capability >= 8.9 (Ada also needs CUDA >= 12.1); blockwise FP8 needs >= 9.0 and CUDA >= 12.9; MXFP8 needs
 10.x (not 12.x); V100 (7.0) and T4 (7.5) have no BF16 and no FP8; A100 (8.0) has BF16 and TF32 but no FP8.
 TE's default recipe is MXFP8 on 10.x, current scaling on 12.x and delayed scaling otherwise.
