@@ -34,6 +34,7 @@ from hf_mixedprec._device import AsyncRead, Constants
 
 __all__ = [
     "AGC",
+    "CLIP_DEFAULTS",
     "CLIP_METHODS",
     "STATE_VERSION",
     "AutoClip",
@@ -50,6 +51,19 @@ STATE_VERSION = 1
 
 _COEF_EPS = 1e-6
 """Added to the norm in the scale factor ``threshold / (norm + 1e-6)``, as ``torch.nn.utils.clip_grad_norm_``."""
+
+#: Each method's recipe parameters and their defaults (the clippers' keyword defaults come from here).
+CLIP_DEFAULTS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "norm": {"max_norm": 1.0},
+    # ZClip (2025): 25 warm-up steps, EMA alpha 0.97, z threshold 2.5; max_norm is an optional hard cap.
+    "zclip": {"alpha": 0.97, "z_thresh": 2.5, "warmup_steps": 25, "max_norm": None},
+    # AutoClip (2020): clip at the p-th percentile of the grad-norm history.
+    "autoclip": {"percentile": 10.0, "history_size": 1000},
+    # AGC (2021): clip each unit's gradient to clip_factor * max(||W_i||, eps).
+    "agc": {"clip_factor": 0.01, "eps": 0.001},
+}
+_NORM, _ZCLIP, _AUTOCLIP, _AGC = (CLIP_DEFAULTS[m] for m in ("norm", "zclip", "autoclip", "agc"))
 
 Params = Tensor | Iterable[Tensor] | Iterable[tuple[str, Tensor]]
 """``model.parameters()``, ``model.named_parameters()``, a list of either, or one tensor."""
@@ -305,7 +319,7 @@ class NormClipper(Clipper):
     the gradients are left untouched (torch would multiply them by 0 or NaN).
     """
 
-    def __init__(self, max_norm: float = 1.0) -> None:
+    def __init__(self, max_norm: float = _NORM["max_norm"]) -> None:
         super().__init__()
         self.max_norm = _check_float("max_norm", max_norm, low=0.0)
 
@@ -356,12 +370,12 @@ class ZClip(Clipper):
 
     def __init__(
         self,
-        alpha: float = 0.97,
-        z_thresh: float = 2.5,
-        warmup_steps: int = 25,
+        alpha: float = _ZCLIP["alpha"],
+        z_thresh: float = _ZCLIP["z_thresh"],
+        warmup_steps: int = _ZCLIP["warmup_steps"],
         mode: Literal["zscore", "percentile"] = "zscore",
         clip_option: Literal["adaptive_scaling", "mean"] = "adaptive_scaling",
-        max_norm: float | None = None,
+        max_norm: float | None = _ZCLIP["max_norm"],
         eps: float = 1e-6,
     ) -> None:
         super().__init__()
@@ -536,7 +550,9 @@ class AutoClip(Clipper):
 
     _state_names = ("history", "count")
 
-    def __init__(self, percentile: float = 10.0, history_size: int | None = 1000) -> None:
+    def __init__(
+        self, percentile: float = _AUTOCLIP["percentile"], history_size: int | None = _AUTOCLIP["history_size"]
+    ) -> None:
         super().__init__()
         self.percentile = _check_float("percentile", percentile, low=0.0, high=100.0, low_open=False)
         self.history_size = None if history_size is None else _check_int("history_size", history_size, low=1)
@@ -609,8 +625,8 @@ class AGC(Clipper):
 
     def __init__(
         self,
-        clip_factor: float = 0.01,
-        eps: float = 1e-3,
+        clip_factor: float = _AGC["clip_factor"],
+        eps: float = _AGC["eps"],
         exclude: Callable[[str], bool] | Sequence[str] | None = None,
         include_1d: bool = True,
     ) -> None:

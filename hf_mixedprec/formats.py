@@ -1,17 +1,33 @@
-"""Number-format facts: the limits of FP8 (E4M3, E5M2), FP16, BF16 and their torch dtypes.
+"""Number-format facts: the limits of FP8 (E4M3, E5M2), FP16, BF16, their torch dtypes, and defaults.
 
 Values follow the OCP 8-bit floating point spec as used by Transformer Engine and torchao:
 E4M3 (``float8_e4m3fn``) max 448, E5M2 max 57344; FP16 max 65504 with min normal 2**-14;
-BF16 shares FP32's exponent range.  This module is the only place such constants live.
+BF16 shares FP32's exponent range.  Also here, because every layer needs them and they must be written once:
+the compute format of each recipe precision (:data:`COMPUTE_FORMATS`) and the FP8 scaling options' defaults
+(:data:`FP8_SCALING_DEFAULTS`).  This module is the only place such constants live.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["BF16", "E4M3", "E5M2", "FLOAT32_MAX", "FORMATS", "FP16", "FP32", "NumberFormat", "get_format"]
+__all__ = [
+    "BF16",
+    "COMPUTE_FORMATS",
+    "E4M3",
+    "E5M2",
+    "FLOAT32_MAX",
+    "FORMATS",
+    "FP8_SCALING_DEFAULTS",
+    "FP16",
+    "FP32",
+    "NumberFormat",
+    "compute_dtype",
+    "get_format",
+]
 
 #: Largest finite float32; TE replaces an infinite scale with this value.
 FLOAT32_MAX: float = float(torch.finfo(torch.float32).max)
@@ -79,3 +95,27 @@ def get_format(fmt: str | torch.dtype | NumberFormat) -> NumberFormat:
     if key not in FORMATS:
         raise ValueError(f"unknown number format {fmt!r} (allowed: {', '.join(FORMATS)})")
     return FORMATS[key]
+
+
+#: The format a recipe precision computes in (its autocast dtype; ``.name`` is Accelerate's ``mixed_precision``).
+#: FP8 layers run inside a BF16 autocast; ``fp32`` has no entry (no autocast).
+COMPUTE_FORMATS: dict[str, NumberFormat] = {"fp16": FP16, "bf16": BF16, "fp8": BF16}
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of a recipe precision (``None`` for ``fp32``)."""
+    fmt = COMPUTE_FORMATS.get(precision)
+    return None if fmt is None else fmt.dtype
+
+
+#: The options each FP8 scaling accepts, and their defaults (an option not listed does not apply to it).
+FP8_SCALING_DEFAULTS: dict[str, dict[str, Any]] = {
+    # TE DelayedScaling (transformer_engine/common/recipe/__init__.py): margin=0, amax_history_len=1024, "max".
+    "delayed": {"amax_history_len": 1024, "amax_compute_algo": "max", "margin": 0},
+    # TE Float8CurrentScaling / torchao tensorwise: amax now, optional epsilon floor, optional pow-2 scales.
+    "current": {"epsilon": 0.0, "power_2_scales": False},
+    # OCP MX v1.0: 32-element blocks with an E8M0 scale; TE uses the RCEIL rule.
+    "mxfp8": {"mx_rounding": "rceil", "block_size": 32, "margin": 0},
+    # TE Float8BlockScaling: 1x128 activation/grad tiles, 128x128 weight blocks, pow-2 scales by default.
+    "blockwise": {"block_size": 128, "power_2_scales": True},
+}

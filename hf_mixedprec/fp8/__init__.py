@@ -17,7 +17,8 @@ from torch import nn
 from hf_mixedprec.fp8.emulated import EmulatedFP8Linear, EmulationSpec, fp8_step, iter_emulated
 from hf_mixedprec.fp8.policy import LayerDecision, plan_conversion
 from hf_mixedprec.fp8.report import ConversionReport
-from hf_mixedprec.recipe import Recipe
+from hf_mixedprec.fp8.swap import replace_module
+from hf_mixedprec.schema import RecipeSpec
 
 __all__ = [
     "ConversionReport",
@@ -28,6 +29,7 @@ __all__ = [
     "fp8_step",
     "iter_emulated",
     "plan_conversion",
+    "replace_module",
     "resolve_backend",
 ]
 
@@ -44,7 +46,7 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def resolve_backend(recipe: Recipe, device: torch.device) -> tuple[str, list[str]]:
+def resolve_backend(recipe: RecipeSpec, device: torch.device) -> tuple[str, list[str]]:
     """The concrete backend for ``recipe.fp8.backend`` on ``device``, and notes on the choice."""
     assert recipe.fp8 is not None
     choice = recipe.fp8.backend
@@ -72,7 +74,7 @@ def _model_device(model: nn.Module) -> torch.device:
 
 def convert(
     model: nn.Module,
-    recipe: Recipe,
+    recipe: RecipeSpec,
     *,
     backend: str | None = None,
     optimizer: torch.optim.Optimizer | None = None,
@@ -100,13 +102,9 @@ def convert(
     decisions = plan_conversion(model, recipe.fp8, converted_types=converted_types)
     if backend == "emulated":
         spec = EmulationSpec.from_config(recipe.fp8)
-        modules = dict(model.named_modules())
         for d in decisions:
-            if d.fp8 and d.reason != "already FP8":
-                old = modules[d.name]
-                new = EmulatedFP8Linear(old, spec)
-                parent, _, child = d.name.rpartition(".")
-                setattr(modules[parent] if parent else model, child, new)
+            if d.to_swap:
+                replace_module(model, d.name, EmulatedFP8Linear(model.get_submodule(d.name), spec))
     elif backend == "torchao":
         from hf_mixedprec.fp8.torchao_backend import convert_torchao
 

@@ -6,6 +6,7 @@ name patterns (``keep_in_bf16``, fnmatch globs on the dotted module name), the f
 blocks (``keep_first_last_blocks``), and dimensions not divisible by ``align`` (FP8 GEMMs in TE and torchao
 want multiples of 16; MXFP8 needs whole 32-element blocks). Embeddings are lookups, not GEMMs, and are
 listed as kept. Every layer gets a decision: planning never stops at the first layer it cannot convert.
+A layer that is already an FP8 module is listed as FP8 with ``already_fp8`` set: the backends leave it alone.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from hf_mixedprec.recipe import FP8Config
+from hf_mixedprec.schema import FP8Config
 
-__all__ = ["LayerDecision", "find_block_list", "plan_conversion"]
+__all__ = ["ALREADY_FP8", "LayerDecision", "find_block_list", "plan_conversion"]
+
+#: The reason given for a layer that was an FP8 module before conversion (its decision has ``already_fp8``).
+ALREADY_FP8 = "already FP8"
 
 
 @dataclass(frozen=True)
@@ -32,9 +36,19 @@ class LayerDecision:
     out_features: int
     fp8: bool
     reason: str
+    already_fp8: bool = False
+    """The layer was an FP8 module before conversion: it counts as FP8 and nothing replaces it."""
+
+    @property
+    def to_swap(self) -> bool:
+        """Whether conversion replaces this layer with an FP8 one (FP8 and not FP8 already)."""
+        return self.fp8 and not self.already_fp8
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        """The report's fields (``already_fp8`` shows as the reason text :data:`ALREADY_FP8`)."""
+        d = asdict(self)
+        del d["already_fp8"]
+        return d
 
 
 def find_block_list(model: nn.Module) -> tuple[str, int] | None:
@@ -76,7 +90,7 @@ def plan_conversion(model: nn.Module, cfg: FP8Config, *, converted_types: Iterab
             continue
         if converted_types and isinstance(mod, converted_types):
             in_f, out_f = getattr(mod, "in_features", 0), getattr(mod, "out_features", 0)
-            decisions.append(LayerDecision(name, "Linear", in_f, out_f, True, "already FP8"))
+            decisions.append(LayerDecision(name, "Linear", in_f, out_f, True, ALREADY_FP8, already_fp8=True))
             continue
         if not isinstance(mod, nn.Linear):
             continue

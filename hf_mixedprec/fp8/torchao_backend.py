@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hf_mixedprec.fp8.policy import LayerDecision
-from hf_mixedprec.recipe import Recipe
+from hf_mixedprec.schema import RecipeSpec
 
 __all__ = ["TORCHAO_INSTALL_HINT", "convert_torchao", "torchao_config"]
 
@@ -36,7 +36,7 @@ def _emulate_needed(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) < (8, 9)
 
 
-def torchao_config(recipe: Recipe, *, emulate: bool) -> Any:
+def torchao_config(recipe: RecipeSpec, *, emulate: bool) -> Any:
     """Build torchao's ``Float8LinearConfig`` for ``recipe``; refuse what torchao cannot express."""
     try:
         from torchao.float8 import Float8LinearConfig
@@ -75,7 +75,7 @@ def torchao_config(recipe: Recipe, *, emulate: bool) -> Any:
     return dataclasses.replace(cfg, emulate=emulate)
 
 
-def convert_torchao(model: nn.Module, recipe: Recipe, decisions: list[LayerDecision]) -> list[str]:
+def convert_torchao(model: nn.Module, recipe: RecipeSpec, decisions: list[LayerDecision]) -> list[str]:
     """Convert the planned Linears with torchao; return notes for the report."""
     try:
         from torchao.float8 import convert_to_float8_training
@@ -90,6 +90,6 @@ def convert_torchao(model: nn.Module, recipe: Recipe, decisions: list[LayerDecis
             f"torchao runs with emulate=True on {device.type} (exact FP8 casts, high-precision GEMMs: no speed-up)"
         )
     cfg = torchao_config(recipe, emulate=emulate)
-    wanted = {d.name for d in decisions if d.fp8 and d.reason != "already FP8"}
+    wanted = {d.name for d in decisions if d.to_swap}
     convert_to_float8_training(model, config=cfg, module_filter_fn=lambda mod, fqn: fqn in wanted)
     return notes

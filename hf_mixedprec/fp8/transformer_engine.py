@@ -1,8 +1,8 @@
 """Transformer Engine backend: recipe -> TE recipe object, Linear swap, and the autocast around forward.
 
 Transformer Engine is imported lazily (only inside :func:`build_te_recipe` and :func:`convert_te`), so the
-rest of the package, and :func:`te_recipe_spec`, work without it. The spec targets the TE 2.x recipe classes
-in ``transformer_engine.common.recipe`` (DESIGN.md lists their fields):
+rest of the package, :func:`te_recipe_spec` and :func:`accelerate_fp8_config` work without it. The spec
+targets the TE 2.x recipe classes of ``transformer_engine/common/recipe/__init__.py``:
 
 - ``DelayedScaling(margin, fp8_format, amax_history_len, amax_compute_algo, reduce_amax, ...)``
 - ``Float8CurrentScaling(fp8_format, use_power_2_scales, ...)``: TE never forwards an amax epsilon, so a
@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from hf_mixedprec.fp8.policy import LayerDecision
-from hf_mixedprec.recipe import Recipe
+from hf_mixedprec.fp8.swap import replace_module
+from hf_mixedprec.schema import RecipeSpec
 
-__all__ = ["TE_INSTALL_HINT", "build_te_recipe", "convert_te", "te_recipe_spec"]
+__all__ = ["TE_INSTALL_HINT", "accelerate_fp8_config", "build_te_recipe", "convert_te", "te_recipe_spec"]
 
 log = logging.getLogger("hf_mixedprec")
 
@@ -34,7 +35,7 @@ TE_INSTALL_HINT = (
 )
 
 
-def te_recipe_spec(recipe: Recipe) -> tuple[str, dict[str, Any]]:
+def te_recipe_spec(recipe: RecipeSpec) -> tuple[str, dict[str, Any]]:
     """The TE recipe class name and its keyword arguments for ``recipe`` (pure; needs no TE).
 
     ``fp8_format`` is given by name ("HYBRID" or "E4M3"); :func:`build_te_recipe` turns it into TE's
@@ -84,6 +85,23 @@ def te_recipe_spec(recipe: Recipe) -> tuple[str, dict[str, Any]]:
     raise ValueError(f"fp8.scaling: {fp8.scaling!r} has no Transformer Engine recipe")
 
 
+def accelerate_fp8_config(recipe: RecipeSpec) -> dict[str, Any] | None:
+    """The ``fp8_config`` of an ``accelerate launch`` config for ``recipe``, from :func:`te_recipe_spec`.
+
+    Its keys are those Accelerate's launcher exports as ``ACCELERATE_FP8_*`` for ``TERecipeKwargs``, which
+    builds only ``DelayedScaling`` and ``MXFP8BlockScaling`` (Accelerate 1.15); ``None`` for other classes.
+    """
+    cls_name, kwargs = te_recipe_spec(recipe)
+    cfg: dict[str, Any] = {"backend": "TE", "fp8_format": kwargs["fp8_format"], "use_autocast_during_eval": False}
+    if cls_name == "DelayedScaling":
+        cfg.update({k: kwargs[k] for k in ("amax_history_len", "amax_compute_algo", "margin")})
+    elif cls_name == "MXFP8BlockScaling":
+        cfg.update(margin=kwargs["margin"], use_mxfp8_block_scaling=True)
+    else:
+        return None
+    return cfg
+
+
 def _import_te() -> Any:
     try:
         import transformer_engine.common.recipe as te_recipe
@@ -93,7 +111,7 @@ def _import_te() -> Any:
     return te, te_recipe
 
 
-def build_te_recipe(recipe: Recipe) -> Any:
+def build_te_recipe(recipe: RecipeSpec) -> Any:
     """Instantiate the TE recipe object for ``recipe`` (imports Transformer Engine).
 
     In TE 2.x, ``Float8CurrentScaling`` and ``Float8BlockScaling`` derive their per-tensor ``QParams``
@@ -123,7 +141,7 @@ def _te_autocast(te: Any, te_rec: Any) -> Any:
 
 
 def convert_te(
-    model: nn.Module, recipe: Recipe, decisions: list[LayerDecision], optimizer: torch.optim.Optimizer | None = None
+    model: nn.Module, recipe: RecipeSpec, decisions: list[LayerDecision], optimizer: torch.optim.Optimizer | None = None
 ) -> list[str]:
     """Swap the planned Linears for ``te.Linear`` (weights copied), wrap ``forward`` in TE's autocast.
 
@@ -134,11 +152,10 @@ def convert_te(
     te_rec = build_te_recipe(recipe)
     notes: list[str] = []
     mapping: dict[int, nn.Parameter] = {}
-    modules = dict(model.named_modules())
     for d in decisions:
-        if not d.fp8 or d.reason == "already FP8":
+        if not d.to_swap:
             continue
-        old = modules[d.name]
+        old = model.get_submodule(d.name)
         assert isinstance(old, nn.Linear)
         new = te.Linear(
             old.in_features,
@@ -155,8 +172,7 @@ def convert_te(
         mapping[id(old.weight)] = new.weight
         if old.bias is not None:
             mapping[id(old.bias)] = new.bias
-        parent_name, _, child = d.name.rpartition(".")
-        setattr(modules[parent_name] if parent_name else model, child, new)
+        replace_module(model, d.name, new)
     if optimizer is not None:
         for group in optimizer.param_groups:
             group["params"] = [mapping.get(id(p), p) for p in group["params"]]
