@@ -21,7 +21,8 @@ Detectors (thresholds from the recipe's ``health``):
   update smaller than half an ulp (2**-9 of the weight, about 2e-3) rounds away and the weight stops
   changing. Parameters kept in FP32 (Trainer's default with autocast) accumulate any update, so they are
   not measured;
-- ``fp8_saturation`` / ``fp8_underflow`` / ``fp8_sqnr`` / ``mx_clamp``: per FP8 layer, on sampled steps.
+- ``fp8_saturation`` / ``fp8_underflow`` / ``fp8_sqnr`` / ``mx_clamp``: per FP8 layer, on sampled steps, from
+  the layers' :class:`~hf_mixedprec.scaling.stats.LayerStats` (:func:`layer_breaches` decides, for simulate too).
 
 A detector whose reaction is ``skip_step`` marks the step for skipping on the device (see
 :meth:`skip_flag`); the runtime folds that into the GradScaler's found-inf so the optimizer skips it exactly.
@@ -30,6 +31,7 @@ A detector whose reaction is ``skip_step`` marks the step for skipping on the de
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -37,9 +39,10 @@ import torch
 from torch import Tensor, nn
 
 from hf_mixedprec._device import Constants
-from hf_mixedprec.recipe import DetectorConfig, HealthConfig
+from hf_mixedprec.scaling.stats import ROLES, LayerStats
+from hf_mixedprec.schema import DetectorConfig, DetectorsConfig, HealthConfig
 
-__all__ = ["STEP_DETECTORS", "HealthEvent", "HealthMonitor", "threshold_of"]
+__all__ = ["STEP_DETECTORS", "HealthEvent", "HealthMonitor", "LayerBreach", "layer_breaches", "threshold_of"]
 
 STEP_DETECTORS = (
     "nonfinite_loss",
@@ -52,6 +55,7 @@ STEP_DETECTORS = (
     "grad_spike",
     "tiny_update",
 )
+#: Per-layer FP8 detector -> the :class:`~hf_mixedprec.scaling.stats.RoleStats` metric it watches.
 LAYER_DETECTORS = {
     "fp8_saturation": "saturation",
     "fp8_underflow": "underflow",
@@ -78,6 +82,34 @@ class HealthEvent:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class LayerBreach:
+    """A per-layer FP8 detector's threshold crossed by one operand of one layer."""
+
+    detector: str
+    role: str
+    metric: str
+    value: float
+    threshold: float
+
+
+def layer_breaches(values: Mapping[str, Mapping[str, float]], detectors: DetectorsConfig) -> list[LayerBreach]:
+    """The per-layer FP8 detectors one layer's ``values`` (role -> metric -> value) set off, role by role in
+    :data:`LAYER_DETECTORS` order. SQNR fires below its threshold, the other metrics above; a disabled
+    detector, one without a threshold, a metric not measured and NaN never fire."""
+    out = []
+    for role in ROLES:
+        got = values.get(role, {})
+        for det_name, metric in LAYER_DETECTORS.items():
+            cfg: DetectorConfig = getattr(detectors, det_name)
+            v = got.get(metric)
+            if not cfg.enabled or cfg.threshold is None or v is None:
+                continue
+            if v < cfg.threshold if metric == "sqnr_db" else v > cfg.threshold:
+                out.append(LayerBreach(det_name, role, metric, v, cfg.threshold))
+    return out
 
 
 class _Ring:
@@ -119,7 +151,7 @@ class HealthMonitor:
         self.fired = dict.fromkeys(STEP_DETECTORS, False)
         self.first_step = dict.fromkeys(STEP_DETECTORS, -1)
         self.value = dict.fromkeys(STEP_DETECTORS, 0.0)
-        self.layer_values: dict[str, dict[str, Tensor]] = {}
+        self.layer_values: dict[str, LayerStats] = {}
         # per-step records not yet replayed: the open step, closed steps, and stacked chunks of older ones
         self._cur: dict[str, Tensor] = {}
         self._rows: list[tuple[int, dict[str, Tensor]]] = []
@@ -213,16 +245,14 @@ class HealthMonitor:
         self._rows = []
 
     # -- FP8 layers (sampled steps) ------------------------------------------------------------------
-    def observe_fp8(self, layers: dict[str, dict[str, Tensor]]) -> None:
-        """Per-layer FP8 statistics (``EmulatedFP8Linear.stats``) from a sampled step; the worst of the samples
-        since the last check is kept until :meth:`check` (a logging step) reads it."""
+    def observe_fp8(self, layers: Mapping[str, LayerStats | Mapping[str, Tensor]]) -> None:
+        """Per-layer FP8 statistics (``EmulatedFP8Linear.stats``, or its flat ``dict``) from a sampled step; the
+        worst of the samples since the last check is kept until :meth:`check` (a logging step) reads it."""
         for name, stats in layers.items():
-            seen = self.layer_values.setdefault(name, {})
-            for k, v in stats.items():
-                v = v.detach()
-                if k in seen:  # several samples before a check: keep the worst of them
-                    v = torch.minimum(seen[k], v) if k.endswith("sqnr_db") else torch.maximum(seen[k], v)
-                seen[k] = v
+            new = LayerStats.from_flat(stats).detach()
+            seen = self.layer_values.get(name)
+            # several samples before a check: keep the worst of them
+            self.layer_values[name] = new if seen is None else seen.worst(new)
 
     # -- decisions (host sync) -------------------------------------------------------------------------
     def sync(self) -> None:
@@ -309,22 +339,21 @@ class HealthMonitor:
 
     def _check_layers(self) -> list[HealthEvent]:
         events: list[HealthEvent] = []
-        if not self.layer_values:
+        active = [
+            n for n in LAYER_DETECTORS if getattr(self.det, n).enabled and getattr(self.det, n).threshold is not None
+        ]
+        if not self.layer_values or not active:
+            self.layer_values = {}
             return events
-        for det_name, metric in LAYER_DETECTORS.items():
+        found = [(layer, layer_breaches(stats.to_floats(), self.det)) for layer, stats in self.layer_values.items()]
+        for det_name in active:  # events by detector, then layer, then role
             cfg: DetectorConfig = getattr(self.det, det_name)
-            if not cfg.enabled or cfg.threshold is None:
-                continue
-            for layer, stats in self.layer_values.items():
-                for role in ("input", "weight", "grad"):
-                    t = stats.get(f"{role}_{metric}")
-                    if t is None:
-                        continue
-                    v = float(t)
-                    bad = v < cfg.threshold if metric == "sqnr_db" else v > cfg.threshold
-                    if bad:
-                        msg = f"{layer} {role} {metric} {v:.4g} {'<' if metric == 'sqnr_db' else '>'} {cfg.threshold:g}"
-                        events.append(HealthEvent(self.step, det_name, cfg.reaction, v, cfg.threshold, msg, layer))
+            for layer, breaches in found:
+                for b in breaches:
+                    if b.detector == det_name:
+                        op = "<" if b.metric == "sqnr_db" else ">"
+                        msg = f"{layer} {b.role} {b.metric} {b.value:.4g} {op} {b.threshold:g}"
+                        events.append(HealthEvent(self.step, det_name, cfg.reaction, b.value, b.threshold, msg, layer))
         self.layer_values = {}
         return events
 
@@ -384,7 +413,7 @@ class HealthMonitor:
                 (int(latched[name][0]), float(latched[name][1])) if name in latched else (-1, 0.0)
             )
         self.layer_values = {
-            layer: {k: torch.tensor(float(v), device=self.device) for k, v in stats.items()}
+            layer: LayerStats.from_flat({k: torch.tensor(float(v), device=self.device) for k, v in stats.items()})
             for layer, stats in state.get("layer_values", {}).items()
         }
 
@@ -472,6 +501,7 @@ def _message(name: str, value: float, cfg: DetectorConfig) -> str:
 def layers_to_bf16(model: nn.Module, names: list[str]) -> list[str]:
     """Move the named FP8 layers back to plain ``nn.Linear`` (same Parameter objects); return those moved."""
     from hf_mixedprec.fp8.emulated import EmulatedFP8Linear
+    from hf_mixedprec.fp8.swap import replace_module
 
     modules = dict(model.named_modules())
     moved = []
@@ -482,7 +512,6 @@ def layers_to_bf16(model: nn.Module, names: list[str]) -> list[str]:
         lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
         lin.weight = mod.weight
         lin.bias = mod.bias
-        parent, _, child = name.rpartition(".")
-        setattr(modules[parent] if parent else model, child, lin)
+        replace_module(model, name, lin)
         moved.append(name)
     return moved

@@ -4,8 +4,9 @@
 scaling, format and keep rules, exact quantization), and the same steps in BF16 for reference. Every few
 steps it samples each FP8 layer's amax, saturation (values clipped at the FP8 max), underflow (non-zero
 values that quantize to zero), SQNR of quantize-dequantize and, for MXFP8, the fraction of blocks whose
-E8M0 scale sits at the clamp. Layers that cross the recipe's ``health.detectors`` thresholds for
-``fp8_saturation``, ``fp8_underflow``, ``fp8_sqnr`` or ``mx_clamp`` are recommended for ``keep_in_bf16``.
+E8M0 scale sits at the clamp (each layer's ``LayerStats``). Layers that cross the recipe's ``health.detectors``
+thresholds for ``fp8_saturation``, ``fp8_underflow``, ``fp8_sqnr`` or ``mx_clamp`` (decided by
+:func:`hf_mixedprec.health.layer_breaches`, as in training) are recommended for ``keep_in_bf16``.
 Published FP8 divergences start from outliers that saturate E4M3 first, so saturation leads the list.
 """
 
@@ -19,14 +20,13 @@ from typing import Any
 
 import torch
 
+from hf_mixedprec.formats import COMPUTE_FORMATS
 from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated
-from hf_mixedprec.health import threshold_of
-from hf_mixedprec.recipe import Recipe
+from hf_mixedprec.health import LayerBreach, layer_breaches
+from hf_mixedprec.scaling.stats import ROLES
+from hf_mixedprec.schema import RecipeSpec
 
 __all__ = ["LayerNumerics", "SimulationResult", "default_simulation_model", "simulate"]
-
-ROLES = ("input", "weight", "grad")
-METRICS = ("amax", "saturation", "underflow", "sqnr_db", "mx_clamp")
 
 
 @dataclass
@@ -161,7 +161,7 @@ def _train(model: Any, batches: list[torch.Tensor], lr: float, sample_at: set[in
     for i, b in enumerate(batches):
         for m in mods:
             m.record_stats = i in sample_at
-        with torch.autocast("cpu" if b.device.type == "cpu" else b.device.type, dtype=torch.bfloat16):
+        with torch.autocast(b.device.type, dtype=COMPUTE_FORMATS["fp8"].dtype):
             loss = model(input_ids=b, labels=b).loss
         loss.backward()
         opt.step()
@@ -175,8 +175,19 @@ def _train(model: Any, batches: list[torch.Tensor], lr: float, sample_at: set[in
     return [float(v) for v in torch.stack(losses).float().tolist()]
 
 
+def _reason(b: LayerBreach) -> str:
+    """Why a layer is recommended for ``keep_in_bf16``, in the words of the table."""
+    if b.metric == "saturation":
+        return f"{b.role} saturation {100 * b.value:.3f}% > {100 * b.threshold:g}%"
+    if b.metric == "underflow":
+        return f"{b.role} underflow {100 * b.value:.1f}% > {100 * b.threshold:g}%"
+    if b.metric == "sqnr_db":
+        return f"{b.role} SQNR {b.value:.1f} dB < {b.threshold:g} dB"
+    return f"{b.role} MX blocks at the E8M0 clamp {100 * b.value:.2f}%"
+
+
 def simulate(
-    recipe: Recipe,
+    recipe: RecipeSpec,
     *,
     model_dir: str | None = None,
     steps: int = 20,
@@ -211,40 +222,24 @@ def simulate(
     def collect() -> None:
         for name, m in iter_emulated(model):
             layer = agg.setdefault(name, {r: {} for r in ROLES})
-            for key, value in m.stats.items():
-                role, _, metric = key.partition("_")
-                v = float(value)
-                if not math.isfinite(v) and metric != "sqnr_db":
-                    v = float("inf")
-                old = layer[role].get(metric)
-                if old is None:
-                    layer[role][metric] = v
-                elif metric == "sqnr_db":
-                    layer[role][metric] = min(old, v)
-                else:
-                    layer[role][metric] = max(old, v)
+            for role, values in m.stats.to_floats().items():
+                for metric, v in values.items():
+                    if not math.isfinite(v) and metric != "sqnr_db":
+                        v = float("inf")
+                    old = layer[role].get(metric)
+                    if old is None:
+                        layer[role][metric] = v
+                    elif metric == "sqnr_db":
+                        layer[role][metric] = min(old, v)
+                    else:
+                        layer[role][metric] = max(old, v)
 
     torch.manual_seed(seed)
     fp8_losses = _train(model, batches, lr, sample_at, collect)
     det = recipe.health.detectors
-    layers = []
-    for name, roles in agg.items():
-        reasons = []
-        for role in ROLES:
-            st = roles[role]
-            if det.fp8_saturation.enabled and st.get("saturation", 0.0) > threshold_of(det.fp8_saturation, 0):
-                reasons.append(
-                    f"{role} saturation {100 * st['saturation']:.3f}% > {100 * det.fp8_saturation.threshold:g}%"
-                )
-            if det.fp8_underflow.enabled and st.get("underflow", 0.0) > threshold_of(det.fp8_underflow, 1):
-                reasons.append(
-                    f"{role} underflow {100 * st['underflow']:.1f}% > {100 * det.fp8_underflow.threshold:g}%"
-                )
-            if det.fp8_sqnr.enabled and st.get("sqnr_db", math.inf) < threshold_of(det.fp8_sqnr, 0):
-                reasons.append(f"{role} SQNR {st['sqnr_db']:.1f} dB < {det.fp8_sqnr.threshold:g} dB")
-            if det.mx_clamp.enabled and st.get("mx_clamp", 0.0) > threshold_of(det.mx_clamp, 1):
-                reasons.append(f"{role} MX blocks at the E8M0 clamp {100 * st['mx_clamp']:.2f}%")
-        layers.append(LayerNumerics(name, roles, reasons))
+    layers = [
+        LayerNumerics(name, roles, [_reason(b) for b in layer_breaches(roles, det)]) for name, roles in agg.items()
+    ]
     return SimulationResult(
         recipe=recipe.name,
         scaling=recipe.fp8.scaling,

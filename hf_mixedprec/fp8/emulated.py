@@ -7,17 +7,20 @@ before conversion stays valid) and quantizes exactly what an FP8 GEMM would see:
 - backward ``dx = dy @ W`` and ``dW = dy.T @ x``: the output gradient in the backward format (E5M2 for
   HYBRID, E4M3 for E4M3), the saved input and weight as quantized in the forward.
 
-Scalings (DESIGN.md): *delayed* uses scales from an amax history kept as buffers (``fp8_amax_history``
-``[L, 3]`` and ``fp8_scale`` ``[3]`` for input, weight, grad-output; saved in the state_dict) and updated once
-per optimizer step by :func:`fp8_step` (amaxes all-reduced with MAX across ranks, as TE's ``reduce_amax``);
+Scalings (TE's ``transformer_engine/common/recipe/__init__.py``, the OCP MX v1.0 spec, torchao's
+``torchao/float8/float8_scaling_utils.py``): *delayed* uses scales from an amax history kept as buffers
+(``fp8_amax_history`` ``[L, 3]`` and ``fp8_scale`` ``[3]`` for input, weight, grad-output; saved in the
+state_dict) and updated once per optimizer step by :func:`fp8_step` (amaxes all-reduced with MAX across
+ranks, as TE's ``reduce_amax``);
 *current* scales each tensor by its amax now; *mxfp8* gives every 32 elements along each GEMM's contraction
 dim an E8M0 scale, so the backward GEMMs need columnwise blocks quantized again from high precision (as TE
 does); *blockwise* uses 1x128 tiles for activations and gradients (columnwise 1x128 for the wgrad GEMM)
 and 128x128 blocks for weights. The GEMMs run in float32, like an FP8 tensor-core GEMM with FP32
 accumulation, and the output is cast to the autocast (or input) dtype.
 
-Health statistics (amax, saturation, underflow, SQNR, MX clamp) are recorded into device tensors only when
-``record_stats`` is set, so steps that don't log pay nothing and nothing syncs with the host.
+Health statistics (amax, saturation, underflow, SQNR, MX clamp) are recorded into ``stats``, a
+:class:`~hf_mixedprec.scaling.stats.LayerStats` of device tensors, only when ``record_stats`` is set, so steps
+that don't log pay nothing and nothing syncs with the host.
 """
 
 from __future__ import annotations
@@ -30,40 +33,45 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hf_mixedprec.formats import NumberFormat, get_format
-from hf_mixedprec.recipe import FP8Config
+from hf_mixedprec.formats import FP8_SCALING_DEFAULTS, NumberFormat, get_format
 from hf_mixedprec.scaling import (
+    LayerStats,
     current_scale,
     delayed_update,
     dequantize_blockwise,
     dequantize_fp8,
     dequantize_mxfp8,
+    operand_stats,
     quantize_blockwise,
     quantize_fp8,
     quantize_mxfp8,
-    sqnr_db,
     tensor_amax,
 )
+from hf_mixedprec.scaling.stats import ROLES
+from hf_mixedprec.schema import FP8Config
 
 __all__ = ["EmulatedFP8Linear", "EmulationSpec", "fp8_step", "iter_emulated"]
 
-ROLES = ("input", "weight", "grad")
+_DELAYED, _CURRENT, _MX = (FP8_SCALING_DEFAULTS[s] for s in ("delayed", "current", "mxfp8"))
 
 
 @dataclass(frozen=True)
 class EmulationSpec:
-    """The numerics an :class:`EmulatedFP8Linear` reproduces (derived from a recipe's ``fp8`` section)."""
+    """The numerics an :class:`EmulatedFP8Linear` reproduces (derived from a recipe's ``fp8`` section).
+
+    An option left out takes the default of the scaling it belongs to (``FP8_SCALING_DEFAULTS``).
+    """
 
     scaling: str
     fwd_format: str = "e4m3"
     bwd_format: str = "e5m2"
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
-    margin: int = 0
-    epsilon: float = 0.0
-    power_2_scales: bool = False
-    mx_rounding: str = "rceil"
-    block_size: int = 32
+    amax_history_len: int = _DELAYED["amax_history_len"]
+    amax_compute_algo: str = _DELAYED["amax_compute_algo"]
+    margin: int = _DELAYED["margin"]
+    epsilon: float = _CURRENT["epsilon"]
+    power_2_scales: bool = _CURRENT["power_2_scales"]
+    mx_rounding: str = _MX["mx_rounding"]
+    block_size: int = _MX["block_size"]
 
     @classmethod
     def from_config(cls, cfg: FP8Config) -> EmulationSpec:
@@ -113,7 +121,7 @@ class EmulatedFP8Linear(nn.Module):
             self.register_buffer("fp8_scale", torch.ones(3, device=dev))
             self.register_buffer("fp8_amax_pending", torch.zeros(3, device=dev), persistent=False)
         self.record_stats = False
-        self.stats: dict[str, Tensor] = {}
+        self.stats = LayerStats()
 
     def extra_repr(self) -> str:
         fmt = f"{self.spec.fwd_format}/{self.spec.bwd_format}"
@@ -157,26 +165,12 @@ class EmulatedFP8Linear(nn.Module):
         return _Quantized(deq, data)
 
     def _record(self, role: int, t: Tensor, q: _Quantized) -> None:
-        """Device-side health statistics of one quantization (no host sync)."""
-        fmt = self._fmt(role)
-        name = ROLES[role]
-        finite = torch.isfinite(t)
-        nonzero = (t != 0) & finite
-        mag = q.data.float().abs()
-        clipped = (mag >= fmt.max) & (t.abs() > q.deq.abs()) & finite
-        n_finite = finite.sum().clamp_min(1)
-        self.stats[f"{name}_amax"] = tensor_amax(t)
-        self.stats[f"{name}_saturation"] = clipped.sum() / n_finite
-        self.stats[f"{name}_underflow"] = (nonzero & (q.deq == 0)).sum() / nonzero.sum().clamp_min(1)
-        self.stats[f"{name}_sqnr_db"] = sqnr_db(torch.where(finite, t, 0.0), torch.where(finite, q.deq, 0.0))
-        if q.codes is not None:
-            # stats are recorded for rowwise blocks (along the last dim); code 0 is a clamp only for a
-            # block that is not all zero, and 254 is the top of the E8M0 range
-            bs = self.spec.block_size
-            codes = q.codes.to(torch.int32)
-            block_amax = torch.where(finite, t.abs(), 0.0).reshape(*t.shape[:-1], -1, bs).amax(-1)
-            clamp = (codes == 254) | ((codes == 0) & (block_amax > 0))
-            self.stats[f"{name}_mx_clamp"] = clamp.float().mean()
+        """Device-side health statistics of one quantization (no host sync).
+
+        MX clamp is measured on the rowwise blocks (along the last dim), the ones recorded here.
+        """
+        st = operand_stats(t, q.data, q.deq, self._fmt(role), scale_codes=q.codes, block_size=self.spec.block_size)
+        self.stats = self.stats.with_role(ROLES[role], st)
 
     def quantize_for(self, t: Tensor, role: int, *, gemm: str) -> _Quantized:
         """Quantize ``t`` (2-D, float32) for one GEMM operand.

@@ -4,16 +4,26 @@
   delayed scaling (TE DelayedScaling), NaN-ignoring amax.
 * :mod:`.mx` MXFP8 blocks with E8M0 scales (OCP MX v1.0 FLOOR, TE/hardware RCEIL).
 * :mod:`.blockwise` 1x128 / 128x128 tiles (TE Float8BlockScaling, DeepSeek-V3).
-* :mod:`.stats` saturation, underflow, SQNR and MX clamp fractions for health monitoring.
+* :mod:`.stats` saturation, underflow, SQNR and MX clamp fractions, and the per-layer :class:`LayerStats`.
 """
 
 from hf_mixedprec.scaling.blockwise import dequantize_blockwise, quantize_blockwise
 from hf_mixedprec.scaling.fp8 import current_scale, delayed_update, dequantize_fp8, quantize_fp8, tensor_amax
 from hf_mixedprec.scaling.mx import E8M0_NAN, dequantize_mxfp8, mx_scale_codes, quantize_mxfp8
-from hf_mixedprec.scaling.stats import mx_clamp_fraction, saturation_fraction, sqnr_db, underflow_fraction
+from hf_mixedprec.scaling.stats import (
+    LayerStats,
+    RoleStats,
+    mx_clamp_fraction,
+    operand_stats,
+    saturation_fraction,
+    sqnr_db,
+    underflow_fraction,
+)
 
 __all__ = [
     "E8M0_NAN",
+    "LayerStats",
+    "RoleStats",
     "current_scale",
     "delayed_update",
     "dequantize_blockwise",
@@ -21,6 +31,7 @@ __all__ = [
     "dequantize_mxfp8",
     "mx_clamp_fraction",
     "mx_scale_codes",
+    "operand_stats",
     "quantize_blockwise",
     "quantize_fp8",
     "quantize_mxfp8",

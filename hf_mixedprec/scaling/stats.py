@@ -1,17 +1,48 @@
-"""FP8 health statistics: saturation, underflow, SQNR, MX clamp fraction.
+"""FP8 health statistics: saturation, underflow, SQNR, MX clamp fraction, and the per-layer record.
 
-All return a 0-d float32 tensor on the input's device and never sync with the host, so they can be
-accumulated every step and read only when a log is due (DESIGN "FP8 health signals").
+All return 0-d float32 tensors on the input's device and never sync with the host, so they can be
+recorded on any step and read only when a log is due.  SQNR is torchao's ``compute_error``
+(``torchao/float8/float8_utils.py``); E8M0 codes and blocks follow the OCP MX v1.0 spec.
+
+:func:`operand_stats` measures one quantized GEMM operand into a :class:`RoleStats`; a layer's three operands
+(input, weight, output gradient) make a :class:`LayerStats`, which also reads as a flat mapping
+(``"input_saturation"`` -> tensor) for code that wants a ``dict``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
 import torch
 
-from hf_mixedprec.scaling.fp8 import FP8Format, _exp2_int, _f32_exponent_field, _fp8_format, quantize_fp8
+from hf_mixedprec.scaling.fp8 import (
+    FP8Format,
+    _exp2_int,
+    _f32_exponent_field,
+    _fp8_format,
+    quantize_fp8,
+    tensor_amax,
+)
 from hf_mixedprec.scaling.mx import _blocked, _check_block_size, _check_rounding, mx_scale_codes
 
-__all__ = ["mx_clamp_fraction", "saturation_fraction", "sqnr_db", "underflow_fraction"]
+__all__ = [
+    "METRICS",
+    "ROLES",
+    "LayerStats",
+    "RoleStats",
+    "mx_clamp_fraction",
+    "operand_stats",
+    "saturation_fraction",
+    "sqnr_db",
+    "underflow_fraction",
+]
+
+#: The GEMM operands of an FP8 Linear, in TE's order (``fp8_quant_fwd_inp``, ``_fwd_weight``, ``_bwd_grad``).
+ROLES = ("input", "weight", "grad")
+#: The statistics of one operand; SQNR is the one where lower is worse.
+METRICS = ("amax", "saturation", "underflow", "sqnr_db", "mx_clamp")
 
 
 def _fraction(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
@@ -102,3 +133,163 @@ def mx_clamp_fraction(
     codes = mx_scale_codes(amax, fmt=f, rounding=r)
     at_clamp = (amax > 0) & ((codes == 0) | (codes == 254))  # NaN amax: amax > 0 is False
     return _fraction(at_clamp.sum(), torch.full((), amax.numel(), dtype=torch.float32, device=amax.device))
+
+
+@dataclass(frozen=True, eq=False)
+class RoleStats:
+    """Health statistics of one quantized GEMM operand: 0-d float32 tensors (``None``: not measured).
+
+    ``amax`` of the finite values, ``saturation`` (finite values clipped to the FP8 max), ``underflow``
+    (finite non-zero values that became 0), ``sqnr_db`` of quantize-dequantize, ``mx_clamp`` (MXFP8 only:
+    blocks whose E8M0 scale is at the clamp).  ``eq=False``: comparing tensors would read them on the host.
+    """
+
+    amax: torch.Tensor | None = None
+    saturation: torch.Tensor | None = None
+    underflow: torch.Tensor | None = None
+    sqnr_db: torch.Tensor | None = None
+    mx_clamp: torch.Tensor | None = None
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(metric, value)`` for the measured metrics, in :data:`METRICS` order."""
+        for metric in METRICS:
+            value = getattr(self, metric)
+            if value is not None:
+                yield metric, value
+
+    def worst(self, other: RoleStats) -> RoleStats:
+        """Per metric, the worse of ``self`` and ``other`` (the lower SQNR, else the higher value; NaN wins)."""
+        out = {}
+        for metric in METRICS:
+            a, b = getattr(self, metric), getattr(other, metric)
+            if a is None or b is None:
+                out[metric] = b if a is None else a
+            else:
+                out[metric] = torch.minimum(a, b) if metric == "sqnr_db" else torch.maximum(a, b)
+        return RoleStats(**out)
+
+    def detach(self) -> RoleStats:
+        return RoleStats(**{m: v.detach() for m, v in self.items()})
+
+
+@dataclass(frozen=True, eq=False)
+class LayerStats(Mapping[str, torch.Tensor]):
+    """The latest :class:`RoleStats` of each operand of one FP8 layer (``None``: never measured).
+
+    Also a read-only mapping from flat keys ``f"{role}_{metric}"`` (``"input_amax"``, ``"grad_sqnr_db"``...)
+    to tensors, so ``dict(stats)`` gives what callers kept before there was a record.
+    """
+
+    input: RoleStats | None = None
+    weight: RoleStats | None = None
+    grad: RoleStats | None = None
+
+    def role(self, role: str) -> RoleStats | None:
+        if role not in ROLES:
+            raise KeyError(role)
+        return getattr(self, role)
+
+    def with_role(self, role: str, stats: RoleStats) -> LayerStats:
+        """A copy with ``role``'s statistics replaced (the others kept)."""
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
+        return dataclasses.replace(self, **{role: stats})
+
+    def worst(self, other: LayerStats) -> LayerStats:
+        """Per operand and metric, the worse of ``self`` and ``other`` (see :meth:`RoleStats.worst`)."""
+        out = {}
+        for role in ROLES:
+            a, b = getattr(self, role), getattr(other, role)
+            if a is None or b is None:
+                out[role] = b if a is None else a
+            else:
+                out[role] = a.worst(b)
+        return LayerStats(**out)
+
+    def detach(self) -> LayerStats:
+        return LayerStats(**{r: s.detach() for r in ROLES if (s := getattr(self, r)) is not None})
+
+    def to_floats(self) -> dict[str, dict[str, float]]:
+        """``role -> metric -> value`` on the host, with one device-to-host copy (call on logging steps only)."""
+        items = [
+            (role, metric, v) for role in ROLES if (s := getattr(self, role)) is not None for metric, v in s.items()
+        ]
+        if not items:
+            return {}
+        device = items[0][2].device
+        flat = torch.stack([v.detach().reshape(()).to(device) for _, _, v in items]).tolist()
+        out: dict[str, dict[str, float]] = {}
+        for (role, metric, _), value in zip(items, flat):
+            out.setdefault(role, {})[metric] = value
+        return out
+
+    @classmethod
+    def from_flat(cls, flat: Mapping[str, torch.Tensor]) -> LayerStats:
+        """The record for a flat mapping (``dict(stats)``, or a checkpoint's values as tensors)."""
+        if isinstance(flat, LayerStats):
+            return flat
+        roles: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in flat.items():
+            role, _, metric = key.partition("_")
+            if role not in ROLES or metric not in METRICS:
+                raise ValueError(f"{key!r} is not an FP8 layer statistic (role_metric with roles {ROLES}, {METRICS})")
+            roles.setdefault(role, {})[metric] = value
+        return cls(**{role: RoleStats(**metrics) for role, metrics in roles.items()})
+
+    # -- flat mapping view -------------------------------------------------------------------------------
+    def __getitem__(self, key: str) -> torch.Tensor:
+        role, _, metric = key.partition("_")
+        stats = getattr(self, role, None) if role in ROLES else None
+        value = getattr(stats, metric, None) if metric in METRICS else None
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        for role in ROLES:
+            stats = getattr(self, role)
+            if stats is not None:
+                for metric, _ in stats.items():
+                    yield f"{role}_{metric}"
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def operand_stats(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    x_hat: torch.Tensor,
+    fmt: FP8Format,
+    *,
+    scale_codes: torch.Tensor | None = None,
+    block_size: int = 32,
+) -> RoleStats:
+    """Health statistics of one quantization of ``x`` (float32): ``data`` the FP8 values (scaled, before
+    dequantization), ``x_hat`` the dequantized result, ``fmt`` the FP8 format.
+
+    Non-finite elements of ``x`` are left out.  Saturation counts elements at the format's max in ``data``
+    whose magnitude quantization reduced; underflow counts non-zero elements that dequantize to 0; SQNR is
+    :func:`sqnr_db` over the finite elements.  With ``scale_codes`` (the E8M0 codes of MXFP8 blocks of
+    ``block_size`` along the last dim), ``mx_clamp`` is the fraction of blocks with code 254 (``2**127``) or
+    with code 0 (``2**-127``) that are not all zero (OCP MX v1.0).  No host sync.
+    """
+    f = _fp8_format(fmt)
+    finite = torch.isfinite(x)
+    nonzero = (x != 0) & finite
+    mag = data.float().abs()
+    clipped = (mag >= f.max) & (x.abs() > x_hat.abs()) & finite
+    n_finite = finite.sum().clamp_min(1)
+    mx_clamp = None
+    if scale_codes is not None:
+        codes = scale_codes.to(torch.int32)
+        block_amax = torch.where(finite, x.abs(), 0.0).reshape(*x.shape[:-1], -1, block_size).amax(-1)
+        clamp = (codes == 254) | ((codes == 0) & (block_amax > 0))
+        mx_clamp = clamp.float().mean()
+    return RoleStats(
+        amax=tensor_amax(x),
+        saturation=clipped.sum() / n_finite,
+        underflow=(nonzero & (x_hat == 0)).sum() / nonzero.sum().clamp_min(1),
+        sqnr_db=sqnr_db(torch.where(finite, x, 0.0), torch.where(finite, x_hat, 0.0)),
+        mx_clamp=mx_clamp,
+    )
