@@ -210,11 +210,19 @@ def _resolve_raw(data: Mapping[str, Any], source: str, base_dir: Path | None, ch
         raise RecipeError([Problem(source, "extends", f"{parent!r}: {detail}")]) from None
     ident = str(parent_path) if parent_path else parent_source
     if ident in chain:
-        cycle = " -> ".join([*chain, ident])
-        raise RecipeError([Problem(source, "extends", f"cycle: {cycle}")])
+        raise RecipeError([Problem(source, "extends", f"cycle: {_cycle_text([*chain, ident])}")])
     resolved_parent = _resolve_raw(raw, parent_source, parent_path.parent if parent_path else None, (*chain, ident))
     child = {k: v for k, v in data.items() if k != "extends"}
     return _merge(_drop_switched_options(resolved_parent, child), child)
+
+
+def _cycle_text(chain: list[str]) -> str:
+    """``a.yaml -> b.yaml -> a.yaml (in DIR)`` when the files share a folder, so that long paths cannot push the
+    names out of the one-line message; else the full chain."""
+    paths = [Path(c) for c in chain]
+    if all(p.is_absolute() for p in paths) and len({p.parent for p in paths}) == 1:
+        return f"{' -> '.join(p.name for p in paths)} (in {paths[0].parent})"
+    return " -> ".join(chain)
 
 
 def _drop_switched_options(parent: dict[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
