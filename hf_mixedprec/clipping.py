@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from hf_mixedprec._device import AsyncRead, Constants
+from hf_mixedprec.schema import CLIP_DEFAULTS
 
 __all__ = [
     "AGC",
@@ -52,17 +53,6 @@ STATE_VERSION = 1
 _COEF_EPS = 1e-6
 """Added to the norm in the scale factor ``threshold / (norm + 1e-6)``, as ``torch.nn.utils.clip_grad_norm_``."""
 
-#: Each method's recipe parameters and their defaults (the clippers' keyword defaults come from here).
-CLIP_DEFAULTS: dict[str, dict[str, Any]] = {
-    "none": {},
-    "norm": {"max_norm": 1.0},
-    # ZClip (2025): 25 warm-up steps, EMA alpha 0.97, z threshold 2.5; max_norm is an optional hard cap.
-    "zclip": {"alpha": 0.97, "z_thresh": 2.5, "warmup_steps": 25, "max_norm": None},
-    # AutoClip (2020): clip at the p-th percentile of the grad-norm history.
-    "autoclip": {"percentile": 10.0, "history_size": 1000},
-    # AGC (2021): clip each unit's gradient to clip_factor * max(||W_i||, eps).
-    "agc": {"clip_factor": 0.01, "eps": 0.001},
-}
 _NORM, _ZCLIP, _AUTOCLIP, _AGC = (CLIP_DEFAULTS[m] for m in ("norm", "zclip", "autoclip", "agc"))
 
 Params = Tensor | Iterable[Tensor] | Iterable[tuple[str, Tensor]]

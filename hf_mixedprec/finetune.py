@@ -8,12 +8,12 @@ The pipeline is data -> examples -> tokens -> fixed-length blocks -> ``Trainer``
   text column (``--text-field``, default ``text``); or a folder written by ``datasets``' ``save_to_disk``
   (a ``DatasetDict`` gives its ``train`` split). All of them are read with ``datasets``. Examples whose text
   is not a non-empty string are skipped. Without ``--data``: prose from Python's own docstrings
-  (:func:`~hf_mixedprec.integrations.models.builtin_text`), split the same way as a ``.txt`` file.
+  (:func:`~hf_mixedprec.demo.builtin_text`), split the same way as a ``.txt`` file.
 - **Model and tokenizer** (``--model``; :func:`build_tokenizer`, :func:`build_model`): a local
   ``save_pretrained`` folder, loaded with ``local_files_only=True`` in float32 (the recipe's autocast gives
   the training precision); its tokenizer if the folder has one, else a byte-level BPE tokenizer trained on
   the data on the spot (then the model's ``vocab_size`` must hold it). Without ``--model``: a small Llama
-  built from a config (:data:`~hf_mixedprec.integrations.models.SMALL_LLAMA`) and a 2048-token tokenizer
+  built from a config (:data:`~hf_mixedprec.demo.SMALL_LLAMA`) and a 2048-token tokenizer
   trained on the data. Nothing is ever downloaded.
 - **Packing** (:func:`pack_blocks`): every example is tokenized without special tokens, followed by the
   tokenizer's EOS token (when it has one), concatenated, and cut into blocks of ``seq_len`` tokens; the
@@ -47,7 +47,7 @@ import torch
 
 from hf_mixedprec import metrics as M
 from hf_mixedprec.errors import UsageError
-from hf_mixedprec.recipe import RECIPE_ENV, Recipe, builtin_recipe_names, load_recipe_file
+from hf_mixedprec.recipe import RECIPE_ENV, Recipe, builtin_recipe_names, load_recipe, load_recipe_file
 
 __all__ = [
     "DEFAULTS",
@@ -141,7 +141,7 @@ def _strings(values: Any) -> list[str]:
 def load_texts(data: str | None = None, text_field: str | None = None) -> TextData:
     """The examples in ``data`` (see the module docs for the formats); ``None`` means the built-in text."""
     if data is None:
-        from hf_mixedprec.integrations.models import builtin_text
+        from hf_mixedprec.demo import builtin_text
 
         parts = builtin_text().split("\n\n")
         return TextData(_strings(parts), BUILTIN_DATA, "builtin", len(parts))
@@ -232,7 +232,7 @@ def build_tokenizer(model_dir: str | None, data: TextData, model_config: Any = N
             raise UsageError(f"--model: cannot load the tokenizer in {model_dir!r} ({_root_cause(exc)})") from None
         how = f"the tokenizer in {model_dir} ({len(tok)} tokens)"
     else:
-        from hf_mixedprec.integrations.models import train_tokenizer
+        from hf_mixedprec.demo import train_tokenizer
 
         vocab = TRAINED_VOCAB
         model_vocab = _vocab_size(model_config) if model_config is not None else None
@@ -259,7 +259,7 @@ def build_tokenizer(model_dir: str | None, data: TextData, model_config: Any = N
 def build_model(model_dir: str | None, tokenizer: Any, *, seq_len: int, seed: int) -> tuple[Any, str]:
     """The model to train (float32 weights) and a one-line description."""
     if model_dir is None:
-        from hf_mixedprec.integrations.models import SMALL_LLAMA, small_llama
+        from hf_mixedprec.demo import SMALL_LLAMA, small_llama
 
         model = small_llama(
             seed=seed,
@@ -506,9 +506,7 @@ def run_finetune(
     start = time.perf_counter()
     prepared = _prepare_data(data, text_field, model, seq_len)
 
-    import hf_mixedprec
-
-    loaded = hf_mixedprec.load_recipe(recipe, rehearse=rehearse) if not isinstance(recipe, Recipe) else recipe
+    loaded = load_recipe(recipe, rehearse=rehearse) if not isinstance(recipe, Recipe) else recipe
     if isinstance(recipe, Recipe) and rehearse is not None:
         loaded = recipe.rehearsed(rehearse)
     run = _RunSettings(
@@ -658,8 +656,6 @@ def _make_trainer(run: _RunSettings, prepared: _Prepared, rec: Recipe) -> tuple[
 def _train(run: _RunSettings, prepared: _Prepared, loaded: Recipe, resume: str | None) -> _Trained:
     """Train; after a whole-model fallback (FP16 -> BF16) that stopped the run with a checkpoint, go on from it
     under the fallback recipe, as the message tells a plain Trainer user to do by hand."""
-    import hf_mixedprec
-
     trainer, net, model_desc = _make_trainer(run, prepared, loaded)
     rt = getattr(net, "_hf_mixedprec_runtime", None)
     device = trainer.args.device
@@ -685,7 +681,7 @@ def _train(run: _RunSettings, prepared: _Prepared, loaded: Recipe, resume: str |
         fallback = {"from": loaded.name, "to": rt.fallback_recipe, "at_step": step, "checkpoint": str(ckpt)}
         fallback["precision_before"] = _precision_used(loaded, rt, device.type)
         before = list(rt.notes)
-        loaded = hf_mixedprec.load_recipe(rt.fallback_recipe)
+        loaded = load_recipe(rt.fallback_recipe)
         trainer, net, _ = _make_trainer(run, prepared, loaded)
         rt = getattr(net, "_hf_mixedprec_runtime", None)
         if rt is not None:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_mixedprec import formats
 from hf_mixedprec import metrics as M
 from hf_mixedprec._device import Constants
 from hf_mixedprec.amp import GuardScaler, LossScaling
@@ -62,7 +63,7 @@ _AUTOCAST_WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 def compute_dtype(recipe: RecipeSpec) -> torch.dtype | None:
     """The autocast dtype a recipe trains in (None for fp32). FP8 layers sit inside a BF16 autocast."""
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}.get(recipe.precision)
+    return formats.compute_dtype(recipe.precision)
 
 
 def _delegate(part: str, name: str, doc: str, *, writable: bool = True) -> Any:
@@ -275,7 +276,7 @@ class MixedPrecisionRuntime:
                 self.monitor.observe_update(ratio, self.amp.found_inf)
             self.monitor.post_step(skipped=self.amp.found_inf, scale=self.amp.device_scale())
             if self._sampling and self.recipe.precision == "fp8":
-                self.monitor.observe_fp8({name: dict(m.stats) for name, m in iter_emulated(model)})
+                self.monitor.observe_fp8({name: m.stats for name, m in iter_emulated(model)})
                 self._fp8_pending = True
         self.amp.after_step(optimizer)
         self.steps += 1
@@ -438,17 +439,12 @@ def _fp8_layer_metrics(model: nn.Module) -> dict[str, float]:
         st = m.stats
         if not st:
             continue
-        vals = {k: float(v) for k, v in st.items()}
-        out[M.fp8_layer_key(name, "saturation")] = max(
-            vals.get(f"{r}_saturation", 0.0) for r in ("input", "weight", "grad")
-        )
-        out[M.fp8_layer_key(name, "underflow")] = max(
-            vals.get(f"{r}_underflow", 0.0) for r in ("input", "weight", "grad")
-        )
-        out[M.fp8_layer_key(name, "sqnr_db")] = min(
-            vals.get(f"{r}_sqnr_db", float("inf")) for r in ("input", "weight", "grad")
-        )
-        out[M.fp8_layer_key(name, "input_amax")] = vals.get("input_amax", 0.0)
+        vals = st.to_floats()  # one device-to-host copy per layer
+        roles = [vals.get(r, {}) for r in ("input", "weight", "grad")]
+        out[M.fp8_layer_key(name, "saturation")] = max(v.get("saturation", 0.0) for v in roles)
+        out[M.fp8_layer_key(name, "underflow")] = max(v.get("underflow", 0.0) for v in roles)
+        out[M.fp8_layer_key(name, "sqnr_db")] = min(v.get("sqnr_db", float("inf")) for v in roles)
+        out[M.fp8_layer_key(name, "input_amax")] = vals.get("input", {}).get("amax", 0.0)
     return out
 
 

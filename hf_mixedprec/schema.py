@@ -18,8 +18,11 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
+from hf_mixedprec.formats import FP8_SCALING_DEFAULTS
+
 __all__ = [
     "ACCELERATE_MIXED_PRECISION",
+    "CLIP_DEFAULTS",
     "GENERATIONS",
     "RECIPE_ENV",
     "ClippingConfig",
@@ -102,17 +105,6 @@ class LossScaleConfig(_Section):
         return self
 
 
-# Which fp8 options each scaling accepts, and their defaults (None = required to be absent).
-_FP8_DEFAULTS: dict[str, dict[str, Any]] = {
-    # TE DelayedScaling: margin=0, HYBRID, amax_history_len=1024, amax_compute_algo="max".
-    "delayed": {"amax_history_len": 1024, "amax_compute_algo": "max", "margin": 0},
-    # TE Float8CurrentScaling / torchao tensorwise: amax now, optional epsilon floor, optional pow-2 scales.
-    "current": {"epsilon": 0.0, "power_2_scales": False},
-    # OCP MX v1.0: 32-element blocks with an E8M0 scale; TE uses the RCEIL rule.
-    "mxfp8": {"mx_rounding": "rceil", "block_size": 32, "margin": 0},
-    # TE Float8BlockScaling: 1x128 activation/grad tiles, 128x128 weight blocks, pow-2 scales by default.
-    "blockwise": {"block_size": 128, "power_2_scales": True},
-}
 _FP8_SCALING_ONLY = (
     "amax_history_len",
     "amax_compute_algo",
@@ -183,15 +175,15 @@ class FP8Config(_Section):
         if str(data.get("format", "")).upper() == "E5M2":
             raise _rule("format", "pure E5M2 training is refused (Transformer Engine refuses it too); use HYBRID")
         scaling = data.get("scaling", "delayed")
-        if scaling not in _FP8_DEFAULTS:
+        if scaling not in FP8_SCALING_DEFAULTS:
             return data  # the field validator reports the bad value
-        applicable = _FP8_DEFAULTS[scaling]
+        applicable = FP8_SCALING_DEFAULTS[scaling]
         for key in _FP8_SCALING_ONLY:
             if key in applicable:
                 if data.get(key) is None:
                     data[key] = applicable[key]
             elif data.get(key) is not None:
-                users = [s for s, opts in _FP8_DEFAULTS.items() if key in opts]
+                users = [s for s, opts in FP8_SCALING_DEFAULTS.items() if key in opts]
                 raise _rule(
                     key,
                     f"does not apply to scaling {scaling!r} (it applies to: {', '.join(users)}); remove it"
@@ -219,11 +211,12 @@ class FP8Config(_Section):
 
     def options(self) -> dict[str, Any]:
         """The scaling-specific options that apply to this recipe's scaling (resolved)."""
-        return {k: getattr(self, k) for k in _FP8_DEFAULTS[self.scaling]}
+        return {k: getattr(self, k) for k in FP8_SCALING_DEFAULTS[self.scaling]}
 
 
 ClipMethod = Literal["none", "norm", "zclip", "autoclip", "agc"]
-_CLIP_DEFAULTS: dict[str, dict[str, Any]] = {
+#: Each method's recipe parameters and their defaults (the clippers' keyword defaults in clipping.py come from here).
+CLIP_DEFAULTS: dict[str, dict[str, Any]] = {
     "none": {},
     "norm": {"max_norm": 1.0},
     # ZClip (2025): 25 warm-up steps, EMA alpha 0.97, z threshold 2.5; max_norm is an optional hard cap.
@@ -263,21 +256,21 @@ class ClippingConfig(_Section):
             return data
         data = dict(data)
         method = data.get("method", "zclip")
-        if method not in _CLIP_DEFAULTS:
+        if method not in CLIP_DEFAULTS:
             return data
-        applicable = _CLIP_DEFAULTS[method]
+        applicable = CLIP_DEFAULTS[method]
         for key in _CLIP_PARAMS:
             if key in applicable:
                 if key not in data:
                     data[key] = applicable[key]
             elif data.get(key) is not None:
-                users = [m for m, opts in _CLIP_DEFAULTS.items() if key in opts]
+                users = [m for m, opts in CLIP_DEFAULTS.items() if key in opts]
                 raise _rule(key, f"does not apply to method {method!r} (it applies to: {', '.join(users)}); remove it")
         return data
 
     def params(self) -> dict[str, Any]:
         """The parameters that apply to this method (resolved)."""
-        return {k: getattr(self, k) for k in _CLIP_DEFAULTS[self.method]}
+        return {k: getattr(self, k) for k in CLIP_DEFAULTS[self.method]}
 
 
 class DetectorConfig(_Section):

@@ -124,7 +124,7 @@ class SimulationResult:
 
 def default_simulation_model(seed: int = 0) -> Any:
     """The default model: a small Llama (4 layers, hidden 256) built from a config, float32."""
-    from hf_mixedprec.integrations.models import tiny_llama
+    from hf_mixedprec.demo import tiny_llama
 
     return tiny_llama(
         seed=seed,
@@ -147,7 +147,7 @@ def _load_model(model_dir: str | None) -> tuple[Any, str]:
 
 
 def _batches(model: Any, steps: int, seq_len: int, batch_size: int, seed: int) -> list[torch.Tensor]:
-    from hf_mixedprec.integrations.models import builtin_text, byte_batches
+    from hf_mixedprec.demo import builtin_text, byte_batches
 
     vocab = int(getattr(model.config, "vocab_size", 256))
     batches = byte_batches(builtin_text(), seq_len=seq_len, batch_size=batch_size, n_batches=steps, seed=seed)

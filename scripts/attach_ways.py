@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 from transformers import Trainer
 
 import hf_mixedprec
-from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama
+from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
 from hf_mixedprec.integrations.trainer import MixedPrecisionCallback, attach
 from hf_mixedprec.recipe import RECIPE_ENV
 

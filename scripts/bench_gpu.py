@@ -62,7 +62,7 @@ LLAMA_1B: dict[str, Any] = {
     "max_position_embeddings": 4096,
     "tie_word_embeddings": False,
 }
-#: --dry-run: the test suite's tiny Llama (hf_mixedprec.integrations.models.TINY_LLAMA; repeated so that the
+#: --dry-run: the test suite's tiny Llama (hf_mixedprec.demo.TINY_LLAMA; repeated so that the
 #: plain variants run where hf_mixedprec itself is not installed, like stdout_to_stderr below).
 TINY: dict[str, Any] = {
     "vocab_size": 256,
@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
 
     with stdout_to_stderr():  # stdout carries the results only
-        from hf_mixedprec.integrations.models import builtin_text, byte_batches
+        from hf_mixedprec.demo import builtin_text, byte_batches
 
         config = dict(TINY if dry else LLAMA_1B)
         if seq > config["max_position_embeddings"]:

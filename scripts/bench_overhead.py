@@ -69,8 +69,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import hf_mixedprec
 from hf_mixedprec._stdio import stdout_to_stderr
+from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
 from hf_mixedprec.hardware import HardwareRefusal
-from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama
 
 MODELS = ("tiny", "small")
 
@@ -192,7 +192,7 @@ def build_model(kind: str) -> torch.nn.Module:
     if kind == "tiny":
         return tiny_llama(seed=0)
     try:
-        from hf_mixedprec.integrations.models import small_llama
+        from hf_mixedprec.demo import small_llama
     except ImportError:  # an older checkout without small_llama: the same dims
         return tiny_llama(
             seed=0,

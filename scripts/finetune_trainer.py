@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback
 
 import hf_mixedprec
-from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama
+from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
 
 
 class ByteDataset(Dataset):

@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 from transformers import PrinterCallback, Trainer, TrainerCallback
 
 import hf_mixedprec
-from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama
+from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
 from hf_mixedprec.report import HEALTH_FILE, summarize, write_run_report
 
 

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import hf_mixedprec
-from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama, train_tokenizer
+from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama, train_tokenizer
 from hf_mixedprec.integrations.trainer import MixedPrecisionCallback, attach
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_accelerate_state")]

@@ -29,8 +29,8 @@ def _scenarios() -> dict[str, Any]:  # pragma: no cover - runs in the subprocess
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
     from hf_mixedprec.integrations.deepspeed import deepspeed_config, read_deepspeed_scaler
-    from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama
     from hf_mixedprec.recipe import load_recipe_file
     from tests.deepspeed_cpu import deepspeed_cpu_env, install_deepspeed_cpu_accelerator
 

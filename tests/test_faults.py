@@ -15,7 +15,7 @@ import yaml
 from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback
 
-from hf_mixedprec.integrations.models import tiny_llama
+from hf_mixedprec.demo import tiny_llama
 from hf_mixedprec.recipe import resolve_recipe
 from tests.test_integration import Bytes
 

@@ -35,8 +35,8 @@ def _scenarios(out_dir: Path) -> dict[str, Any]:  # pragma: no cover - runs in t
     from safetensors.torch import load_file
     from transformers import Trainer, TrainerCallback
 
+    from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
     from hf_mixedprec.integrations.deepspeed import deepspeed_config
-    from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama
     from hf_mixedprec.recipe import resolve_recipe
     from tests.deepspeed_cpu import deepspeed_cpu_env, install_deepspeed_cpu_accelerator
 

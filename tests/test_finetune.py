@@ -170,7 +170,7 @@ def test_health_stop_exits_3_with_the_resume_command_that_works(tmp_path):
     """A `stop` reaction: exit code 3, the checkpoint and the exact command to resume; that command resumes."""
     import shlex
 
-    from hf_mixedprec.integrations.models import tiny_llama
+    from hf_mixedprec.demo import tiny_llama
 
     tiny_llama(vocab_size=512).save_pretrained(tmp_path / "base")  # a small model keeps FP16 emulation quick
     (tmp_path / "hot.yaml").write_text(

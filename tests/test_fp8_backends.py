@@ -10,9 +10,9 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
 from hf_mixedprec.fp8 import EmulatedFP8Linear, FP8BackendUnavailable, convert, fp8_step, resolve_backend
 from hf_mixedprec.fp8.emulated import EmulationSpec
-from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama
 from hf_mixedprec.recipe import load_recipe_file, resolve_recipe
 from hf_mixedprec.scaling import (
     current_scale,

@@ -112,7 +112,7 @@ def test_tiny_update_rule():
 @pytest.mark.parametrize("lr,fires", [(1e-7, True), (2e-3, False)])
 def test_tiny_update_on_bf16_weights(tmp_path, lr, fires):
     recipe = _recipe("health: {fp8_sample_every: 2}", base="cpu-bf16")
-    from hf_mixedprec.integrations.models import tiny_llama
+    from hf_mixedprec.demo import tiny_llama
 
     tr = _run(recipe, tmp_path, steps=4, model=tiny_llama().to(torch.bfloat16), learning_rate=lr)
     events = [e for e in tr.model._hf_mixedprec_runtime.events if e["detector"] == "tiny_update"]
@@ -451,7 +451,7 @@ def test_no_sync_on_cuda_with_sync_debug_mode_error(name):
     """On a GPU, torch itself raises on any host sync inside our per-step code on non-logging steps."""
     import contextlib
 
-    from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama
+    from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
     from hf_mixedprec.runtime import MixedPrecisionRuntime
 
     recipe = hf_mixedprec.load_recipe(name, rehearse=name != "a100-bf16")

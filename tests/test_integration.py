@@ -14,8 +14,8 @@ from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback
 
 import hf_mixedprec
+from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama, train_tokenizer
 from hf_mixedprec.fp8 import EmulatedFP8Linear
-from hf_mixedprec.integrations.models import builtin_text, byte_batches, tiny_llama, train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_accelerate_state")]
@@ -345,7 +345,7 @@ def test_fp8_conversion_summary_is_visible_at_the_default_log_level(tmp_path):
     """Rank 0 prints which Linears went FP8 and which stayed in high precision, once, at WARNING."""
     code = (
         "import hf_mixedprec\n"
-        "from hf_mixedprec.integrations.models import tiny_llama\n"
+        "from hf_mixedprec.demo import tiny_llama\n"
         "from hf_mixedprec.runtime import MixedPrecisionRuntime\n"
         "rt = MixedPrecisionRuntime(hf_mixedprec.load_recipe('h100-fp8-delayed', rehearse=True))\n"
         "rt.convert_model(tiny_llama())\n"
@@ -362,7 +362,7 @@ def test_fp8_conversion_summary_is_visible_at_the_default_log_level(tmp_path):
 
 def test_a_loss_the_runtime_cannot_see_is_said_once_and_never_skips_a_step():
     """A loop that calls loss.backward() itself bypasses accelerator.backward: no loss is guessed."""
-    from hf_mixedprec.integrations.models import tiny_llama
+    from hf_mixedprec.demo import tiny_llama
 
     recipe = hf_mixedprec.load_recipe("cpu-bf16")
     acc = recipe.accelerator()

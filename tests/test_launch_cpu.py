@@ -244,7 +244,7 @@ def test_zero3_with_two_gloo_ranks_saves_a_loadable_model(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hf_mixedprec.integrations.models import tiny_llama
+    from hf_mixedprec.demo import tiny_llama
 
     base = tmp_path / "base"
     tiny_llama(vocab_size=512).save_pretrained(base)  # no tokenizer: finetune trains a 512-token one

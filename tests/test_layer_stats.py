@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from hf_mixedprec.clipping import CLIP_DEFAULTS, AutoClip, NormClipper, ZClip
+from hf_mixedprec.demo import tiny_llama
 from hf_mixedprec.formats import COMPUTE_FORMATS, FP8_SCALING_DEFAULTS, compute_dtype
 from hf_mixedprec.fp8 import EmulatedFP8Linear, convert, replace_module
 from hf_mixedprec.fp8.emulated import EmulationSpec
 from hf_mixedprec.fp8.policy import ALREADY_FP8, LayerDecision
 from hf_mixedprec.fp8.transformer_engine import accelerate_fp8_config, te_recipe_spec
 from hf_mixedprec.health import HealthMonitor, layer_breaches
-from hf_mixedprec.integrations.models import tiny_llama
 from hf_mixedprec.recipe import ClippingConfig, FP8Config, load_recipe_file, resolve_recipe
 from hf_mixedprec.scaling.stats import LayerStats, RoleStats
 

@@ -34,8 +34,8 @@ def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
 
 
 def test_missing_torchao_names_the_extra(monkeypatch):
+    from hf_mixedprec.demo import tiny_llama
     from hf_mixedprec.fp8 import convert
-    from hf_mixedprec.integrations.models import tiny_llama
 
     model, recipe = tiny_llama(), hf_mixedprec.load_recipe("h100-fp8-current", rehearse=True)
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
@@ -44,8 +44,8 @@ def test_missing_torchao_names_the_extra(monkeypatch):
 
 
 def test_missing_transformer_engine_names_the_extra(monkeypatch):
+    from hf_mixedprec.demo import tiny_llama
     from hf_mixedprec.fp8 import convert
-    from hf_mixedprec.integrations.models import tiny_llama
 
     model, recipe = tiny_llama(), hf_mixedprec.load_recipe("h100-fp8-delayed", rehearse=True)
     monkeypatch.setitem(sys.modules, "transformer_engine", None)

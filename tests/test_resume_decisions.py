@@ -9,8 +9,8 @@ import yaml
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
+from hf_mixedprec.demo import tiny_llama
 from hf_mixedprec.fp8 import EmulatedFP8Linear
-from hf_mixedprec.integrations.models import tiny_llama
 from hf_mixedprec.recipe import resolve_recipe
 from tests.test_integration import Bytes
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from hf_mixedprec.integrations.models import tiny_llama
+from hf_mixedprec.demo import tiny_llama
 from hf_mixedprec.recipe import load_recipe_file, resolve_recipe
 from hf_mixedprec.simulate import simulate
 

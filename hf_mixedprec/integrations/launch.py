@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from hf_mixedprec.fp8.transformer_engine import accelerate_fp8_config
 from hf_mixedprec.integrations.deepspeed import deepspeed_config
 from hf_mixedprec.schema import ACCELERATE_MIXED_PRECISION, RECIPE_ENV, RecipeSpec
 
@@ -119,14 +120,7 @@ def _add_fp8_section(cfg: dict[str, Any], recipe: RecipeSpec, notes: list[str]) 
             "hf_mixedprec applies FP8 in the training process from the recipe"
         )
         return
-    fp8_cfg: dict[str, Any] = {"backend": "TE", "fp8_format": fp8.format, "use_autocast_during_eval": False}
-    if fp8.scaling == "delayed":
-        fp8_cfg.update(
-            amax_history_len=fp8.amax_history_len, amax_compute_algo=fp8.amax_compute_algo, margin=fp8.margin
-        )
-    else:
-        fp8_cfg.update(margin=fp8.margin, use_mxfp8_block_scaling=True)
-    cfg["fp8_config"] = fp8_cfg
+    cfg["fp8_config"] = accelerate_fp8_config(recipe)
 
 
 def _add_strategy_section(cfg: dict[str, Any], recipe: RecipeSpec, deepspeed_config_file: str | None) -> None:

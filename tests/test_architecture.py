@@ -1,0 +1,116 @@
+"""The package's shape: imports only run downward through the layers listed in docs/architecture.md, with no
+cycle; no function over 80 lines and no class over 300."""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "hf_mixedprec"
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted names relative to the package ("runtime", "fp8.emulated"; the package itself is "hf_mixedprec")."""
+    out = {}
+    for f in PKG.rglob("*.py"):
+        parts = f.relative_to(PKG).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts) or "hf_mixedprec"] = f
+    return out
+
+
+def _is_main_guard(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Compare)
+        and isinstance(node.test.left, ast.Name)
+        and node.test.left.id == "__name__"
+    )
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules ``path`` imports anywhere (function bodies too), except in ``__main__`` blocks."""
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for top in tree.body if _is_main_guard(top) for n in ast.walk(top)}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "hf_mixedprec":
+            base = node.module.removeprefix("hf_mixedprec").lstrip(".")
+            for alias in node.names:
+                sub = f"{base}.{alias.name}".lstrip(".")
+                if sub in modules:
+                    found.add(sub)
+                elif base:
+                    found.add(base)
+                else:
+                    found.add("hf_mixedprec")  # a name from the package's __init__
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "hf_mixedprec":
+                    found.add(alias.name.removeprefix("hf_mixedprec").lstrip(".") or "hf_mixedprec")
+    return found
+
+
+def _layers() -> list[list[str]]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("```layers\n", 1)[1].split("```", 1)[0]
+    return [line.split(":", 1)[1].split() for line in block.strip().splitlines()]
+
+
+def _layer_of(module: str, layers: list[list[str]]) -> int:
+    hits = [i for i, names in enumerate(layers) if any(fnmatch.fnmatchcase(module, n) for n in names)]
+    assert len(hits) == 1, f"{module} is in {len(hits)} layers of docs/architecture.md (expected exactly one)"
+    return hits[0]
+
+
+def test_every_module_is_in_one_layer_and_imports_only_downward():
+    modules, layers = _modules(), _layers()
+    upward = []
+    for name, path in modules.items():
+        mine = _layer_of(name, layers)
+        for dep in _imports(path, modules):
+            if dep != name and _layer_of(dep, layers) > mine:
+                upward.append(f"{name} (layer {mine}) imports {dep} (layer {_layer_of(dep, layers)})")
+    assert upward == []
+
+
+def test_no_import_cycle():
+    modules = _modules()
+    graph = {name: {d for d in _imports(path, modules) if d != name and d in modules} for name, path in modules.items()}
+    # a package's __init__ is imported before its modules: that edge is no cycle of ours
+    for name in graph:
+        if "." in name:
+            graph[name].discard(name.rsplit(".", 1)[0])
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycles.append([*stack[stack.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep, [*stack, dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+def test_no_long_function_or_class():
+    too_long = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                size = node.end_lineno - node.lineno + 1
+                limit = 300 if isinstance(node, ast.ClassDef) else 80
+                if size > limit:
+                    too_long.append(f"{name}.{node.name}: {size} lines (limit {limit})")
+    assert too_long == []
