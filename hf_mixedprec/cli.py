@@ -378,7 +378,7 @@ def _finetune_command(argv: Sequence[str] | None) -> list[str] | None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from hf_mixedprec.report import HEALTH_FILE, build_plots, check_document, summarize
+    from hf_mixedprec.run_report import HEALTH_FILE, build_plots, check_document, summarize
 
     run = Path(args.run_dir)
     if not run.is_dir():
@@ -387,7 +387,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise UsageError(
             f"RUN_DIR: {args.run_dir!r} has no {HEALTH_FILE} (allowed: a directory written by `{PROG} finetune` or "
-            "hf_mixedprec.report.write_run_report)"
+            "hf_mixedprec.run_report.write_run_report)"
         )
     try:
         doc = json.loads(path.read_text())
@@ -605,7 +605,7 @@ def _add_report(sub: Any) -> None:
         "report",
         help="summarise a run's health.json and rebuild its PNG plots",
         description="Read RUN_DIR/health.json (written at the end of `finetune`, or by "
-        "hf_mixedprec.report.write_run_report), print the run's health events and notes, and rebuild the plots "
+        "hf_mixedprec.run_report.write_run_report), print the run's health events and notes, and rebuild the plots "
         "(loss_scale.png, grad_norm.png, skipped_steps.png, fp8_saturation.png; each only when the run has that "
         "series) in RUN_DIR.",
     )

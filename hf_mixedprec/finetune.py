@@ -21,7 +21,7 @@ The pipeline is data -> examples -> tokens -> fixed-length blocks -> ``Trainer``
 - **Training**: ``recipe.training_args(...)`` and ``Trainer(..., callbacks=recipe.callbacks())``, as any user
   script would; progress goes to stderr, one line per logging step.
 - **Output** (in ``output_dir``): ``summary.json`` (what :func:`run_finetune` returns), the run report of
-  :func:`hf_mixedprec.report.write_run_report` (``health.json``, PNG plots, and ``conversion_report.json`` for
+  :func:`hf_mixedprec.run_report.write_run_report` (``health.json``, PNG plots, and ``conversion_report.json`` for
   FP8 recipes), and the trained model and tokenizer (``save_pretrained``) unless ``save=False``.
 
 User mistakes raise :class:`hf_mixedprec.errors.UsageError` with one line naming the flag. They are checked
@@ -525,7 +525,7 @@ def run_finetune(
         # on every rank: under DeepSpeed ZeRO-3 saving gathers the sharded weights (Trainer writes on rank 0 only)
         trained.trainer.save_model(str(run.out))
     if trained.trainer.is_world_process_zero():
-        from hf_mixedprec.report import write_run_report
+        from hf_mixedprec.run_report import write_run_report
 
         files = write_run_report(run.out, log_history=trained.trainer.state.log_history, runtime=trained.runtime)
         summary["files"] = sorted({p.name for p in files} | {"summary.json"})

@@ -24,7 +24,7 @@ def test_every_extra_named_in_an_install_hint_exists():
 
 
 def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
-    from hf_mixedprec.report import build_plots
+    from hf_mixedprec.run_report import build_plots
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     with pytest.raises(

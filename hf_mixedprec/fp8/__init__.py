@@ -14,9 +14,9 @@ import logging
 import torch
 from torch import nn
 
+from hf_mixedprec.fp8.conversion import ConversionReport
 from hf_mixedprec.fp8.emulated import EmulatedFP8Linear, EmulationSpec, fp8_step, iter_emulated
 from hf_mixedprec.fp8.policy import LayerDecision, plan_conversion
-from hf_mixedprec.fp8.report import ConversionReport
 from hf_mixedprec.fp8.swap import replace_module
 from hf_mixedprec.schema import RecipeSpec
 
