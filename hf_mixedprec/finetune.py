@@ -656,8 +656,10 @@ def _make_trainer(run: _RunSettings, prepared: _Prepared, rec: Recipe) -> tuple[
 def _train(run: _RunSettings, prepared: _Prepared, loaded: Recipe, resume: str | None) -> _Trained:
     """Train; after a whole-model fallback (FP16 -> BF16) that stopped the run with a checkpoint, go on from it
     under the fallback recipe, as the message tells a plain Trainer user to do by hand."""
-    trainer, net, model_desc = _make_trainer(run, prepared, loaded)
-    rt = getattr(net, "_hf_mixedprec_runtime", None)
+    from hf_mixedprec.integrations.trainer import runtime_of
+
+    trainer, _, model_desc = _make_trainer(run, prepared, loaded)
+    rt = runtime_of(trainer)
     device = trainer.args.device
     if trainer.is_world_process_zero():
         texts = prepared.texts
@@ -682,8 +684,8 @@ def _train(run: _RunSettings, prepared: _Prepared, loaded: Recipe, resume: str |
         fallback["precision_before"] = _precision_used(loaded, rt, device.type)
         before = list(rt.notes)
         loaded = load_recipe(rt.fallback_recipe)
-        trainer, net, _ = _make_trainer(run, prepared, loaded)
-        rt = getattr(net, "_hf_mixedprec_runtime", None)
+        trainer, _, _ = _make_trainer(run, prepared, loaded)
+        rt = runtime_of(trainer)
         if rt is not None:
             rt.notes[:0] = before
             rt.note(f"FALLBACK: finetune resumes {ckpt} under recipe {loaded.name} ({loaded.precision})")

@@ -29,6 +29,7 @@ from transformers import PrinterCallback, Trainer, TrainerCallback
 
 import hf_mixedprec
 from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
+from hf_mixedprec.integrations.trainer import runtime_of
 from hf_mixedprec.run_report import HEALTH_FILE, summarize, write_run_report
 
 
@@ -163,7 +164,7 @@ def main() -> int:
     )
     trainer.remove_callback(PrinterCallback)  # the summary below replaces Trainer's per-step dicts
     trainer.train(resume_from_checkpoint=args.resume)
-    runtime = model._hf_mixedprec_runtime
+    runtime = runtime_of(model)
     files = write_run_report(args.output_dir, log_history=trainer.state.log_history, runtime=runtime)
     doc = json.loads((Path(args.output_dir) / HEALTH_FILE).read_text())
     for line in summarize(doc)["lines"]:

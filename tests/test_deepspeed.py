@@ -31,6 +31,7 @@ def _scenarios() -> dict[str, Any]:  # pragma: no cover - runs in the subprocess
 
     from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
     from hf_mixedprec.integrations.deepspeed import deepspeed_config, read_deepspeed_scaler
+    from hf_mixedprec.integrations.trainer import runtime_of
     from hf_mixedprec.recipe import load_recipe_file
     from tests.deepspeed_cpu import deepspeed_cpu_env, install_deepspeed_cpu_accelerator
 
@@ -123,7 +124,7 @@ def _scenarios() -> dict[str, Any]:  # pragma: no cover - runs in the subprocess
             "zero_stage": int(engine.zero_optimization_stage()),
             "after_train": read_deepspeed_scaler(trainer.optimizer),
             "torch_optimizer": read_deepspeed_scaler(engine.optimizer.optimizer),
-            "mp_events": list(getattr(getattr(trainer.model, "_hf_mixedprec_runtime", None), "events", [])),
+            "mp_events": list(getattr(runtime_of(trainer), "events", [])),
             "mp_logs": [
                 {k: v for k, v in h.items() if k.startswith("mp/") or k == "step"}
                 for h in trainer.state.log_history

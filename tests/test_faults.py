@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback
 
 from hf_mixedprec.demo import tiny_llama
+from hf_mixedprec.integrations.trainer import runtime_of
 from hf_mixedprec.recipe import resolve_recipe
 from tests.test_integration import Bytes
 
@@ -131,7 +132,7 @@ def test_a_stop_on_the_last_step_still_saves_its_checkpoint(tmp_path):
         model=tiny_llama(), args=args, train_dataset=Bytes(n=64, seq_len=32), callbacks=[fault, *recipe.callbacks()]
     )
     tr.train()
-    assert tr.model._hf_mixedprec_runtime.stop_requested
+    assert runtime_of(tr).stop_requested
     weights = load_file(str(tmp_path / f"checkpoint-{STEPS}" / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point())
 

@@ -37,6 +37,7 @@ def _scenarios(out_dir: Path) -> dict[str, Any]:  # pragma: no cover - runs in t
 
     from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
     from hf_mixedprec.integrations.deepspeed import deepspeed_config
+    from hf_mixedprec.integrations.trainer import runtime_of
     from hf_mixedprec.recipe import resolve_recipe
     from tests.deepspeed_cpu import deepspeed_cpu_env, install_deepspeed_cpu_accelerator
 
@@ -134,7 +135,7 @@ def _scenarios(out_dir: Path) -> dict[str, Any]:  # pragma: no cover - runs in t
             "optimizer_equal": len(o0) == len(o1) and all(torch.equal(a, b) for a, b in zip(o0, o1)),
             "optimizer_tensors": len(o0),
             "skipped": [r["mp/skipped_steps"] for r in tr.state.log_history if "mp/skipped_steps" in r],
-            "events": [e["detector"] for e in tr.model._hf_mixedprec_runtime.events],
+            "events": [e["detector"] for e in runtime_of(tr).events],
             "global_step": tr.state.global_step,
             "checkpoints": checkpoints,
             "engine_skipped": int(tr.model_wrapped.skipped_steps),

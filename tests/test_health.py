@@ -18,6 +18,7 @@ from hf_mixedprec import health as health_mod
 from hf_mixedprec._device import HOST_COPY_ATTR
 from hf_mixedprec.fp8 import EmulatedFP8Linear
 from hf_mixedprec.health import HealthMonitor
+from hf_mixedprec.integrations.trainer import runtime_of
 from hf_mixedprec.recipe import HealthConfig, resolve_recipe
 from hf_mixedprec.runtime import GuardScaler, MixedPrecisionRuntime
 
@@ -115,7 +116,7 @@ def test_tiny_update_on_bf16_weights(tmp_path, lr, fires):
     from hf_mixedprec.demo import tiny_llama
 
     tr = _run(recipe, tmp_path, steps=4, model=tiny_llama().to(torch.bfloat16), learning_rate=lr)
-    events = [e for e in tr.model._hf_mixedprec_runtime.events if e["detector"] == "tiny_update"]
+    events = [e for e in runtime_of(tr).events if e["detector"] == "tiny_update"]
     assert [e["step"] for e in events] == ([2, 4] if fires else [])
     if fires:
         assert all(e["value"] < 1e-3 for e in events)
@@ -225,7 +226,7 @@ def test_overflow_steps_are_skipped_exactly_and_counted(tmp_path):
     skipped = _logs(tr, "mp/skipped_steps")
     assert [i + 1 for i in range(12) if skipped[i] > (skipped[i - 1] if i else 0)] == [4, 9]
     assert [s for s, same in inject.unchanged.items() if same] == [4, 9]  # bit for bit, only there
-    rt = tr.model._hf_mixedprec_runtime
+    rt = runtime_of(tr)
     grad_events = [e for e in rt.events if e["detector"] == "nonfinite_grad"]
     assert [e["step"] for e in grad_events] == [4, 9]
     assert _logs(tr, "mp/loss_scale")[-1] == 16384.0  # halved twice
@@ -248,7 +249,7 @@ def test_bf16_guard_skips_nan_loss_steps_exactly(tmp_path):
     inject = NanLoss({3, 7})
     tr = _run(hf_mixedprec.load_recipe("cpu-bf16"), tmp_path, steps=10, callbacks=[inject])
     assert [s for s, same in inject.unchanged.items() if same] == [3, 7]  # bit for bit, only there
-    rt = tr.model._hf_mixedprec_runtime
+    rt = runtime_of(tr)
     assert isinstance(rt.scaler, GuardScaler) and rt.scaler.get_scale() == 1.0  # never backed off
     assert [e["step"] for e in rt.events if e["detector"] == "nonfinite_loss"] == [3, 7]
     assert _logs(tr, "mp/skipped_steps")[-1] == 2.0
@@ -304,7 +305,7 @@ def test_skipped_steps_are_taken_out_of_the_lr_schedule_before_the_next_step(tmp
         logging_steps=5,
         lr_scheduler_type="linear",
     )
-    rt = tr.model._hf_mixedprec_runtime
+    rt = runtime_of(tr)
     # Trainer's default fused AdamW skips overflow steps itself, so Accelerate reports them as taken
     assert rt._optimizer_skips_itself
     # a skip is taken back out of the schedule before the next step runs, also between log steps (5, 10)
@@ -318,7 +319,7 @@ def test_skipped_steps_are_taken_out_of_the_lr_schedule_before_the_next_step(tmp
 def test_death_spiral_stops_with_a_checkpoint_that_resumes(tmp_path):
     recipe = _recipe("health: {detectors: {death_spiral: {threshold: 4, window: 10, reaction: stop}}}")
     tr = _run(recipe, tmp_path, steps=20, callbacks=[Overflow(range(3, 21))], save_strategy="steps", save_steps=1000)
-    rt = tr.model._hf_mixedprec_runtime
+    rt = runtime_of(tr)
     spiral = [e for e in rt.events if e["detector"] == "death_spiral"]
     assert spiral and spiral[0]["step"] == 6  # 4 backoffs (steps 3-6) without growth, within the window of 10
     assert tr.state.global_step == 6  # stopped right there
@@ -337,7 +338,7 @@ def test_death_spiral_stops_with_a_checkpoint_that_resumes(tmp_path):
 def test_fp16_fallback_continues_in_bf16(tmp_path):
     recipe = _recipe("health: {detectors: {death_spiral: {threshold: 4, window: 10, reaction: fallback}}}")
     tr = _run(recipe, tmp_path, steps=20, callbacks=[Overflow(range(3, 21))], save_strategy="steps", save_steps=1000)
-    rt = tr.model._hf_mixedprec_runtime
+    rt = runtime_of(tr)
     assert rt.fallback_recipe == "cpu-bf16" and tr.state.global_step == 6
     from accelerate.state import AcceleratorState
 
@@ -383,7 +384,7 @@ def test_fp8_outlier_saturates_one_layer_and_fallback_moves_only_it(tmp_path):
     # early delayed-scaling steps clip a few values (up to ~0.5%) while the amax history grows, under the
     # threshold; the outlier step (scaled with last step's amax) saturates 8/128 of the inputs
     assert max(sat[:4]) < 0.02 < sat[4]
-    rt = tr.model._hf_mixedprec_runtime
+    rt = runtime_of(tr)
     fired = {e["layer"] for e in rt.events if e["detector"] == "fp8_saturation"}
     assert fired == {layer}
     kinds = {n: type(m) for n, m in tr.model.named_modules() if n.startswith("model.layers") and n.endswith("_proj")}

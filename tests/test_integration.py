@@ -16,6 +16,7 @@ from transformers import Trainer, TrainerCallback
 import hf_mixedprec
 from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama, train_tokenizer
 from hf_mixedprec.fp8 import EmulatedFP8Linear
+from hf_mixedprec.integrations.trainer import runtime_of
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_accelerate_state")]
@@ -101,7 +102,7 @@ def test_trainer_rehearsed_v100_fp16_overflow_halves_scale_and_skips(tmp_path):
     loss = _logs(tr, "loss")
     assert all(math.isfinite(v) for v in loss) and loss[-1] < loss[0] - 1.0
     assert isinstance(tr.accelerator.scaler, torch.amp.GradScaler)
-    rt = tr.model._hf_mixedprec_runtime
+    rt = runtime_of(tr)
     assert any(n.startswith("REHEARSAL") for n in rt.notes)
 
 
@@ -172,7 +173,7 @@ def test_peft_lora_keeps_adapters_in_high_precision(tmp_path, name):
     tr = _trainer(recipe, tmp_path, model=model, steps=10)
     q = "base_model.model.model.layers.0.self_attn.q_proj"
     if name == "h100-fp8-delayed":
-        rep = model._hf_mixedprec_runtime.fp8_report
+        rep = runtime_of(model).fp8_report
         assert rep.decision(f"{q}.base_layer").fp8 is True
         assert rep.decision(f"{q}.lora_A.default").fp8 is False
         assert rep.decision(f"{q}.lora_A.default").reason.startswith("LoRA adapter")
@@ -273,7 +274,7 @@ def test_resume_is_exact(tmp_path, name):
         a = [r[key] for r in full.state.log_history if key in r and r["step"] > 6]
         b = [r[key] for r in resumed.state.log_history if key in r and r["step"] > 6]
         assert a == b, key
-    rf, rr = full.model._hf_mixedprec_runtime, resumed.model._hf_mixedprec_runtime
+    rf, rr = runtime_of(full), runtime_of(resumed)
     assert rf.steps == rr.steps == 12
     assert json.dumps(rf.state_dict()) == json.dumps(rr.state_dict())
     sf, sr = full.model.state_dict(), resumed.model.state_dict()

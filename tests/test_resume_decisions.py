@@ -11,6 +11,7 @@ from transformers import Trainer, TrainerCallback
 
 from hf_mixedprec.demo import tiny_llama
 from hf_mixedprec.fp8 import EmulatedFP8Linear
+from hf_mixedprec.integrations.trainer import runtime_of
 from hf_mixedprec.recipe import resolve_recipe
 from tests.test_integration import Bytes
 
@@ -62,7 +63,7 @@ def test_an_event_latched_before_a_checkpoint_stops_the_resumed_run_at_the_same_
     resumed = _trainer(recipe, tmp_path / "resumed", steps=12, **common)
     resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-3"))
     assert resumed.state.global_step == 5, "the event latched before checkpoint-3 was lost on resume"
-    events = [[(e["step"], e["detector"]) for e in t.model._hf_mixedprec_runtime.events] for t in (straight, resumed)]
+    events = [[(e["step"], e["detector"]) for e in runtime_of(t).events] for t in (straight, resumed)]
     assert events[0] == events[1] and (2, "nonfinite_grad") in events[0]
 
 
@@ -79,7 +80,7 @@ def test_fp8_layers_a_fallback_moved_stay_moved_after_resume(tmp_path):
     common = {"logging_steps": 2, "save_strategy": "steps", "save_steps": 6}
     straight = _trainer(recipe, tmp_path / "straight", steps=10, **common)
     straight.train()
-    moved = straight.model._hf_mixedprec_runtime.moved_layers
+    moved = runtime_of(straight).moved_layers
     assert len(moved) == 14 and not any(isinstance(m, EmulatedFP8Linear) for m in straight.model.modules())
     from accelerate.state import AcceleratorState
 
@@ -91,7 +92,7 @@ def test_fp8_layers_a_fallback_moved_stay_moved_after_resume(tmp_path):
     a, b = straight.model.state_dict(), resumed.model.state_dict()
     assert list(a) == list(b)
     assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run diverged from the straight one"
-    assert resumed.model._hf_mixedprec_runtime.moved_layers == moved
+    assert runtime_of(resumed).moved_layers == moved
 
 
 class InfGradOn(InfGradAt):
@@ -118,7 +119,7 @@ def test_a_run_resumed_from_any_checkpoint_ends_as_the_straight_run(tmp_path, ba
     straight = _trainer(recipe, tmp_path / "straight", steps=8, callbacks=[InfGradOn(faults)], **common)
     straight.train()
     want = straight.model.state_dict()
-    rt = straight.model._hf_mixedprec_runtime
+    rt = runtime_of(straight)
     want_events = [(e["step"], e["detector"]) for e in rt.events]
     assert (2, "nonfinite_grad") in want_events and (5, "nonfinite_grad") in want_events
     assert int(rt._skipped.item()) == 2
@@ -130,7 +131,7 @@ def test_a_run_resumed_from_any_checkpoint_ends_as_the_straight_run(tmp_path, ba
         assert list(got) == list(want)
         diff = [n for n in want if not torch.equal(want[n], got[n])]
         assert diff == [], f"resumed from checkpoint-{k}: {diff[:3]} differ"
-        rr = resumed.model._hf_mixedprec_runtime
+        rr = runtime_of(resumed)
         assert int(rr._skipped.item()) == 2, k
         assert resumed.lr_scheduler.get_last_lr() == straight.lr_scheduler.get_last_lr(), k
         assert [(e["step"], e["detector"]) for e in rr.events] == want_events, k

@@ -41,12 +41,28 @@ from hf_mixedprec.recipe_files import resolve_recipe
 from hf_mixedprec.runtime import MixedPrecisionRuntime
 from hf_mixedprec.schema import RecipeSpec
 
-__all__ = ["MixedPrecisionCallback", "attach", "recipe_callbacks", "training_args"]
+__all__ = ["MixedPrecisionCallback", "attach", "recipe_callbacks", "runtime_of", "training_args"]
 
 log = logging.getLogger("hf_mixedprec")
 
-RUNTIME_ATTR = "_hf_mixedprec_runtime"
-TRAINER_ATTR = "_hf_mixedprec_trainer"
+#: The runtime a MixedPrecisionCallback installed on each model, and the Trainer it belongs to. Keyed weakly by
+#: the model, so nothing is set on the user's model and nothing outlives it. A Trainer restoring callback state
+#: on resume builds a fresh callback instance, which finds its runtime here.
+_ATTACHED: weakref.WeakKeyDictionary[Any, tuple[MixedPrecisionRuntime, weakref.ref[Trainer]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def runtime_of(obj: Any) -> MixedPrecisionRuntime | None:
+    """The :class:`~hf_mixedprec.runtime.MixedPrecisionRuntime` applying a recipe to ``obj`` (a Trainer, its
+    model, or a ``MixedPrecisionAccelerator``), e.g. for its ``events``, ``notes`` or
+    ``hf_mixedprec.run_report.write_run_report(..., runtime=runtime_of(trainer))``; None if none is attached."""
+    mp = getattr(obj, "mp", None)
+    if isinstance(mp, MixedPrecisionRuntime):
+        return mp
+    model = obj.model if isinstance(obj, Trainer) else obj
+    found = _ATTACHED.get(model)
+    return found[0] if found is not None else None
 
 
 def training_args(recipe: RecipeSpec, *, args_class: type | None = None, **overrides: Any) -> TrainingArguments:
@@ -209,8 +225,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             rt.note(text)
         acc = trainer.accelerator
         rt.apply_tf32()
-        setattr(model, RUNTIME_ATTR, rt)
-        setattr(model, TRAINER_ATTR, weakref.ref(trainer))
+        _ATTACHED[model] = (rt, weakref.ref(trainer))
         if getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False):
             # DeepSpeed through TrainingArguments(deepspeed=...) or through `accelerate launch` with a
             # DeepSpeed config (what `hf-mixedprec launch` writes for distributed.strategy: deepspeed)
@@ -360,13 +375,13 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
 
     def _runtime(self, model: Any) -> MixedPrecisionRuntime:
         if self.runtime is None:  # a fresh instance made by Trainer when restoring callback state
-            self.runtime = getattr(model, RUNTIME_ATTR)
-            self.trainer = getattr(model, TRAINER_ATTR)()
+            self.runtime, trainer_ref = _ATTACHED[model]
+            self.trainer = trainer_ref()
         return self.runtime
 
     # -- training ------------------------------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-        if getattr(model, RUNTIME_ATTR, None) is None or self.trainer is not None:
+        if model not in _ATTACHED or self.trainer is not None:
             # added with trainer.add_callback(...): Trainer.train has already prepared the model and optimizer;
             # else (set up already) this checks that no second callback or second Trainer appeared since
             self.setup(self._calling_trainer("on_train_begin"), late=True)
