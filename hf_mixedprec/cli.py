@@ -2,7 +2,8 @@
 
 Exit codes: 0 done; 1 a bug or crash (it keeps its traceback); 2 a user mistake or a refusal (bad flags, bad
 recipes, missing files, hardware that cannot run a recipe), one line per problem and no traceback; 3 a run
-stopped by a health reaction (``finetune``; the checkpoint and the resume command are printed); 130 Ctrl-C.
+stopped by a health reaction (``finetune``; the checkpoint and the resume command are printed); 130 Ctrl-C or
+SIGTERM (``finetune`` saves a checkpoint first and prints the resume command).
 ``launch`` exits with the training script's own code (see :mod:`hf_mixedprec._launcher`).
 """
 
@@ -336,10 +337,24 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             logging_steps=args.logging_steps,
             save=not args.no_save,
             resume=args.resume,
+            save_steps=args.save_steps,
+            save_total_limit=args.save_total_limit,
+            overwrite=args.overwrite,
         )
     main_process = "files" in summary  # the main process (rank 0) prints; other ranks stay quiet
     if main_process:
         print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    if summary.get("interrupted"):
+        if main_process:
+            it = summary["interrupted"]
+            where = f"checkpoint {summary['resume_from']}" if summary.get("resume_from") else "no checkpoint was saved"
+            print(
+                f"{PROG}: interrupted by {it['signal']} at step {it['at_step']} (exit code 130); {where}",
+                file=sys.stderr,
+            )
+            if summary.get("resume_command"):
+                print(f"{PROG}: resume with: {summary['resume_command']}", file=sys.stderr)
+        return 130
     if not summary.get("stopped"):
         return 0  # finished, possibly under a fallback recipe that took over after a stop
     if main_process:
@@ -594,7 +609,24 @@ def _add_finetune(sub: Any) -> None:
     s.add_argument(
         "--resume",
         metavar="CHECKPOINT",
-        help="continue from a checkpoint folder (e.g. the checkpoint-N a health `stop` saved in --output-dir)",
+        help="continue from a checkpoint folder (any checkpoint-N of the run), or `latest` for the newest in "
+        "--output-dir",
+    )
+    s.add_argument(
+        "--save-steps",
+        type=int,
+        metavar="N",
+        help="save a checkpoint every N steps (default: max-steps/4, between 1 and 500); Ctrl-C (SIGINT) or SIGTERM "
+        "also saves one and prints the resume command",
+    )
+    s.add_argument(
+        "--save-total-limit", type=int, default=2, metavar="N", help="keep the newest N checkpoints (default 2)"
+    )
+    s.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in --output-dir (its files are removed first; without it such a folder is "
+        "refused)",
     )
     s.add_argument("--json", action="store_true", help="print the summary as JSON (the content of summary.json)")
     s.set_defaults(func=cmd_finetune)

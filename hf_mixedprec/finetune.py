@@ -326,38 +326,6 @@ def pack_blocks(
 # -- training --------------------------------------------------------------------------------------------
 
 
-def _progress_callback(max_steps: int) -> Any:
-    from transformers import TrainerCallback
-
-    class Progress(TrainerCallback):
-        """One line per logging step on stderr (stdout is left to the summary)."""
-
-        def __init__(self) -> None:
-            self.pending: dict[str, Any] = {}
-
-        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
-            if not state.is_world_process_zero or not logs:
-                return
-            if "loss" not in logs:  # the recipe's mp/ metrics come as their own log entry, just before
-                self.pending = {k: v for k, v in logs.items() if k.startswith(M.PREFIX)}
-                return
-            logs = {**self.pending, **logs}
-            self.pending = {}
-            parts = [f"step {state.global_step}/{max_steps}", f"loss {logs['loss']:.4f}"]
-            if "learning_rate" in logs:
-                parts.append(f"lr {logs['learning_rate']:.2e}")
-            norm = logs.get(M.GRAD_NORM, logs.get("grad_norm"))
-            if norm is not None:
-                parts.append(f"grad_norm {norm:.3g}")
-            if M.LOSS_SCALE in logs:
-                parts.append(f"loss_scale {logs['mp/loss_scale']:g}")
-            if logs.get(M.SKIPPED_STEPS):
-                parts.append(f"skipped {logs['mp/skipped_steps']:g}")
-            print("finetune: " + "  ".join(parts), file=sys.stderr, flush=True)
-
-    return Progress()
-
-
 def _check_numbers(**values: Any) -> None:
     for flag, (value, low) in values.items():
         if value is None:
@@ -475,20 +443,21 @@ def run_finetune(
     save: bool = True,
     resume: str | None = None,
     command: list[str] | None = None,
+    save_steps: int | None = None,
+    save_total_limit: int | None = 2,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Fine-tune and write the run's files into ``output_dir``; return the summary (also ``summary.json``).
 
-    ``recipe``: a built-in name, a YAML path, ``"auto"``, or a :class:`Recipe`; ``None`` is the recipe
-    ``hf-mixedprec launch`` exported, else ``auto``. ``rehearse`` as in :func:`hf_mixedprec.load_recipe`.
-    ``lr`` defaults to 1e-3 for the model built from a config and 5e-5 with ``model``. ``logging_steps``
-    defaults to ``max_steps // 10`` clipped to 1..10; the first step is always logged. ``resume``: a
-    checkpoint folder to continue from (e.g. the one a health ``stop`` reaction saved). ``command``: the
-    command line that started the run, without ``--resume``; when a health reaction stops the run,
-    ``summary["resume_command"]`` is that command plus ``--resume`` and the checkpoint saved.
-
-    When a health ``fallback`` reaction asks for a whole-model precision switch (FP16 -> BF16), the run
-    stops with a checkpoint and continues from it under the fallback recipe; ``summary["fallback"]`` says
-    from which recipe to which, at which step.
+    ``recipe``: a built-in name, a YAML path, ``"auto"`` or a :class:`Recipe`; ``None``: the recipe
+    ``hf-mixedprec launch`` exported, else ``auto``. ``lr``: 1e-3 for the model built from a config, 5e-5 with
+    ``model``. ``logging_steps``: ``max_steps // 10`` within 1..10 (step 1 always logged). ``save_steps``:
+    ``max_steps // 4`` within 1..500, keeping the last ``save_total_limit``. ``resume``: any checkpoint folder,
+    or ``"latest"`` in ``output_dir``. An ``output_dir`` holding another run is refused unless ``overwrite``
+    (its files are removed) or ``resume`` continues it. ``command`` (the command line, without ``--resume``)
+    becomes ``summary["resume_command"]`` when a health reaction or SIGINT/SIGTERM stops the run with a
+    checkpoint. A whole-model ``fallback`` (FP16 -> BF16) continues under the fallback recipe
+    (``summary["fallback"]``).
     """
     _check_inputs(
         recipe=recipe,
@@ -502,13 +471,16 @@ def run_finetune(
         logging_steps=logging_steps,
         lr=lr,
         resume=resume,
+        save_steps=save_steps,
+        save_total_limit=save_total_limit,
+        overwrite=overwrite,
     )
-    start = time.perf_counter()
+    resume, start = _prepare_run_folder(Path(output_dir), overwrite=overwrite, resume=resume), time.perf_counter()
     prepared = _prepare_data(data, text_field, model, seq_len)
-
-    loaded = load_recipe(recipe, rehearse=rehearse) if not isinstance(recipe, Recipe) else recipe
-    if isinstance(recipe, Recipe) and rehearse is not None:
-        loaded = recipe.rehearsed(rehearse)
+    if isinstance(recipe, Recipe):
+        loaded = recipe.rehearsed(rehearse) if rehearse is not None else recipe
+    else:
+        loaded = load_recipe(recipe, rehearse=rehearse)
     run = _RunSettings(
         out=Path(output_dir),
         model=model,
@@ -518,6 +490,8 @@ def run_finetune(
         lr=lr if lr is not None else (DEFAULTS["lr"] if model is None else DEFAULTS["lr_pretrained"]),
         seed=seed,
         logging_steps=logging_steps or max(1, min(10, max_steps // 10)),
+        save_steps=save_steps or max(1, min(500, max_steps // 4)),
+        save_total_limit=save_total_limit,
     )
     trained = _train(run, prepared, loaded, resume)
     summary = _summary(run, prepared, trained, save=save, command=command)
@@ -547,6 +521,9 @@ def _check_inputs(
     logging_steps: int | None,
     lr: float | None,
     resume: str | None,
+    save_steps: int | None,
+    save_total_limit: int | None,
+    overwrite: bool,
 ) -> None:
     """Every check that needs no data read and no model built: flags, paths, the recipe (one line each)."""
     _check_numbers(
@@ -556,19 +533,33 @@ def _check_inputs(
             "batch-size": (batch_size, 1),
             "logging-steps": (logging_steps, 1),
             "lr": (lr, 0.0),
+            "save-steps": (save_steps, 1),
+            "save-total-limit": (save_total_limit, 1),
         }
     )
     if data is not None:
         check_data_path(data)
     if model is not None:
         check_model_dir(model)
-    if resume is not None and not (Path(resume) / "trainer_state.json").is_file():
+    if resume is not None and resume != "latest" and not (Path(resume) / "trainer_state.json").is_file():
         raise UsageError(
             f"--resume: {resume!r} is not a Trainer checkpoint (no trainer_state.json) (allowed: a checkpoint-N "
-            "folder, e.g. the one a health stop saved)"
+            "folder, e.g. the one a health stop saved, or latest)"
         )
     check_output_dir(output_dir)
+    from hf_mixedprec.run_control import check_run_folder
+
+    check_run_folder(Path(output_dir), overwrite=overwrite, resume=resume)
     _precheck_recipe(recipe, rehearse)
+
+
+def _prepare_run_folder(out: Path, *, overwrite: bool, resume: str | None) -> str | None:
+    """``--overwrite``: remove the previous run's files; ``--resume latest``: the newest checkpoint's path."""
+    from hf_mixedprec.run_control import clear_previous_run, latest_checkpoint
+
+    if overwrite and (removed := clear_previous_run(out)):
+        print(f"finetune: --overwrite: removed the previous run's {', '.join(removed)}", file=sys.stderr)
+    return str(latest_checkpoint(out)) if resume == "latest" else resume
 
 
 @dataclass
@@ -609,6 +600,8 @@ class _RunSettings:
     lr: float
     seed: int
     logging_steps: int
+    save_steps: int
+    save_total_limit: int | None
 
 
 @dataclass
@@ -621,12 +614,15 @@ class _Trained:
     model_desc: str
     fallback: dict[str, Any] | None
     train_seconds: float
+    interrupted: dict[str, Any] | None = None
 
 
-def _make_trainer(run: _RunSettings, prepared: _Prepared, rec: Recipe) -> tuple[Any, Any, str]:
+def _make_trainer(run: _RunSettings, prepared: _Prepared, rec: Recipe, interrupt: Any) -> tuple[Any, Any, str]:
     """The Trainer, its model and the model's description. The arguments come first: under DeepSpeed ZeRO-3
     they make ``from_pretrained`` load the model already partitioned over the ranks."""
     from transformers import PrinterCallback, Trainer, default_data_collator
+
+    from hf_mixedprec.run_control import Progress
 
     targs = rec.training_args(
         output_dir=str(run.out),
@@ -635,7 +631,9 @@ def _make_trainer(run: _RunSettings, prepared: _Prepared, rec: Recipe) -> tuple[
         learning_rate=run.lr,
         logging_steps=run.logging_steps,
         logging_first_step=True,
-        save_strategy="no",  # a health `stop`/`fallback` still saves the checkpoint it needs
+        save_strategy="steps",  # a health `stop`/`fallback` and SIGINT also save the checkpoint they need
+        save_steps=run.save_steps,
+        save_total_limit=run.save_total_limit,
         report_to=[],
         seed=run.seed,
         disable_tqdm=True,
@@ -647,7 +645,11 @@ def _make_trainer(run: _RunSettings, prepared: _Prepared, rec: Recipe) -> tuple[
         train_dataset=prepared.train_ds,
         data_collator=default_data_collator,
         processing_class=prepared.tokenizer,
-        callbacks=[_progress_callback(run.max_steps), *rec.callbacks()],
+        callbacks=[
+            Progress(run.max_steps, run.batch_size * run.seq_len * targs.world_size),
+            interrupt,
+            *rec.callbacks(),
+        ],
     )
     tr.remove_callback(PrinterCallback)
     return tr, net, desc
@@ -657,8 +659,11 @@ def _train(run: _RunSettings, prepared: _Prepared, loaded: Recipe, resume: str |
     """Train; after a whole-model fallback (FP16 -> BF16) that stopped the run with a checkpoint, go on from it
     under the fallback recipe, as the message tells a plain Trainer user to do by hand."""
     from hf_mixedprec.integrations.trainer import runtime_of
+    from hf_mixedprec.run_control import Interrupt
 
-    trainer, _, model_desc = _make_trainer(run, prepared, loaded)
+    interrupt = Interrupt()
+    trainer, _, model_desc = _make_trainer(run, prepared, loaded, interrupt)
+    interrupt.world_size = trainer.args.world_size
     rt = runtime_of(trainer)
     device = trainer.args.device
     if trainer.is_world_process_zero():
@@ -675,22 +680,46 @@ def _train(run: _RunSettings, prepared: _Prepared, loaded: Recipe, resume: str |
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
+    interrupt.install()
+    try:
+        trainer, rt, loaded, fallback = _train_with_fallback(run, prepared, loaded, resume, trainer, rt, interrupt)
+    finally:
+        interrupt.uninstall()
+    interrupted = None
+    if interrupt.at_step is not None:
+        ckpt = run.out / f"checkpoint-{interrupt.at_step}"
+        interrupted = {"signal": interrupt.requested, "at_step": interrupt.at_step, "checkpoint": str(ckpt)}
+    return _Trained(trainer, rt, loaded, model_desc, fallback, time.perf_counter() - t0, interrupted)
+
+
+def _train_with_fallback(
+    run: _RunSettings, prepared: _Prepared, loaded: Recipe, resume: str | None, trainer: Any, rt: Any, interrupt: Any
+) -> tuple[Any, Any, Recipe, dict[str, Any] | None]:
+    """``trainer.train()``; after a whole-model fallback that stopped the run, on under the fallback recipe."""
+    from hf_mixedprec.integrations.trainer import runtime_of
+
+    device = trainer.args.device
     trainer.train(resume_from_checkpoint=resume)
     fallback: dict[str, Any] | None = None
-    if rt is not None and rt.fallback_recipe and trainer.state.global_step < run.max_steps:
+    if (
+        rt is not None
+        and rt.fallback_recipe
+        and trainer.state.global_step < run.max_steps
+        and interrupt.at_step is None
+    ):
         step = int(trainer.state.global_step)
         ckpt = run.out / f"checkpoint-{step}"
         fallback = {"from": loaded.name, "to": rt.fallback_recipe, "at_step": step, "checkpoint": str(ckpt)}
         fallback["precision_before"] = _precision_used(loaded, rt, device.type)
         before = list(rt.notes)
         loaded = load_recipe(rt.fallback_recipe)
-        trainer, _, _ = _make_trainer(run, prepared, loaded)
+        trainer, _, _ = _make_trainer(run, prepared, loaded, interrupt)
         rt = runtime_of(trainer)
         if rt is not None:
             rt.notes[:0] = before
             rt.note(f"FALLBACK: finetune resumes {ckpt} under recipe {loaded.name} ({loaded.precision})")
         trainer.train(resume_from_checkpoint=str(ckpt))
-    return _Trained(trainer, rt, loaded, model_desc, fallback, time.perf_counter() - t0)
+    return trainer, rt, loaded, fallback
 
 
 def _summary(
@@ -710,8 +739,9 @@ def _summary(
     fp8 = getattr(rt, "fp8_report", None)
     stopped = rt.stop_requested if rt is not None else None
     ckpt_dir = run.out / f"checkpoint-{steps}"
-    # a stop (also one after a fallback took over) leaves the checkpoint Trainer saved when it stopped
-    resume_from = str(ckpt_dir) if stopped and ckpt_dir.is_dir() else None
+    # a stop (also one after a fallback took over) or a signal leaves the checkpoint Trainer saved when it stopped
+    halted = stopped or trained.interrupted
+    resume_from = str(ckpt_dir) if halted and ckpt_dir.is_dir() else None
     used = _precision_used(loaded, rt, device.type)
     if fallback:
         used = (
@@ -752,6 +782,7 @@ def _summary(
         "health_events": len(events),
         "fallback": fallback,
         "stopped": stopped,
+        "interrupted": trained.interrupted,
         "resume_from": resume_from,
         "resume_command": shlex.join([*command, "--resume", resume_from]) if resume_from and command else None,
         "notes": list(rt.notes) if rt is not None else [],

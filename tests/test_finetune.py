@@ -222,3 +222,69 @@ def test_deepspeed_recipe_without_a_deepspeed_launch_is_refused(tmp_path, capsys
     assert lines[0].startswith("hf-mixedprec: error: --recipe: 'z2' has distributed.strategy deepspeed, which needs a ")
     assert "(allowed: `hf-mixedprec launch --recipe RECIPE.yaml hf_mixedprec/finetune.py ...`" in lines[0]
     assert not out.exists()
+
+
+def test_sigint_saves_a_checkpoint_and_the_resumed_run_ends_bitwise_as_an_uninterrupted_one(tmp_path):
+    """Ctrl-C (SIGINT) mid-run: exit 130, a checkpoint of the step it stopped at, the resume command printed;
+    that command finishes the run with the same weights, bit for bit, as a run that was never interrupted."""
+    import os
+    import shlex
+    import signal
+
+    from safetensors.torch import load_file
+
+    args = ["--max-steps", "40", "--seq-len", "32", "--batch-size", "4", "--logging-steps", "2", "--save-steps", "100"]
+    straight = _finetune("--output-dir", str(tmp_path / "straight"), *args)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    out = tmp_path / "cut"
+    cmd = [sys.executable, "-m", "hf_mixedprec.cli", "finetune", "--output-dir", str(out), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:  # interrupt once training is under way
+        lines.append(line)
+        if "finetune: step 4/40" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    err = "".join(lines) + proc.stderr.read()
+    proc.wait(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert "SIGINT received: saving a checkpoint" in err
+    resume_line = next(line for line in err.splitlines() if "resume with:" in line)
+    at = int(err.split("interrupted by SIGINT at step ")[1].split()[0])
+    assert 4 <= at < 40 and (out / f"checkpoint-{at}" / "trainer_state.json").is_file()
+    resumed = subprocess.run(
+        shlex.split(resume_line.split("resume with: ", 1)[1]), capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    b = load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a), "the resumed run diverged"
+    assert os.path.isdir(out / "checkpoint-40")
+
+
+def torch_equal(x, y) -> bool:
+    import torch
+
+    return bool(torch.equal(x, y))
+
+
+def test_an_output_folder_with_another_run_is_refused_unless_overwrite_or_resume(default_run, tmp_path, capsys):
+    import shutil
+
+    from hf_mixedprec.cli import main
+
+    run = tmp_path / "again"
+    shutil.copytree(default_run, run)
+    (run / "notes.txt").write_text("mine")
+    assert main(["finetune", "--output-dir", str(run), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run (summary.json" in err and "--overwrite" in err and len(err.splitlines()) == 1
+    assert (run / "summary.json").is_file()  # nothing was touched
+    assert main(["finetune", "--output-dir", str(run), "--resume", "latest", *FAST]) == 2  # no checkpoint to take
+    assert "has no checkpoint-N folder" in capsys.readouterr().err
+    r = _finetune("--output-dir", str(run), "--overwrite", *FAST[:2], "2", *FAST[2:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--overwrite: removed the previous run's summary.json" in r.stderr
+    assert (run / "notes.txt").read_text() == "mine"  # only the run's own files are removed
+    assert json.loads((run / "summary.json").read_text())["steps"] == 12
