@@ -315,8 +315,10 @@ def _check_deepspeed(recipe: Recipe) -> None:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from hf_mixedprec._stdio import stdout_to_stderr
+    from hf_mixedprec._stdio import quiet_progress_bars, stdout_to_stderr
     from hf_mixedprec.finetune import format_summary, run_finetune
+
+    quiet_progress_bars()
 
     # stdout carries only the summary (--json is parsed by scripts); libraries imported during the run
     # (DeepSpeed's logger, for one) print to stdout, so the run's own output goes to stderr
@@ -647,6 +649,9 @@ def _add_report(sub: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from hf_mixedprec._stdio import quiet_known_noise
+
+    quiet_known_noise()
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)

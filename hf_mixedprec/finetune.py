@@ -637,6 +637,7 @@ def _make_trainer(run: _RunSettings, prepared: _Prepared, rec: Recipe, interrupt
         report_to=[],
         seed=run.seed,
         disable_tqdm=True,
+        dataloader_pin_memory=torch.cuda.is_available(),  # pinned memory only helps a copy to a GPU
     )
     net, desc = build_model(run.model, prepared.tokenizer, seq_len=run.seq_len, seed=run.seed)
     tr = Trainer(

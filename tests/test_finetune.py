@@ -84,7 +84,8 @@ def test_save_to_disk_and_text_file(tmp_path):
     (tmp_path / "prose.txt").write_text(text)
     datasets.Dataset.from_dict({"text": text.split("\n\n")}).save_to_disk(str(tmp_path / "ds"))
     for data, n in ((tmp_path / "prose.txt", 80), (tmp_path / "ds", 80)):
-        r = _finetune("--data", str(data), "--output-dir", str(tmp_path / "o"), "--json", "--no-save", *FAST)
+        out = tmp_path / f"out-{data.name}"  # one run per folder (a folder with another run is refused)
+        r = _finetune("--data", str(data), "--output-dir", str(out), "--json", "--no-save", *FAST)
         assert r.returncode == 0, r.stderr[-3000:]
         assert json.loads(r.stdout)["examples"] == n
 
