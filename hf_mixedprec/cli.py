@@ -416,14 +416,31 @@ def cmd_report(args: argparse.Namespace) -> int:
     files = build_plots(run, doc)
     info = summarize(doc)
     info["plots"] = [str(f) for f in files]
+    summary = _run_summary(run)
+    if summary is not None:
+        info["summary"] = summary
     if args.json:
         print(json.dumps(info, indent=2))
     else:
+        if summary is not None:  # what `finetune` printed at the end of the run: loss, throughput, memory
+            from hf_mixedprec.finetune import format_summary
+
+            print(format_summary(summary))
         for line in info["lines"]:
             print(line)
         for f in files:
             print(f"plot: {f}")
     return 0
+
+
+def _run_summary(run: Path) -> dict | None:
+    """The run's ``summary.json`` (written by ``finetune``), or None when there is none or it is unreadable."""
+    try:
+        summary = json.loads((run / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    required = ("recipe", "precision", "rehearsed", "precision_used", "steps", "skipped_steps", "loss_first")
+    return summary if isinstance(summary, dict) and all(k in summary for k in required) else None
 
 
 # -- parser ----------------------------------------------------------------------------------------

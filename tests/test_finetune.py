@@ -289,3 +289,14 @@ def test_an_output_folder_with_another_run_is_refused_unless_overwrite_or_resume
     assert "--overwrite: removed the previous run's summary.json" in r.stderr
     assert (run / "notes.txt").read_text() == "mine"  # only the run's own files are removed
     assert json.loads((run / "summary.json").read_text())["steps"] == 12
+
+
+def test_report_prints_the_summary_finetune_printed(default_run, capsys):
+    from hf_mixedprec.cli import main
+    from hf_mixedprec.finetune import format_summary
+
+    assert main(["report", str(default_run)]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((default_run / "summary.json").read_text())
+    assert out.startswith(format_summary(summary) + "\n")
+    assert "throughput:" in out and "loss:" in out
