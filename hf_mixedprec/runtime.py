@@ -154,9 +154,9 @@ class MixedPrecisionRuntime:
             return None
         backend = "emulated" if self.rehearse else None
         self.fp8_report = convert(model, self.recipe, backend=backend, optimizer=optimizer)
-        for n in self.fp8_report.notes:
-            self.notes.append(n)
-        if is_main_rank():  # which layers run in FP8 is a decision the user must see, once
+        warning = [self.fp8_report.warning] if self.fp8_report.warning else []  # converting nothing: run report too
+        self.notes += [*self.fp8_report.notes, *warning]
+        if is_main_rank():  # which layers run in FP8 is a decision the user must see, once; loud if it is none
             log.warning("hf_mixedprec: %s", self.fp8_report.summary())
         return self.fp8_report
 

@@ -8,6 +8,8 @@ E8M0 scale sits at the clamp (each layer's ``LayerStats``). Layers that cross th
 thresholds for ``fp8_saturation``, ``fp8_underflow``, ``fp8_sqnr`` or ``mx_clamp`` (decided by
 :func:`hf_mixedprec.health.layer_breaches`, as in training) are recommended for ``keep_in_bf16``.
 Published FP8 divergences start from outliers that saturate E4M3 first, so saturation leads the list.
+A model in which the recipe converts no layer (every Linear/Conv1D kept, or none found) has nothing to check:
+the result says so (:data:`NOTHING_CHECKED`) and never calls the recipe safe.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from hf_mixedprec.health import LayerBreach, layer_breaches
 from hf_mixedprec.scaling.stats import ROLES
 from hf_mixedprec.schema import RecipeSpec
 
-__all__ = ["LayerNumerics", "SimulationResult", "default_simulation_model", "simulate"]
+__all__ = ["NOTHING_CHECKED", "LayerNumerics", "SimulationResult", "default_simulation_model", "simulate"]
+
+#: The verdict when no layer of the model ran in FP8, so no layer's numerics were checked.
+NOTHING_CHECKED = "nothing checked: no FP8 layer in this model"
 
 
 @dataclass
@@ -65,6 +70,19 @@ class SimulationResult:
     def recommended(self) -> list[LayerNumerics]:
         return [layer for layer in self.layers if layer.keep_reasons]
 
+    @property
+    def nothing_checked(self) -> bool:
+        """No layer ran in FP8, so there are no numerics to judge the recipe by."""
+        return not self.layers
+
+    @property
+    def verdict(self) -> str:
+        if self.nothing_checked:
+            return NOTHING_CHECKED
+        if self.recommended:
+            return "recommend keeping layers in BF16"
+        return "no layer crossed the recipe's FP8 health thresholds"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "recipe": self.recipe,
@@ -75,6 +93,9 @@ class SimulationResult:
             "model": self.model,
             "loss": {"fp8": self.fp8_losses, "bf16": self.bf16_losses},
             "layers": [layer.to_dict() for layer in self.layers],
+            "checked_layers": len(self.layers),
+            "nothing_checked": self.nothing_checked,
+            "verdict": self.verdict,
             "recommend_keep_in_bf16": [layer.name for layer in self.recommended],
             "conversion": self.conversion.to_dict(),
             "seconds": round(self.seconds, 2),
@@ -90,6 +111,36 @@ class SimulationResult:
             f"(final gap {fl[-1] - bl[-1]:+.4f})",
             "",
         ]
+        if self.nothing_checked:
+            n = len(self.conversion.gemm_layers)
+            why = (
+                f"all {n} Linear/Conv1D layers are kept in high precision" if n else "it has no Linear or Conv1D layer"
+            )
+            lines.append(f"{NOTHING_CHECKED} ({why}; the FP8 loss above is a high-precision run)")
+        lines += self._layer_rows()
+        lines.append("")
+        kept = [d for d in self.conversion.layers if not d.fp8]
+        lines.append("already kept in high precision: " + ", ".join(f"{d.name} ({d.reason})" for d in kept))
+        if self.nothing_checked:
+            lines.append(f"recommendation: none, {NOTHING_CHECKED}: the recipe's FP8 numerics were not tested")
+        elif self.recommended:
+            lines.append("recommend keeping in BF16:")
+            for layer in self.recommended:
+                lines.append(f"  {layer.name}: {'; '.join(layer.keep_reasons)}")
+            # a list in a child recipe replaces the parent's, so the suggestion repeats the recipe's patterns
+            names = [*self.keep_in_bf16, *(layer.name for layer in self.recommended)]
+            pats = ", ".join(f'"{n}"' for n in dict.fromkeys(names))
+            lines.append(f"  -> add to your recipe:  fp8: {{keep_in_bf16: [{pats}]}}")
+        else:
+            lines.append("recommendation: no layer crossed the recipe's FP8 health thresholds; the recipe looks safe")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _layer_rows(self) -> list[str]:
+        """The per-layer table (header and one row per FP8 layer); nothing when no layer was checked."""
+        if self.nothing_checked:
+            return []
+        lines = []
         width = max([len(layer.name) for layer in self.layers] + [5])
         hdr = f"{'layer':<{width}}  {'amax in/w/grad':>26}  {'sat% in/w/grad':>20}  {'undfl% in/w/grad':>20}  {'SQNR dB min':>11}"
         if self.scaling == "mxfp8":
@@ -105,21 +156,7 @@ class SimulationResult:
             if self.scaling == "mxfp8":
                 row += f"  {100 * max(s[r].get('mx_clamp', 0.0) for r in ROLES):>6.2f}"
             lines.append(row + ("  KEEP" if layer.keep_reasons else "  -"))
-        lines.append("")
-        kept = [d for d in self.conversion.layers if not d.fp8]
-        lines.append("already kept in high precision: " + ", ".join(f"{d.name} ({d.reason})" for d in kept))
-        if self.recommended:
-            lines.append("recommend keeping in BF16:")
-            for layer in self.recommended:
-                lines.append(f"  {layer.name}: {'; '.join(layer.keep_reasons)}")
-            # a list in a child recipe replaces the parent's, so the suggestion repeats the recipe's patterns
-            names = [*self.keep_in_bf16, *(layer.name for layer in self.recommended)]
-            pats = ", ".join(f'"{n}"' for n in dict.fromkeys(names))
-            lines.append(f"  -> add to your recipe:  fp8: {{keep_in_bf16: [{pats}]}}")
-        else:
-            lines.append("recommendation: no layer crossed the recipe's FP8 health thresholds; the recipe looks safe")
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        return lines
 
 
 def default_simulation_model(seed: int = 0) -> Any:
@@ -217,6 +254,8 @@ def simulate(
     del ref
 
     report = convert(model, recipe, backend="emulated")
+    if report.warning is not None:
+        notes.append(report.warning)
     agg: dict[str, dict[str, dict[str, float]]] = {}
 
     def collect() -> None:

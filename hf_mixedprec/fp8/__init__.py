@@ -1,5 +1,10 @@
 """FP8 backends behind one ``convert(model, recipe) -> ConversionReport``.
 
+The layers converted are the GEMM layers: ``nn.Linear`` and transformers' ``Conv1D`` (GPT-2). The emulated
+backend converts both; torchao and Transformer Engine convert only ``nn.Linear``, so under them a ``Conv1D``
+stays in high precision with that reason in the report and a note. A recipe that converts no GEMM layer, or under
+half of them, is flagged in the report (``nothing_converted``, ``under_half_converted``) and its summary.
+
 Backends: ``emulated`` (any device, exact numerics, GEMMs in float32), ``torchao`` (torchao float8 training;
 ``emulate=True`` off-GPU) and ``transformer_engine`` (TE Linears + TE's autocast; imported lazily).
 ``fp8.backend: auto`` takes Transformer Engine on CUDA, else torchao for current scaling, and otherwise
@@ -15,13 +20,22 @@ import torch
 from torch import nn
 
 from hf_mixedprec.fp8.conversion import ConversionReport
-from hf_mixedprec.fp8.emulated import EmulatedFP8Linear, EmulationSpec, fp8_step, iter_emulated
-from hf_mixedprec.fp8.policy import LayerDecision, plan_conversion
+from hf_mixedprec.fp8.emulated import (
+    EmulatedFP8Conv1D,
+    EmulatedFP8GEMM,
+    EmulatedFP8Linear,
+    EmulationSpec,
+    fp8_step,
+    iter_emulated,
+)
+from hf_mixedprec.fp8.policy import BACKEND_GEMM_KINDS, GEMM_KINDS, LayerDecision, plan_conversion
 from hf_mixedprec.fp8.swap import replace_module
 from hf_mixedprec.schema import RecipeSpec
 
 __all__ = [
     "ConversionReport",
+    "EmulatedFP8Conv1D",
+    "EmulatedFP8GEMM",
     "EmulatedFP8Linear",
     "FP8BackendUnavailable",
     "LayerDecision",
@@ -72,6 +86,22 @@ def _model_device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
+def _unsupported_kind_notes(decisions: list[LayerDecision], backend: str) -> list[str]:
+    """One note per GEMM kind the backend left in high precision because it cannot convert that kind."""
+    notes = []
+    for kind in GEMM_KINDS:
+        if kind in BACKEND_GEMM_KINDS[backend]:
+            continue
+        names = [d.name for d in decisions if d.kind == kind and d.reason.startswith(f"{kind}: backend ")]
+        if names:
+            notes.append(
+                f"backend {backend} converts only nn.Linear: {len(names)} {kind} layers stay in high precision "
+                f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); fp8.backend: emulated converts them "
+                "(exact FP8 numerics, no speed-up)"
+            )
+    return notes
+
+
 def convert(
     model: nn.Module,
     recipe: RecipeSpec,
@@ -79,7 +109,8 @@ def convert(
     backend: str | None = None,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> ConversionReport:
-    """Convert ``model``'s Linears to FP8 in place as ``recipe`` says; return what was done and why.
+    """Convert ``model``'s GEMM layers (Linear, Conv1D) to FP8 in place as ``recipe`` says; return what was done
+    and why.
 
     ``backend`` overrides ``recipe.fp8.backend`` (e.g. ``"emulated"`` to rehearse). Layers the recipe keeps in
     high precision are left untouched; nothing stops at the first layer that cannot be converted.
@@ -91,7 +122,7 @@ def convert(
     notes: list[str] = []
     if backend is None:
         backend, notes = resolve_backend(recipe, _model_device(model))
-    converted_types: tuple[type, ...] = (EmulatedFP8Linear,)
+    converted_types: tuple[type, ...] = (EmulatedFP8GEMM,)
     if _has("torchao"):
         try:
             from torchao.float8.float8_linear import Float8Linear
@@ -99,12 +130,14 @@ def convert(
             converted_types += (Float8Linear,)
         except ImportError:  # pragma: no cover - torchao layout changed
             pass
-    decisions = plan_conversion(model, recipe.fp8, converted_types=converted_types)
+    decisions = plan_conversion(model, recipe.fp8, converted_types=converted_types, backend=backend)
+    notes += _unsupported_kind_notes(decisions, backend)
     if backend == "emulated":
         spec = EmulationSpec.from_config(recipe.fp8)
         for d in decisions:
             if d.to_swap:
-                replace_module(model, d.name, EmulatedFP8Linear(model.get_submodule(d.name), spec))
+                cls = EmulatedFP8Conv1D if d.kind == "Conv1D" else EmulatedFP8Linear
+                replace_module(model, d.name, cls(model.get_submodule(d.name), spec))
     elif backend == "torchao":
         from hf_mixedprec.fp8.torchao_backend import convert_torchao
 

@@ -1,4 +1,9 @@
-"""``ConversionReport``: every Linear (and Embedding) of a model, converted or kept, and why."""
+"""``ConversionReport``: every GEMM layer (Linear, Conv1D) and Embedding of a model, converted or kept, and why.
+
+A report whose recipe converts no GEMM layer, or under half of those it found, says so loudly: the flags
+``nothing_converted`` / ``under_half_converted``, and :attr:`ConversionReport.warning` at the head of
+:meth:`~ConversionReport.summary` (the line the runtime logs at WARNING when it converts a model).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_mixedprec.fp8.policy import LayerDecision
+from hf_mixedprec.fp8.policy import GEMM_KINDS, LORA_ADAPTER, LayerDecision
 
 __all__ = ["ConversionReport"]
 
@@ -30,6 +35,48 @@ class ConversionReport:
     def kept(self) -> list[str]:
         return [d.name for d in self.layers if not d.fp8]
 
+    @property
+    def gemm_layers(self) -> list[LayerDecision]:
+        """The GEMM layers found (Linear, Conv1D), converted or not."""
+        return [d for d in self.layers if d.kind in GEMM_KINDS]
+
+    @property
+    def nothing_converted(self) -> bool:
+        """No GEMM layer runs in FP8 (none was found, or every one was kept): the model trains in high precision."""
+        return not any(d.fp8 for d in self.gemm_layers)
+
+    def _counted(self) -> list[LayerDecision]:
+        """The GEMM layers coverage is judged on: PEFT LoRA adapters, kept in high precision by design, are not."""
+        return [d for d in self.gemm_layers if d.reason != LORA_ADAPTER]
+
+    @property
+    def under_half_converted(self) -> bool:
+        """Fewer than half of the GEMM layers found (LoRA adapters aside) run in FP8; true when none does."""
+        gemms = self._counted()
+        return self.nothing_converted or 2 * sum(d.fp8 for d in gemms) < len(gemms)
+
+    @property
+    def warning(self) -> str | None:
+        """The loud sentence for a recipe that converts nothing or under half of the GEMM layers, else None."""
+        gemms = self._counted()
+        n_fp8 = sum(d.fp8 for d in gemms)
+        if not gemms:
+            return (
+                "WARNING: FP8 converted nothing: this model has no Linear or Conv1D layer, so it trains entirely in "
+                "high precision (no FP8 GEMM, no speed-up)"
+            )
+        if self.nothing_converted:
+            return (
+                f"WARNING: FP8 converted nothing: 0 of {len(gemms)} GEMM layers in FP8, so this model trains entirely "
+                "in high precision (no FP8 GEMM, no speed-up); the reasons follow"
+            )
+        if self.under_half_converted:
+            return (
+                f"WARNING: FP8 converted under half of the GEMM layers: {n_fp8} of {len(gemms)} in FP8, the rest train "
+                "in high precision; the reasons follow"
+            )
+        return None
+
     def decision(self, name: str) -> LayerDecision:
         for d in self.layers:
             if d.name == name:
@@ -43,6 +90,10 @@ class ConversionReport:
             "format": self.format,
             "converted": len(self.converted),
             "kept": len(self.kept),
+            "gemm_layers": len(self.gemm_layers),
+            "nothing_converted": self.nothing_converted,
+            "under_half_converted": self.under_half_converted,
+            "warning": self.warning,
             "notes": list(self.notes),
             "layers": [d.to_dict() for d in self.layers],
         }
@@ -50,12 +101,20 @@ class ConversionReport:
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.to_dict(), indent=kw.pop("indent", 2), **kw)
 
+    def _kinds(self) -> str:
+        """The GEMM kinds this model has, as "Linear", "Conv1D" or "Linear/Conv1D" (both when it has none)."""
+        found = {d.kind for d in self.gemm_layers}
+        return "/".join(k for k in GEMM_KINDS if k in found or not found)
+
     def summary(self) -> str:
-        """Two lines for the console: how many Linears went FP8, and which stayed in high precision and why."""
+        """One line for the console: how many GEMM layers went FP8, and which stayed in high precision and why;
+        led by :attr:`warning` when the recipe converts nothing or under half of them."""
         head = (
-            f"FP8 conversion ({self.backend}, {self.scaling} scaling, {self.format}): {len(self.converted)} of "
-            f"{sum(d.kind == 'Linear' for d in self.layers)} Linear layers in FP8"
+            f"FP8 conversion ({self.backend}, {self.scaling} scaling, {self.format}): "
+            f"{sum(d.fp8 for d in self.gemm_layers)} of {len(self.gemm_layers)} {self._kinds()} layers in FP8"
         )
+        if self.warning is not None:
+            head = f"{self.warning}. {head}"
         by_reason: dict[str, list[str]] = {}
         for d in self.layers:
             if not d.fp8:
@@ -71,7 +130,10 @@ class ConversionReport:
             f"{len(self.converted)} layers in FP8, {len(self.kept)} kept in high precision"
         )
         width = max([len(d.name) for d in self.layers] + [5])
-        lines = [head, f"{'layer':<{width}}  {'kind':<9}  {'shape':>11}  {'fp8':<4}  reason"]
+        lines = ([self.warning] if self.warning else []) + [
+            head,
+            f"{'layer':<{width}}  {'kind':<9}  {'shape':>11}  {'fp8':<4}  reason",
+        ]
         for d in self.layers:
             shape = f"{d.in_features}x{d.out_features}"
             lines.append(f"{d.name:<{width}}  {d.kind:<9}  {shape:>11}  {'yes' if d.fp8 else 'no':<4}  {d.reason}")

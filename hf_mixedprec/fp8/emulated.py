@@ -1,7 +1,8 @@
 """Emulated FP8 training on any device: exact quantize-dequantize, GEMMs in float32.
 
-``EmulatedFP8Linear`` replaces an ``nn.Linear`` (keeping the same Parameter objects, so an optimizer built
-before conversion stays valid) and quantizes exactly what an FP8 GEMM would see:
+``EmulatedFP8Linear`` replaces an ``nn.Linear`` and ``EmulatedFP8Conv1D`` transformers' ``Conv1D`` (keeping the
+same Parameter objects, so an optimizer built before conversion stays valid) and quantizes exactly what an FP8
+GEMM would see (``W`` is the GEMM's [out, in] weight operand):
 
 - forward ``y = x @ W.T``: input and weight in the forward format (E4M3);
 - backward ``dx = dy @ W`` and ``dW = dy.T @ x``: the output gradient in the backward format (E5M2 for
@@ -50,7 +51,7 @@ from hf_mixedprec.scaling import (
 from hf_mixedprec.scaling.stats import ROLES
 from hf_mixedprec.schema import FP8Config
 
-__all__ = ["EmulatedFP8Linear", "EmulationSpec", "fp8_step", "iter_emulated"]
+__all__ = ["EmulatedFP8Conv1D", "EmulatedFP8GEMM", "EmulatedFP8Linear", "EmulationSpec", "fp8_step", "iter_emulated"]
 
 _DELAYED, _CURRENT, _MX = (FP8_SCALING_DEFAULTS[s] for s in ("delayed", "current", "mxfp8"))
 
@@ -103,19 +104,26 @@ class _Quantized:
         self.deq, self.data, self.codes = deq, data, codes
 
 
-class EmulatedFP8Linear(nn.Module):
-    """An ``nn.Linear`` whose GEMMs see exactly the FP8 values a real FP8 GEMM would (see module docs)."""
+class EmulatedFP8GEMM(nn.Module):
+    """A GEMM layer ``y = x @ W.T + b`` whose operands see exactly the FP8 values a real FP8 GEMM would.
 
-    def __init__(self, linear: nn.Linear, spec: EmulationSpec):
+    The quantization shared by :class:`EmulatedFP8Linear` and :class:`EmulatedFP8Conv1D`; a subclass says how
+    the wrapped layer stores ``W`` (:meth:`gemm_weight`, :meth:`weight_grad`) and how to restore it.
+    """
+
+    #: the layer kind the conversion report names
+    kind = "GEMM"
+
+    def __init__(self, layer: nn.Module, in_features: int, out_features: int, spec: EmulationSpec):
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = layer.weight
+        self.bias = layer.bias
         self.spec = spec
         self.fwd_fmt: NumberFormat = get_format(spec.fwd_format)
         self.bwd_fmt: NumberFormat = get_format(spec.bwd_format)
-        dev = linear.weight.device
+        dev = layer.weight.device
         if spec.scaling == "delayed":
             self.register_buffer("fp8_amax_history", torch.zeros(spec.amax_history_len, 3, device=dev))
             self.register_buffer("fp8_scale", torch.ones(3, device=dev))
@@ -189,6 +197,18 @@ class EmulatedFP8Linear(nn.Module):
         return q
 
     # -- forward -----------------------------------------------------------------------------------
+    def gemm_weight(self, weight: Tensor) -> Tensor:
+        """The GEMM's weight operand ``W`` ([out, in], float32) from the stored weight."""
+        return weight.float()
+
+    def weight_grad(self, grad_w: Tensor) -> Tensor:
+        """The stored weight's gradient from the GEMM's ``dW`` ([out, in])."""
+        return grad_w
+
+    def high_precision(self) -> nn.Module:
+        """The original layer type holding the same Parameter objects (the health fallback to BF16)."""
+        raise NotImplementedError
+
     def forward(self, x: Tensor) -> Tensor:
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
@@ -199,14 +219,62 @@ class EmulatedFP8Linear(nn.Module):
             return _EmulatedFP8Fn.apply(x, self.weight, self.bias, self, out_dtype)
 
 
+class EmulatedFP8Linear(EmulatedFP8GEMM):
+    """An ``nn.Linear`` whose GEMMs see exactly the FP8 values a real FP8 GEMM would (see module docs)."""
+
+    kind = "Linear"
+
+    def __init__(self, linear: nn.Linear, spec: EmulationSpec):
+        super().__init__(linear, linear.in_features, linear.out_features, spec)
+
+    def high_precision(self) -> nn.Linear:
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        lin.weight, lin.bias = self.weight, self.bias
+        return lin
+
+
+class EmulatedFP8Conv1D(EmulatedFP8GEMM):
+    """transformers' ``Conv1D`` (``transformers/pytorch_utils.py``, GPT-2's projections) in emulated FP8.
+
+    ``Conv1D`` stores its weight as [in, out] (``nx``, ``nf``) and computes ``torch.addmm(bias, x, weight)``, a
+    GEMM whose weight operand is ``W = weight.T``. The Parameters stay the same objects and shapes, so optimizer
+    state, ``state_dict`` keys and checkpoints are unchanged. Every GEMM quantizes ``W`` as
+    :class:`EmulatedFP8Linear` does a Linear holding ``W``, so outputs and gradients are bit-identical to it.
+    Per-tensor scales (delayed, current) do not depend on the orientation, but MXFP8 blocks must run along the
+    GEMM's reduction dim (the OCP MX v1.0 spec defines the dot product of two MX vectors block by block along it),
+    in_features for the forward, and so must the 1x128 tiles of TE's blockwise recipe (``Float8BlockScaling``);
+    never along the stored weight's rows.
+    """
+
+    kind = "Conv1D"
+
+    def __init__(self, conv: nn.Module, spec: EmulationSpec):
+        in_f, out_f = conv.weight.shape
+        super().__init__(conv, in_f, out_f, spec)
+
+    def gemm_weight(self, weight: Tensor) -> Tensor:
+        return weight.float().t().contiguous()
+
+    def weight_grad(self, grad_w: Tensor) -> Tensor:
+        return grad_w.t()
+
+    def high_precision(self) -> nn.Module:
+        from transformers.pytorch_utils import Conv1D
+
+        with torch.device("meta"):
+            conv = Conv1D(self.out_features, self.in_features)
+        conv.weight, conv.bias = self.weight, self.bias
+        return conv
+
+
 class _EmulatedFP8Fn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, mod: EmulatedFP8Linear, out_dtype: torch.dtype
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, mod: EmulatedFP8GEMM, out_dtype: torch.dtype
     ) -> Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).float()
-        w = weight.float()
+        w = mod.gemm_weight(weight)
         xq = mod.quantize_for(x2, 0, gemm="fprop").deq
         wq = mod.quantize_for(w, 1, gemm="fprop").deq
         y = xq @ wq.t()
@@ -225,7 +293,7 @@ class _EmulatedFP8Fn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
         x_w, w_d = ctx.saved_tensors
-        mod: EmulatedFP8Linear = ctx.mod
+        mod: EmulatedFP8GEMM = ctx.mod
         lead, x_dtype, w_dtype, has_bias, b_dtype = ctx.meta
         g2 = gy.reshape(-1, gy.shape[-1]).float()
         g_d = mod.quantize_for(g2, 2, gemm="dgrad").deq
@@ -233,14 +301,15 @@ class _EmulatedFP8Fn(torch.autograd.Function):
         gw = None
         if ctx.needs_input_grad[1]:  # frozen weights (e.g. a PEFT base layer) need no wgrad GEMM
             g_w = g_d if mod.spec.scaling in ("delayed", "current") else mod.quantize_for(g2, 2, gemm="wgrad").deq
-            gw = (g_w.t() @ x_w).to(w_dtype)
+            gw = mod.weight_grad((g_w.t() @ x_w).to(w_dtype))
         gb = g2.sum(0).to(b_dtype) if has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None
 
 
-def iter_emulated(model: nn.Module) -> Iterator[tuple[str, EmulatedFP8Linear]]:
+def iter_emulated(model: nn.Module) -> Iterator[tuple[str, EmulatedFP8GEMM]]:
+    """Every emulated FP8 layer (Linear and Conv1D) of ``model``, with its dotted name."""
     for name, mod in model.named_modules():
-        if isinstance(mod, EmulatedFP8Linear):
+        if isinstance(mod, EmulatedFP8GEMM):
             yield name, mod
 
 
