@@ -5,8 +5,8 @@ recipe behaves the same everywhere. Per optimizer step the order follows transfo
 (``Trainer._inner_training_loop`` in ``transformers/trainer.py``): backward with the scaled loss -> unscale ->
 :meth:`before_optimizer_step` (read the scaler's found-inf, clip the unscaled gradients) -> ``optimizer.step()``
 (a real ``GradScaler`` skips it on overflow) -> :meth:`after_optimizer_step` (advance FP8 delayed scaling, count
-skips). Nothing here reads a device value on the host except :meth:`metrics` and :meth:`state_dict`, which run
-only when a log or checkpoint is due.
+skips). Nothing here reads a device value on the host except :meth:`metrics`, :meth:`state_dict` and
+:func:`fp8_state_dict`, which run only when a log or checkpoint is due.
 
 The runtime sequences a step; loss scaling and exact skipping live in :mod:`hf_mixedprec.amp`
 (:class:`~hf_mixedprec.amp.LossScaling`), what health events make the run do in :mod:`hf_mixedprec.reactions`.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import weakref
@@ -41,11 +42,24 @@ from hf_mixedprec.health import HealthEvent, HealthMonitor
 from hf_mixedprec.reactions import Reactions
 from hf_mixedprec.schema import RecipeSpec
 
-__all__ = ["GuardScaler", "MixedPrecisionRuntime", "compute_dtype", "is_main_rank"]
+__all__ = [
+    "FP8_STATE_FILE",
+    "GuardScaler",
+    "MixedPrecisionRuntime",
+    "compute_dtype",
+    "exclude_fp8_state_from_saves",
+    "fp8_state_dict",
+    "is_main_rank",
+    "load_fp8_state",
+    "load_fp8_state_dict",
+    "save_fp8_state",
+]
 
 log = logging.getLogger("hf_mixedprec")
 
 STATE_VERSION = 1
+#: The file beside a Trainer checkpoint's model that holds the FP8 layers' state (:func:`save_fp8_state`).
+FP8_STATE_FILE = "hf_mixedprec_fp8.safetensors"
 #: Elements per parameter tensor sampled (strided) to measure the update size on sampled steps.
 UPDATE_PROBE = 4096
 
@@ -376,6 +390,117 @@ class MixedPrecisionRuntime:
             else:
                 self.monitor.load_state_dict(state["monitor"])
         self.reactions.load(state.get("events", []), state.get("moved_layers", []), model)
+
+
+# -- FP8 layer state: beside a checkpoint's model, never in a saved model's weights ----------------------------------
+def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What the emulated FP8 layers keep across optimizer steps (their persistent buffers: delayed scaling's amax
+    histories and scales), by ``model.state_dict()`` key, copied to the CPU (a host read: checkpoint steps only).
+    Under DDP every rank holds the same values (:func:`~hf_mixedprec.fp8.fp8_step` reduces the amaxes with MAX over
+    the ranks before the update)."""
+    return {k: t.detach().to("cpu", copy=True) for k, t in _fp8_state_tensors(model).items()}
+
+
+def load_fp8_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
+    """Copy :func:`fp8_state_dict` into ``model``'s FP8 layers in place; returns the keys left as they were
+    (absent from ``state`` or of another shape, e.g. after a changed ``amax_history_len``)."""
+    live = _fp8_state_tensors(model)
+    restarted = [k for k, t in live.items() if k not in state or state[k].shape != t.shape]
+    with torch.no_grad():
+        for k in live.keys() - set(restarted):
+            live[k].copy_(state[k])
+    return restarted
+
+
+def exclude_fp8_state_from_saves(model: nn.Module) -> None:
+    """Keep the FP8 layers' state out of ``save_pretrained`` so a saved model is a plain Hugging Face checkpoint.
+
+    Their keys join ``_keys_to_ignore_on_save`` of every ``PreTrainedModel`` in ``model`` (relative to it), which
+    ``PreTrainedModel.save_pretrained`` drops and ``Trainer._issue_warnings_after_load`` expects missing when a
+    Trainer resumes. The state stays in ``model.state_dict()``; a Trainer checkpoint keeps it beside the model
+    (:func:`save_fp8_state`).
+    """
+    keys = list(_fp8_state_tensors(model))
+    for prefix, sub in model.named_modules():
+        if not hasattr(type(sub), "_keys_to_ignore_on_save"):  # a transformers PreTrainedModel
+            continue
+        cut = f"{prefix}." if prefix else ""
+        mine = {k[len(cut) :] for k in keys if k.startswith(cut)}
+        if mine:
+            sub._keys_to_ignore_on_save = set(sub._keys_to_ignore_on_save or ()) | mine
+
+
+def save_fp8_state(model: nn.Module, folder: str | os.PathLike[str]) -> str | None:
+    """Write :func:`fp8_state_dict` to ``folder``/:data:`FP8_STATE_FILE` (an existing folder); returns its path, or
+    None when the model has no FP8 state (e.g. current or MX scaling). A host read: checkpoint steps only."""
+    state = fp8_state_dict(model)
+    if not state:
+        return None
+    from safetensors.torch import save_file
+
+    path = os.path.join(folder, FP8_STATE_FILE)
+    save_file(state, path, metadata={"format": "pt", "hf_mixedprec_fp8": str(STATE_VERSION)})
+    return path
+
+
+def load_fp8_state(model: nn.Module, folder: str | os.PathLike[str] | None) -> str | None:
+    """Restore the FP8 layers' state from the checkpoint ``folder`` a run resumes from (:func:`save_fp8_state`, or
+    ``model.safetensors`` of a checkpoint written before that file existed). Returns what restarts from scratch,
+    as a sentence to say loudly (None when everything was restored or the model has no FP8 state)."""
+    live = _fp8_state_tensors(model)
+    if not live:
+        return None
+    state: dict[str, torch.Tensor] = {}
+    path = None if folder is None else os.path.join(folder, FP8_STATE_FILE)
+    if path is not None and os.path.isfile(path):
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+    elif folder is not None:
+        state = _fp8_state_in_weights(folder, set(live))
+        path = os.path.join(folder, "model.safetensors") if state else path
+    if not state:
+        where = f"{path} is missing" if path is not None else "the checkpoint folder is not known"
+        return (
+            f"FP8 state: {where}, so the amax histories and scales of {len(live)} FP8 buffers restart from scratch "
+            "(the resumed run will not match an uninterrupted one bit for bit)"
+        )
+    restarted = load_fp8_state_dict(model, state)
+    if not restarted:
+        return None
+    more = ", ..." if len(restarted) > 3 else ""
+    return (
+        f"FP8 state: {len(restarted)} of {len(live)} buffers were not in {path} or had another shape and "
+        f"restart from scratch ({', '.join(restarted[:3])}{more})"
+    )
+
+
+def _fp8_state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The live persistent buffers of every emulated FP8 layer in ``model``, by ``model.state_dict()`` key."""
+    out: dict[str, torch.Tensor] = {}
+    for name, m in iter_emulated(model):
+        params = {n for n, _ in m.named_parameters()}
+        for k, t in m.state_dict(keep_vars=True).items():
+            if k not in params and isinstance(t, torch.Tensor):
+                out[f"{name}.{k}" if name else k] = t
+    return out
+
+
+def _fp8_state_in_weights(folder: str | os.PathLike[str], keys: set[str]) -> dict[str, torch.Tensor]:
+    """FP8 state from the ``model.safetensors`` (or its shards) of a checkpoint that kept it there."""
+    from safetensors import safe_open
+
+    files = [os.path.join(folder, "model.safetensors")]
+    index = files[0] + ".index.json"
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted({os.path.join(folder, v) for v in json.load(f).get("weight_map", {}).values()})
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        if os.path.isfile(file):
+            with safe_open(file, framework="pt") as sf:
+                out.update({k: sf.get_tensor(k) for k in keys.intersection(sf.keys())})
+    return out
 
 
 def _mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:

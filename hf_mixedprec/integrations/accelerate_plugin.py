@@ -6,6 +6,11 @@ change: ``prepare`` converts the model to FP8 as the recipe says (keep rules inc
 ``GradScalerKwargs``), ``clip_grad_norm_`` applies the recipe's clipper to unscaled gradients, and the
 prepared optimizer's ``step`` advances FP8 delayed scaling after each real step.
 
+FP8 state (delayed scaling's amax histories and scales) stays in the model's ``state_dict``, so
+``accelerator.save_state`` / ``load_state`` carry it with the model's weights (Accelerate saves and loads every
+prepared model's full ``state_dict``), while ``accelerator.unwrap_model(model).save_pretrained(...)`` leaves it out
+and writes a plain Hugging Face checkpoint.
+
 Rehearsed FP16 on CPU: Accelerate ignores ``mixed_precision="fp16"`` on CPU (no autocast, no scaler), so
 :func:`enable_native_fp16` switches on Accelerate's own native-AMP FP16 path there (autocast(float16) at
 ``prepare``, a real ``torch.amp.GradScaler("cpu")`` for ``backward``/unscale/step), exactly the code a V100
@@ -25,7 +30,7 @@ from accelerate.utils import DistributedType, GradScalerKwargs
 from pydantic import ValidationError
 
 from hf_mixedprec.hardware import check_recipe, detect
-from hf_mixedprec.runtime import MixedPrecisionRuntime
+from hf_mixedprec.runtime import MixedPrecisionRuntime, exclude_fp8_state_from_saves
 from hf_mixedprec.schema import ACCELERATE_MIXED_PRECISION, RecipeSpec
 
 __all__ = [
@@ -125,6 +130,7 @@ class MixedPrecisionAccelerator(Accelerator):
     ):
         if self.recipe.precision == "fp8" and not evaluation_mode:
             self.mp.convert_model(model)
+            exclude_fp8_state_from_saves(model)  # unwrap_model(model).save_pretrained() stays plain
         self._mp_model = model
         if not evaluation_mode:
             self.mp.begin_step(model)

@@ -17,7 +17,10 @@ construction (then the prepared model and optimizer are adjusted in place), and:
   Trainer's own log row.
 
 Its state (clipper statistics, counters) is saved in ``trainer_state.json`` through Transformers'
-``ExportableState`` and restored on resume; FP8 amax histories live in the model's state_dict.
+``ExportableState`` and restored on resume. The FP8 layers' state (delayed scaling's amax histories and scales)
+stays out of the saved model, so ``save_model`` and every checkpoint's model are plain Hugging Face checkpoints
+that ``from_pretrained`` loads without warnings; it is written beside each checkpoint's model in
+``hf_mixedprec_fp8.safetensors`` and restored from there on resume.
 Works for ``Trainer`` and subclasses such as TRL's ``SFTTrainer``; with PEFT models only the frozen base
 Linears go to FP8 (LoRA adapters stay in high precision).
 """
@@ -26,19 +29,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import weakref
+from types import FrameType
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.health import HealthMonitor
 from hf_mixedprec.integrations.accelerate_plugin import accelerate_precision, backpropagated_loss, enable_native_fp16
 from hf_mixedprec.recipe_files import resolve_recipe
-from hf_mixedprec.runtime import MixedPrecisionRuntime
+from hf_mixedprec.runtime import (
+    MixedPrecisionRuntime,
+    exclude_fp8_state_from_saves,
+    fp8_state_dict,
+    load_fp8_state,
+    save_fp8_state,
+)
 from hf_mixedprec.schema import RecipeSpec
 
 __all__ = ["MixedPrecisionCallback", "attach", "recipe_callbacks", "runtime_of", "training_args"]
@@ -123,16 +135,31 @@ def recipe_callbacks(recipe: RecipeSpec, *, rehearse: bool | None = None) -> lis
     return [MixedPrecisionCallback(recipe=recipe, rehearse=recipe.rehearse if rehearse is None else rehearse)]
 
 
-def _find_trainer() -> Trainer | None:
-    """The Trainer calling this callback event (``on_init_end`` runs inside ``Trainer.__init__``,
-    ``on_train_begin`` inside ``Trainer.train``); callback events are not handed the Trainer itself."""
+def _trainer_frame() -> FrameType | None:
+    """The frame of the Trainer method calling this callback event (``on_init_end`` runs inside
+    ``Trainer.__init__``, ``on_train_begin`` inside ``Trainer._inner_training_loop``); callback events are not
+    handed the Trainer itself."""
     frame = sys._getframe(1)
     while frame is not None:
-        obj = frame.f_locals.get("self")
-        if isinstance(obj, Trainer):
-            return obj
+        if isinstance(frame.f_locals.get("self"), Trainer):
+            return frame
         frame = frame.f_back
     return None
+
+
+def _find_trainer() -> Trainer | None:
+    """The Trainer calling this callback event (see :func:`_trainer_frame`)."""
+    frame = _trainer_frame()
+    return None if frame is None else frame.f_locals["self"]
+
+
+def _resumed_from() -> str | None:
+    """At ``on_train_begin``, the checkpoint folder the Trainer resumes from (None when it starts afresh): the
+    ``resume_from_checkpoint`` that ``Trainer.train`` resolves (``True`` -> the last checkpoint) and hands to
+    ``Trainer._inner_training_loop``, whose frame :func:`_trainer_frame` finds."""
+    frame = _trainer_frame()
+    folder = None if frame is None else frame.f_locals.get("resume_from_checkpoint")
+    return os.fspath(folder) if isinstance(folder, (str, os.PathLike)) else None
 
 
 def attach(
@@ -268,6 +295,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         self._route_clip_grad_norm(trainer, rt)
         if recipe.precision == "fp8":
             rt.convert_model(model, getattr(trainer.optimizer, "optimizer", trainer.optimizer) if late else None)
+            exclude_fp8_state_from_saves(model)  # saved beside each checkpoint instead (on_save)
         if rt.clipper is not None and args.max_grad_norm:
             rt.note(
                 f"clipping.method {recipe.clipping.method!r} replaces Trainer's max_grad_norm="
@@ -395,8 +423,12 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                 stored = stored[0] if stored else None
             payload = (stored or {}).get("attributes", {}).get("restored")
         if payload is not None:
-            rt.load_state_dict(payload, model)
+            rt.load_state_dict(payload, model)  # first: FP8 layers a fallback moved are moved again
             self.restored = None
+        _restore_fp8_state(rt, model, state)
+
+    def on_save(self, args: TrainingArguments, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+        _save_fp8_state(self._runtime(model), model, args, state)  # FP8 recipes never run under DeepSpeed
 
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         if not self.deepspeed:
@@ -444,3 +476,26 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                 else f"trainer.train(resume_from_checkpoint={ckpt!r}) after changing what the message says"
             )
             rt.note(f"STOPPED: {rt.stop_requested}. Resume with {how}")
+
+
+def _save_fp8_state(rt: MixedPrecisionRuntime, model: Any, args: TrainingArguments, state: Any) -> None:
+    """At ``on_save`` (``TrainerCallback.on_save`` runs right after ``Trainer._save_checkpoint`` wrote
+    ``<output_dir>/checkpoint-<global_step>``): the FP8 layers' state beside that checkpoint's model, written by the
+    process that wrote its ``trainer_state.json`` (every rank holds the same state). A host read, at saves only."""
+    if not args.should_save:
+        return
+    folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+    if os.path.isdir(folder):
+        save_fp8_state(model, folder)
+    elif fp8_state_dict(model):  # e.g. a hyperparameter-search trial's run folder
+        rt.note(f"FP8 state not saved: no checkpoint folder {folder}; a resume from it restarts the amax histories")
+
+
+def _restore_fp8_state(rt: MixedPrecisionRuntime, model: Any, state: Any) -> None:
+    """At ``on_train_begin``, after the runtime's own state (so FP8 layers a fallback moved are moved again): the FP8
+    layers' state from the checkpoint the Trainer resumes from; a missing file is said loudly (histories restart)."""
+    folder = _resumed_from()
+    if folder is not None or state.global_step > 0:
+        problem = load_fp8_state(model, folder)
+        if problem is not None:
+            rt.note(problem)
