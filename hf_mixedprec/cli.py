@@ -342,6 +342,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             save_steps=args.save_steps,
             save_total_limit=args.save_total_limit,
             overwrite=args.overwrite,
+            eval_split=args.eval_split,
         )
     main_process = "files" in summary  # the main process (rank 0) prints; other ranks stay quiet
     if main_process:
@@ -640,6 +641,13 @@ def _add_finetune(sub: Any) -> None:
     )
     s.add_argument(
         "--save-total-limit", type=int, default=2, metavar="N", help="keep the newest N checkpoints (default 2)"
+    )
+    s.add_argument(
+        "--eval-split",
+        type=float,
+        metavar="F",
+        help="hold out this fraction of the blocks for evaluation every --save-steps and at the end (default 0.05 "
+        "with the built-in data, 0 with --data)",
     )
     s.add_argument(
         "--overwrite",

@@ -391,8 +391,8 @@ def _precision_used(recipe: Recipe, rt: Any, device: str) -> str:
         text = "fp8"
         if rep is not None:
             text += (
-                f" ({rep.backend} backend, {rep.scaling} scaling, {rep.format}; {len(rep.converted)} Linears in FP8, "
-                f"{len(rep.kept)} kept in high precision) inside bf16 autocast"
+                f" ({rep.backend} backend, {rep.scaling} scaling, {rep.format}; {len(rep.converted)} GEMM layers "
+                f"(Linear/Conv1D) in FP8, {len(rep.kept)} kept in high precision) inside bf16 autocast"
             )
     else:
         text = "fp32"
@@ -446,6 +446,7 @@ def run_finetune(
     save_steps: int | None = None,
     save_total_limit: int | None = 2,
     overwrite: bool = False,
+    eval_split: float | None = None,
 ) -> dict[str, Any]:
     """Fine-tune and write the run's files into ``output_dir``; return the summary (also ``summary.json``).
 
@@ -457,7 +458,8 @@ def run_finetune(
     (its files are removed) or ``resume`` continues it. ``command`` (the command line, without ``--resume``)
     becomes ``summary["resume_command"]`` when a health reaction or SIGINT/SIGTERM stops the run with a
     checkpoint. A whole-model ``fallback`` (FP16 -> BF16) continues under the fallback recipe
-    (``summary["fallback"]``).
+    (``summary["fallback"]``). ``eval_split``: the fraction of blocks held out for evaluation (default 0.05
+    with the built-in data, 0 with ``data``).
     """
     _check_inputs(
         recipe=recipe,
@@ -474,9 +476,12 @@ def run_finetune(
         save_steps=save_steps,
         save_total_limit=save_total_limit,
         overwrite=overwrite,
+        eval_split=eval_split,
     )
     resume, start = _prepare_run_folder(Path(output_dir), overwrite=overwrite, resume=resume), time.perf_counter()
-    prepared = _prepare_data(data, text_field, model, seq_len)
+    prepared = _prepare_data(
+        data, text_field, model, seq_len, (0.05 if data is None else 0.0) if eval_split is None else eval_split
+    )
     if isinstance(recipe, Recipe):
         loaded = recipe.rehearsed(rehearse) if rehearse is not None else recipe
     else:
@@ -495,6 +500,12 @@ def run_finetune(
     )
     trained = _train(run, prepared, loaded, resume)
     summary = _summary(run, prepared, trained, save=save, command=command)
+    _write_outputs(run, trained, summary, save=save, start=start)
+    return summary
+
+
+def _write_outputs(run: _RunSettings, trained: _Trained, summary: dict[str, Any], *, save: bool, start: float) -> None:
+    """The model (``save``), and on the main process the run report and ``summary.json``."""
     if save:
         # on every rank: under DeepSpeed ZeRO-3 saving gathers the sharded weights (Trainer writes on rank 0 only)
         trained.trainer.save_model(str(run.out))
@@ -505,7 +516,6 @@ def run_finetune(
         summary["files"] = sorted({p.name for p in files} | {"summary.json"})
         summary["seconds"] = round(time.perf_counter() - start, 3)
         (run.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
 
 
 def _check_inputs(
@@ -524,6 +534,7 @@ def _check_inputs(
     save_steps: int | None,
     save_total_limit: int | None,
     overwrite: bool,
+    eval_split: float | None,
 ) -> None:
     """Every check that needs no data read and no model built: flags, paths, the recipe (one line each)."""
     _check_numbers(
@@ -537,6 +548,8 @@ def _check_inputs(
             "save-total-limit": (save_total_limit, 1),
         }
     )
+    if eval_split is not None and not (isinstance(eval_split, (int, float)) and 0 <= eval_split < 0.5):
+        raise UsageError(f"--eval-split: {eval_split} is out of range (allowed: 0 <= F < 0.5)")
     if data is not None:
         check_data_path(data)
     if model is not None:
@@ -571,9 +584,12 @@ class _Prepared:
     tokenizer_how: str
     train_ds: Any
     n_tokens: int
+    eval_ds: Any = None
 
 
-def _prepare_data(data: str | None, text_field: str | None, model: str | None, seq_len: int) -> _Prepared:
+def _prepare_data(
+    data: str | None, text_field: str | None, model: str | None, seq_len: int, eval_split: float = 0.0
+) -> _Prepared:
     """Text, tokenizer and blocks: every remaining user mistake shows up here, before the model is built."""
     texts = load_texts(data, text_field)
     model_config = _model_config(model) if model is not None else None
@@ -587,7 +603,14 @@ def _prepare_data(data: str | None, text_field: str | None, model: str | None, s
     tokenizer, tokenizer_how = build_tokenizer(model, texts, model_config)
     source = "the built-in text" if data is None else repr(data)
     train_ds, n_tokens = pack_blocks(texts.texts, tokenizer, seq_len, source=source)
-    return _Prepared(texts, tokenizer, tokenizer_how, train_ds, n_tokens)
+    blocks = train_ds.blocks
+    n_eval = max(1, round(eval_split * len(blocks))) if eval_split > 0 and len(blocks) >= 2 else 0
+    if n_eval == 0:
+        return _Prepared(texts, tokenizer, tokenizer_how, train_ds, n_tokens)
+    # the last blocks (the end of the text) are held out: a contiguous stretch the model never trains on
+    return _Prepared(
+        texts, tokenizer, tokenizer_how, PackedBlocks(blocks[:-n_eval]), n_tokens, PackedBlocks(blocks[-n_eval:])
+    )
 
 
 @dataclass(frozen=True)
@@ -638,12 +661,16 @@ def _make_trainer(run: _RunSettings, prepared: _Prepared, rec: Recipe, interrupt
         seed=run.seed,
         disable_tqdm=True,
         dataloader_pin_memory=torch.cuda.is_available(),  # pinned memory only helps a copy to a GPU
+        eval_strategy="steps" if prepared.eval_ds is not None else "no",
+        eval_steps=run.save_steps,
+        per_device_eval_batch_size=run.batch_size,
     )
     net, desc = build_model(run.model, prepared.tokenizer, seq_len=run.seq_len, seed=run.seed)
     tr = Trainer(
         model=net,
         args=targs,
         train_dataset=prepared.train_ds,
+        eval_dataset=prepared.eval_ds,
         data_collator=default_data_collator,
         processing_class=prepared.tokenizer,
         callbacks=[
@@ -686,6 +713,11 @@ def _train(run: _RunSettings, prepared: _Prepared, loaded: Recipe, resume: str |
         trainer, rt, loaded, fallback = _train_with_fallback(run, prepared, loaded, resume, trainer, rt, interrupt)
     finally:
         interrupt.uninstall()
+    halted = interrupt.at_step is not None or (rt is not None and rt.stop_requested)
+    step = trainer.state.global_step
+    evaluated = any(r.get("step") == step and "eval_loss" in r for r in trainer.state.log_history[-3:])
+    if prepared.eval_ds is not None and not halted and not evaluated:
+        trainer.evaluate()  # the final eval loss (Trainer evaluates only every eval_steps)
     interrupted = None
     if interrupt.at_step is not None:
         ckpt = run.out / f"checkpoint-{interrupt.at_step}"
@@ -731,6 +763,7 @@ def _summary(
     args, device = trainer.args, trainer.args.device
     history = trainer.state.log_history
     losses = [(r["step"], float(r["loss"])) for r in history if "loss" in r and "step" in r]
+    evals = [(r["step"], float(r["eval_loss"])) for r in history if "eval_loss" in r and "step" in r]
     steps = int(trainer.state.global_step)
     tokens = steps * run.batch_size * args.gradient_accumulation_steps * args.world_size * run.seq_len
     train_s = trained.train_seconds
@@ -775,6 +808,10 @@ def _summary(
         "loss_first_step": losses[0][0] if losses else None,
         "loss_last": losses[-1][1] if losses else None,
         "loss_last_step": losses[-1][0] if losses else None,
+        "eval_blocks": len(prepared.eval_ds) if prepared.eval_ds is not None else 0,
+        "eval_loss": evals[-1][1] if evals else None,
+        "eval_loss_step": evals[-1][0] if evals else None,
+        "eval_perplexity": round(math.exp(min(evals[-1][1], 50.0)), 3) if evals else None,
         "tokens_trained": tokens,
         "train_seconds": round(train_s, 3),
         "tokens_per_s": round(tokens / train_s, 1) if train_s > 0 else None,
@@ -803,6 +840,11 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(
             f"loss:         {s['loss_first']:.4f} (step {s['loss_first_step']}) -> {s['loss_last']:.4f} "
             f"(step {s['loss_last_step']})"
+        )
+    if s.get("eval_loss") is not None:
+        lines.append(
+            f"eval loss:    {s['eval_loss']:.4f} (perplexity {s['eval_perplexity']:.1f}) at step {s['eval_loss_step']} "
+            f"on {s['eval_blocks']} held-out blocks"
         )
     lines.append(f"throughput:   {s['tokens_per_s']:,.0f} tokens/s ({s['train_seconds']:.1f} s of training)")
     lines.append(f"peak memory:  {s['peak_memory_mib']:,.0f} MiB ({s['peak_memory_source']})")

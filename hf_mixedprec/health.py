@@ -499,19 +499,17 @@ def _message(name: str, value: float, cfg: DetectorConfig) -> str:
 
 
 def layers_to_bf16(model: nn.Module, names: list[str]) -> list[str]:
-    """Move the named FP8 layers back to plain ``nn.Linear`` (same Parameter objects); return those moved."""
-    from hf_mixedprec.fp8.emulated import EmulatedFP8Linear
+    """Move the named FP8 layers back to their high-precision type (``nn.Linear`` or transformers' ``Conv1D``,
+    the same Parameter objects); return those moved."""
+    from hf_mixedprec.fp8.emulated import EmulatedFP8GEMM
     from hf_mixedprec.fp8.swap import replace_module
 
     modules = dict(model.named_modules())
     moved = []
     for name in names:
         mod = modules.get(name)
-        if not isinstance(mod, EmulatedFP8Linear):
+        if not isinstance(mod, EmulatedFP8GEMM):
             continue
-        lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
-        lin.weight = mod.weight
-        lin.bias = mod.bias
-        replace_module(model, name, lin)
+        replace_module(model, name, mod.high_precision())
         moved.append(name)
     return moved

@@ -21,6 +21,7 @@ __all__ = ["HEALTH_FILE", "build_plots", "health_document", "summarize", "write_
 HEALTH_FILE = "health.json"
 SERIES_KEYS = (
     "loss",
+    "eval_loss",
     "grad_norm",
     "learning_rate",
     M.LOSS_SCALE,
@@ -139,7 +140,12 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_plots(run_dir: str | Path, doc: dict[str, Any] | None = None) -> list[Path]:
-    """Write the PNG plots for ``run_dir`` (from ``doc`` or its ``health.json``); return the files written."""
+    """Write the PNG plots for ``run_dir`` (from ``doc`` or its ``health.json``); return the files written.
+
+    ``loss.png`` (train and eval loss), ``loss_scale.png`` (FP16), ``grad_norm.png`` (with the clip threshold),
+    ``skipped_steps.png`` (each skipped step marked where it happened) and ``fp8_saturation.png`` (FP8 with
+    sampled per-layer statistics); a plot is written only when the run has its series.
+    """
     matplotlib = require("matplotlib", "finetune", "the run report's plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -148,57 +154,99 @@ def build_plots(run_dir: str | Path, doc: dict[str, Any] | None = None) -> list[
     if doc is None:
         doc = json.loads((run_dir / HEALTH_FILE).read_text())
     written: list[Path] = []
-
-    def save(fig: Any, name: str) -> None:
-        path = run_dir / name
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-
-    x, y = _series(doc, M.LOSS_SCALE)
-    if x:
+    for name, draw in _PLOTS:
         fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.step(x, y, where="post")
-        ax.set_yscale("log", base=2)
-        ax.set(title="loss scale", xlabel="step", ylabel="scale")
-        for e in doc.get("events", []):
-            ax.axvline(e.get("step", 0), color="red", alpha=0.3, lw=1)
-        save(fig, "loss_scale.png")
+        if draw(ax, doc):
+            ax.set_xlabel("optimizer step")
+            ax.grid(alpha=0.3)
+            fig.tight_layout()
+            fig.savefig(run_dir / name, dpi=100)
+            written.append(run_dir / name)
+        plt.close(fig)
+    return written
 
+
+def _plot_loss(ax: Any, doc: dict[str, Any]) -> bool:
+    x, y = _series(doc, "loss")
+    if not x:
+        return False
+    ax.plot(x, y, label="train loss (logged steps)", lw=1, marker="." if len(x) < 40 else None)
+    ex, ey = _series(doc, "eval_loss")
+    if ex:
+        ax.plot(ex, ey, label="eval loss (held-out blocks)", lw=1.5, marker="o")
+    ax.set(title="loss", ylabel="cross-entropy (nats/token)")
+    ax.legend(fontsize=8)
+    return True
+
+
+def _plot_loss_scale(ax: Any, doc: dict[str, Any]) -> bool:
+    x, y = _series(doc, M.LOSS_SCALE)
+    if not x:
+        return False
+    ax.step(x, y, where="post")
+    ax.set_yscale("log", base=2)
+    ax.set(title="FP16 loss scale (red: health events)", ylabel="scale")
+    for e in doc.get("events", []):
+        ax.axvline(e.get("step", 0), color="red", alpha=0.3, lw=1)
+    return True
+
+
+def _plot_grad_norm(ax: Any, doc: dict[str, Any]) -> bool:
     x, y = _series(doc, M.GRAD_NORM)
     if not x:
         x, y = _series(doc, "grad_norm")
-    if x:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.plot(x, y, label="grad norm (unscaled, before clipping)", lw=1)
-        tx, ty = _series(doc, M.CLIP_THRESHOLD)
-        if tx:
-            ax.plot(tx, ty, label="clip threshold", lw=1, ls="--")
-        ax.set_yscale("log")
-        ax.set(title="gradient norm", xlabel="step")
-        ax.legend(fontsize=8)
-        save(fig, "grad_norm.png")
+    if not x:
+        return False
+    ax.plot(x, y, label="grad norm (unscaled, before clipping)", lw=1)
+    tx, ty = _series(doc, M.CLIP_THRESHOLD)
+    if tx:
+        ax.plot(tx, ty, label="clip threshold", lw=1, ls="--")
+    ax.set_yscale("log")
+    ax.set(title="gradient norm", ylabel="L2 norm")
+    ax.legend(fontsize=8)
+    return True
 
+
+def _plot_skips(ax: Any, doc: dict[str, Any]) -> bool:
+    """Where skips happened (the cumulative count rising between two logged steps), not a flat count line."""
     x, y = _series(doc, M.SKIPPED_STEPS)
-    if x:
-        fig, ax = plt.subplots(figsize=(7, 3))
-        ax.step(x, y, where="post", color="tab:red")
-        ax.set(title="skipped optimizer steps (cumulative)", xlabel="step")
-        save(fig, "skipped_steps.png")
+    if not x:
+        return False
+    rises = [(s, b - a) for s, a, b in zip(x[1:], y, y[1:]) if b > a]
+    if y and y[0] > 0:
+        rises.insert(0, (x[0], y[0]))
+    total = int(y[-1]) if y else 0
+    if rises:
+        ax.bar([s for s, _ in rises], [n for _, n in rises], width=max(1.0, (x[-1] - x[0]) / 150), color="tab:red")
+        ax.set(ylabel="steps skipped since the last log")
+    else:
+        ax.text(0.5, 0.5, "no optimizer step was skipped", ha="center", va="center", transform=ax.transAxes)
+        ax.set_yticks([])
+    ax.set_xlim(x[0] - 0.5, x[-1] + 0.5)
+    ax.set(title=f"skipped optimizer steps: {total} in {int(x[-1])} steps")
+    return True
 
-    sat = {
-        k: _series(doc, k) for k in doc.get("series", {}) if k.startswith(M.FP8_PREFIX) and k.endswith("/saturation")
-    }
-    if sat:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        top = sorted(sat.items(), key=lambda kv: -max(kv[1][1] or [0]))[:8]
-        for key, (sx, sy) in top:
-            ax.plot(sx, [100 * v for v in sy], label=key[len(M.FP8_PREFIX) : -len("/saturation")], lw=1, marker=".")
-        ax.set(title="FP8 saturation per layer (top 8)", xlabel="step", ylabel="% of values clipped")
-        ax.legend(fontsize=7)
-        save(fig, "fp8_saturation.png")
-    return written
+
+def _plot_fp8(ax: Any, doc: dict[str, Any]) -> bool:
+    series = doc.get("series", {})
+    sat = {k: _series(doc, k) for k in series if k.startswith(M.FP8_PREFIX) and k.endswith("/saturation")}
+    if not sat:
+        return False
+    top = sorted(sat.items(), key=lambda kv: -max(kv[1][1] or [0]))[:8]
+    for key, (sx, sy) in top:
+        ax.plot(sx, [100 * v for v in sy], label=key[len(M.FP8_PREFIX) : -len("/saturation")], lw=1, marker=".")
+    ax.set(title="FP8 saturation per layer (top 8)", ylabel="% of values clipped")
+    ax.legend(fontsize=7)
+    return True
+
+
+_PLOTS = (
+    ("loss.png", _plot_loss),
+    ("loss_scale.png", _plot_loss_scale),
+    ("grad_norm.png", _plot_grad_norm),
+    ("skipped_steps.png", _plot_skips),
+    ("fp8_saturation.png", _plot_fp8),
+)
 
 
 def write_run_report(

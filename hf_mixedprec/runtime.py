@@ -80,6 +80,15 @@ def compute_dtype(recipe: RecipeSpec) -> torch.dtype | None:
     return formats.compute_dtype(recipe.precision)
 
 
+def _rehearsed_what(recipe: RecipeSpec) -> str:
+    """What a rehearsal runs differently from the recipe's own hardware, in a few words."""
+    if recipe.precision == "fp8":
+        return "FP8 layers are emulated (exact FP8 quantization, GEMMs in FP32), not sped up"
+    if recipe.precision == "fp16":
+        return "FP16 autocast and the real dynamic loss scaler run here (slower than on a GPU; numerics are FP16's)"
+    return f"{recipe.precision} runs here as it would on its hardware (only the hardware check is skipped)"
+
+
 def _delegate(part: str, name: str, doc: str, *, writable: bool = True) -> Any:
     """A property for ``self.<part>.<name>``: state :mod:`hf_mixedprec.amp` and :mod:`hf_mixedprec.reactions` keep
     now, which integrations and tests still read (and set) on the runtime."""
@@ -128,7 +137,7 @@ class MixedPrecisionRuntime:
         #: ``mp/`` metrics computed at a logging step, waiting to be merged into the trainer's own log row
         self.pending_log: dict[str, float] | None = None
         if self.rehearse:
-            self.note(f"REHEARSAL: recipe {recipe.name!r} ({recipe.precision}) is rehearsed on {self.device.type}")
+            self.note(f"REHEARSAL: recipe {recipe.name!r} on {self.device.type}: {_rehearsed_what(recipe)}")
 
     def note(self, text: str) -> None:
         """Record a decision or fallback (also logged loudly); they all end up in the run report."""

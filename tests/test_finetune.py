@@ -282,9 +282,11 @@ def test_an_output_folder_with_another_run_is_refused_unless_overwrite_or_resume
     err = capsys.readouterr().err
     assert "already holds a run (summary.json" in err and "--overwrite" in err and len(err.splitlines()) == 1
     assert (run / "summary.json").is_file()  # nothing was touched
+    for ckpt in run.glob("checkpoint-*"):
+        shutil.rmtree(ckpt)
     assert main(["finetune", "--output-dir", str(run), "--resume", "latest", *FAST]) == 2  # no checkpoint to take
     assert "has no checkpoint-N folder" in capsys.readouterr().err
-    r = _finetune("--output-dir", str(run), "--overwrite", *FAST[:2], "2", *FAST[2:])
+    r = _finetune("--output-dir", str(run), "--overwrite", *FAST)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "--overwrite: removed the previous run's summary.json" in r.stderr
     assert (run / "notes.txt").read_text() == "mine"  # only the run's own files are removed
