@@ -3,9 +3,11 @@ reading a device value on the host without waiting for the device (no host-devic
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 
@@ -91,3 +93,10 @@ class AsyncRead:
             self._event.synchronize()
             self._event = None
         return self.poll()
+
+
+def is_main_rank() -> bool:
+    """Rank 0 of a distributed run (or a single process), before or after the process group exists."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from hf_mixedprec._device import is_main_rank
 from hf_mixedprec.fp8 import iter_emulated
 from hf_mixedprec.health import HealthEvent, layers_to_bf16
 from hf_mixedprec.schema import RecipeSpec
@@ -46,10 +47,8 @@ class Reactions:
         for ev in events:
             self.events.append({**ev.to_dict(), "at_step": step})
             text = f"health: step {ev.step}: {ev.detector}: {ev.message} -> {ev.reaction}"
-            if ev.reaction == "log":
-                log.info("hf_mixedprec: %s", text)
-            else:
-                log.warning("hf_mixedprec: %s", text)
+            if is_main_rank():  # every rank records and reacts alike; rank 0 prints
+                log.log(logging.INFO if ev.reaction == "log" else logging.WARNING, "hf_mixedprec: %s", text)
             if ev.reaction == "stop" and self.stop_requested is None:
                 self.stop_requested = f"{text}; {self.advice(ev)}"
             elif ev.reaction == "lower_lr":

@@ -34,7 +34,7 @@ from torch import nn
 
 from hf_mixedprec import formats
 from hf_mixedprec import metrics as M
-from hf_mixedprec._device import Constants
+from hf_mixedprec._device import Constants, is_main_rank
 from hf_mixedprec.amp import GuardScaler, LossScaling
 from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper
 from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated
@@ -62,13 +62,6 @@ STATE_VERSION = 1
 FP8_STATE_FILE = "hf_mixedprec_fp8.safetensors"
 #: Elements per parameter tensor sampled (strided) to measure the update size on sampled steps.
 UPDATE_PROBE = 4096
-
-
-def is_main_rank() -> bool:
-    """Rank 0 of a distributed run (or a single process), before or after the process group exists."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    return os.environ.get("RANK", "0") == "0"
 
 
 #: Models whose forward already runs under a recipe's autocast (weak: no attribute is set on the user's model).
@@ -142,7 +135,8 @@ class MixedPrecisionRuntime:
     def note(self, text: str) -> None:
         """Record a decision or fallback (also logged loudly); they all end up in the run report."""
         self.notes.append(text)
-        log.warning("hf_mixedprec: %s", text)
+        if is_main_rank():  # every rank records it; one prints it
+            log.warning("hf_mixedprec: %s", text)
 
     # -- what amp and reactions keep, readable (and settable) here as before they took it over -----------------
     scaler: torch.amp.GradScaler | None = _delegate("amp", "scaler", "The run's GradScaler (loss scaler or guard).")

@@ -380,3 +380,15 @@ def test_a_loss_the_runtime_cannot_see_is_said_once_and_never_skips_a_step():
     assert all(not torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
     said = [n for n in acc.mp.notes if n.startswith("no loss reached accelerator.backward")]
     assert len(said) == 1
+
+
+@pytest.mark.parametrize(("name", "override"), [("cpu-bf16", {"fp16": True}), ("v100-fp16", {"bf16": True})])
+def test_training_args_name_the_recipe_when_an_override_contradicts_it(name, override):
+    """``recipe.training_args(fp16=True)`` on a BF16 recipe is our one-line error naming the key and the recipe,
+    not Transformers' "At most one of fp16 and bf16"."""
+    from hf_mixedprec.recipe import load_recipe_file
+
+    recipe = load_recipe_file(name)
+    key, value = next(iter(override.items()))
+    with pytest.raises(ValueError, match=rf"TrainingArguments\.{key}={value!r} contradicts recipe '{name}'"):
+        recipe.training_args(output_dir="/tmp/unused", **override)

@@ -98,7 +98,8 @@ def training_args(recipe: RecipeSpec, *, args_class: type | None = None, **overr
     elif recipe.clipping.method != "none":
         wanted["max_grad_norm"] = 0.0  # the recipe's clipper does the clipping
     for key, value in wanted.items():
-        if key in overrides and overrides[key] != value and not (key == "fp16" and not value):
+        rehearsed_fp16 = key == "fp16" and recipe.precision == "fp16"  # fp16=True is fine for an FP16 recipe on CPU
+        if key in overrides and overrides[key] != value and not (rehearsed_fp16 and overrides[key]):
             raise ValueError(
                 f"TrainingArguments.{key}={overrides[key]!r} contradicts recipe {recipe.name!r} "
                 f"(precision {recipe.precision}, clipping {recipe.clipping.method}) (allowed: {value!r})"
