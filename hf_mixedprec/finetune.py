@@ -498,10 +498,25 @@ def run_finetune(
         save_steps=save_steps or max(1, min(500, max_steps // 4)),
         save_total_limit=save_total_limit,
     )
-    trained = _train(run, prepared, loaded, resume)
+    trained = _train(run, prepared, _sample_fp8_at_every_log(loaded, run), resume)
     summary = _summary(run, prepared, trained, save=save, command=command)
     _write_outputs(run, trained, summary, save=save, start=start)
     return summary
+
+
+def _sample_fp8_at_every_log(recipe: Recipe, run: _RunSettings) -> Recipe:
+    """Sample FP8 statistics at least once per logging interval, so that a short run's saturation plot is a
+    curve (the recipe's interval is meant for long runs; it is never raised, only lowered, and said)."""
+    every = recipe.health.fp8_sample_every
+    if recipe.precision != "fp8" or not every or every <= run.logging_steps:
+        return recipe
+    print(
+        f"finetune: FP8 statistics are sampled every {run.logging_steps} steps in this run (the recipe's "
+        f"health.fp8_sample_every {every} would give {run.max_steps // every} points in {run.max_steps} steps)",
+        file=sys.stderr,
+    )
+    health = recipe.health.model_copy(update={"fp8_sample_every": run.logging_steps})
+    return recipe.model_copy(update={"health": health})
 
 
 def _write_outputs(run: _RunSettings, trained: _Trained, summary: dict[str, Any], *, save: bool, start: float) -> None:
