@@ -159,11 +159,28 @@ class Progress(_trainer_callback_base()):  # type: ignore[misc]
     """One line per logging step on stderr (stdout is left to the summary): step, loss, lr, grad norm, loss
     scale, skips, and the elapsed time, ETA and tokens/s."""
 
-    def __init__(self, max_steps: int, tokens_per_step: int) -> None:
+    def __init__(self, max_steps: int, tokens_per_step: int, *, bar: bool | None = None) -> None:
         self.max_steps, self.tokens_per_step = max_steps, tokens_per_step
         self.pending: dict[str, Any] = {}
         self.t0: float | None = None
         self.step0 = 0
+        #: on a terminal, a bar redrawn in place every step between the log lines (a log file gets lines only)
+        self.bar = sys.stderr.isatty() if bar is None else bar
+        self._drawn = False
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if not self.bar or not state.is_world_process_zero:
+            return
+        done = state.global_step / max(self.max_steps, 1)
+        filled = int(30 * done)
+        line = f"[{'#' * filled}{'.' * (30 - filled)}] {state.global_step}/{self.max_steps}  {self._timing(state.global_step)}"
+        print(f"\r{line}\x1b[K", end="", file=sys.stderr, flush=True)
+        self._drawn = True
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self._drawn:
+            print(file=sys.stderr, flush=True)
+            self._drawn = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.t0, self.step0 = time.perf_counter(), state.global_step
@@ -187,7 +204,9 @@ class Progress(_trainer_callback_base()):  # type: ignore[misc]
         if logs.get(M.SKIPPED_STEPS):
             parts.append(f"skipped {logs[M.SKIPPED_STEPS]:g}")
         parts.append(self._timing(state.global_step))
-        print("finetune: " + "  ".join(parts), file=sys.stderr, flush=True)
+        prefix = "\r\x1b[K" if self._drawn else ""  # the log line replaces the bar; the next step redraws it
+        self._drawn = False
+        print(prefix + "finetune: " + "  ".join(parts), file=sys.stderr, flush=True)
 
     def _timing(self, step: int) -> str:
         elapsed = time.perf_counter() - (self.t0 or time.perf_counter())
