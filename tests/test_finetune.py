@@ -254,8 +254,10 @@ def test_sigint_saves_a_checkpoint_and_the_resumed_run_ends_bitwise_as_an_uninte
     resume_line = next(line for line in err.splitlines() if "resume with:" in line)
     at = int(err.split("interrupted by SIGINT at step ")[1].split()[0])
     assert 4 <= at < 40 and (out / f"checkpoint-{at}" / "trainer_state.json").is_file()
+    tokens = shlex.split(resume_line.split("resume with: ", 1)[1])
+    assert tokens[:2] == ["hf-mixedprec", "finetune"]  # what a user types; run here through this interpreter
     resumed = subprocess.run(
-        shlex.split(resume_line.split("resume with: ", 1)[1]), capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "hf_mixedprec.cli", *tokens[1:]], capture_output=True, text=True, timeout=300
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a = load_file(str(tmp_path / "straight" / "model.safetensors"))
