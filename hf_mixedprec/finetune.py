@@ -675,6 +675,7 @@ def _make_trainer(run: _RunSettings, prepared: _Prepared, rec: Recipe, interrupt
         report_to=[],
         seed=run.seed,
         disable_tqdm=True,
+        logging_nan_inf_filter=False,  # a NaN loss is logged as NaN (a gap in loss.png), not replaced by a mean
         dataloader_pin_memory=torch.cuda.is_available(),  # pinned memory only helps a copy to a GPU
         eval_strategy="steps" if prepared.eval_ds is not None else "no",
         eval_steps=run.save_steps,
