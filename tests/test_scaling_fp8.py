@@ -87,16 +87,18 @@ def ref_current_scale(amax: float, fmt: str, eps: float = 0.0, power_2: bool = F
 
 
 def ref_delayed_step(hist: list[float], scale: float, a: float, fmt: str, margin: int, algo: str):
-    """DESIGN.md 'Delayed scaling' for one quantizer; NaN propagates through max like torch.amax."""
+    """TE's delayed scaling for one quantizer (``transformer_engine/common/recipe/delayed_scaling.cu``): the window
+    max is an fmaxf reduction from 0 (NaN entries drop out), the margin scales the format maximum first and the
+    scale is one float32 division."""
     if a == 0.0:
         return hist, scale
     hist = [*hist[1:], a]
     if algo == "max":
-        used = NAN if any(math.isnan(h) for h in hist) else max(hist)
+        used = max([0.0, *(h for h in hist if not math.isnan(h))])
     else:
         used = a
     if math.isfinite(used) and used > 0.0:
-        s = f32(f32(SPEC[fmt][0] / used) / 2.0**margin)
+        s = f32(f32(SPEC[fmt][0] * 2.0**-margin) / used)
         return hist, FLOAT32_MAX if math.isinf(s) else s
     return hist, scale
 
@@ -300,6 +302,23 @@ def test_delayed_update_matches_reference(length: int, algo: str, margin: int, f
             assert_same_f32(hist_t, [ref[j][0][i] for i in range(length) for j in range(n)])
     # the NaN/inf injected at steps 1-2 rolled out: every quantizer 1/2 scale is fresh again
     assert math.isfinite(scale_t[1].item()) and scale_t[1].item() != 1.0
+
+
+def test_delayed_max_ignores_a_nan_in_the_window_as_te_does() -> None:
+    """TE's window max is fmaxf: a NaN amax in the history does not freeze the scale (it did here before)."""
+    hist = torch.tensor([[2.0], [4.0]])
+    _, scale = delayed_update(hist, torch.ones(1), torch.tensor([NAN]), fmt="e4m3", algo="max")
+    assert scale.item() == 448.0 / 4.0  # max(4, NaN) == 4, not NaN
+    _, scale = delayed_update(hist, torch.ones(1), torch.tensor([1.0]), fmt="e4m3", algo="max")
+    assert scale.item() == 448.0 / 4.0
+
+
+def test_delayed_margin_scales_the_format_max_first_as_te_does() -> None:
+    """TE: ``scaled_max = fp8_max * 2**-margin`` then one division. A tiny amax with a margin is finite there;
+    dividing first overflowed to inf (then FLT_MAX) before the margin was applied."""
+    amax = torch.tensor([f32(448.0 / 5.0e38)])  # 448 / amax overflows float32; (448 / 4) / amax does not
+    _, scale = delayed_update(torch.zeros(2, 1), torch.ones(1), amax, fmt="e4m3", margin=2)
+    assert scale.item() == f32(f32(448.0 / 4.0) / amax.item()) and scale.item() < FLOAT32_MAX
 
 
 def test_delayed_update_rules_by_hand() -> None:

@@ -204,10 +204,14 @@ def delayed_update(
       ``scale = (fmt.max / amax_used) / 2**margin`` if ``amax_used`` is finite and > 0, else the previous
       scale; an infinite scale becomes FLT_MAX.
 
-    NaN amax: a NaN entry is non-zero, so it rolls into the history like any other value.  ``torch.amax``
-    propagates NaN, so with ``"max"`` the scale stays frozen while a NaN (or inf) is in the window (L
-    steps), and with ``"most_recent"`` for that one step.  Returns new float32 tensors; inputs are not
-    modified.
+    As in Transformer Engine's ``amax_and_scale_update`` kernel (``transformer_engine/common/recipe/
+    delayed_scaling.cu``): the window max is an ``fmaxf`` reduction starting from 0, so a NaN in the history is
+    ignored (an inf is not: it freezes the scale while in the window); ``most_recent`` uses the new amax as it
+    is, so a NaN keeps the previous scale for that step.  The margin is applied to the format's maximum first
+    (``scaled_max = fmt.max * 2**-margin``) and the scale is ``scaled_max / amax_used`` in one division, so a
+    tiny amax with a margin gives the finite quotient TE gives; a quotient that is still infinite becomes
+    FLT_MAX.  A NaN amax is non-zero, so it rolls into the history like any other value.  Returns new float32
+    tensors; inputs are not modified.
     """
     f = _fp8_format(fmt)
     if algo not in _AMAX_ALGOS:
@@ -229,11 +233,13 @@ def delayed_update(
     update = a != 0
     rolled = torch.cat([hist[1:], a.unsqueeze(0)], dim=0)
     new_hist = torch.where(update.unsqueeze(0), rolled, hist)
-    used = torch.amax(rolled, dim=0) if algo == "max" else a
+    if algo == "max":  # fmaxf from 0: NaN entries drop out, as in TE's kernel
+        used = torch.amax(torch.where(torch.isnan(rolled), torch.zeros_like(rolled), rolled), dim=0)
+    else:
+        used = a
 
-    cand = torch.div(torch.full_like(used, f.max), used)
-    if margin != 0:
-        cand = cand * math.ldexp(1.0, -margin)  # exact: multiplying by 2**-margin == dividing by 2**margin
+    scaled_max = f.max * math.ldexp(1.0, -margin)  # exact: a power-of-two multiple of the format maximum
+    cand = torch.div(torch.full_like(used, scaled_max), used)
     cand = torch.where(torch.isinf(cand), FLOAT32_MAX, cand)
     ok = update & torch.isfinite(used) & (used > 0)
     new_scale = torch.where(ok, cand, prev)
