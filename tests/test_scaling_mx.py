@@ -355,3 +355,21 @@ def test_validation_errors() -> None:
     d, c = quantize_mxfp8(x, block_size=16, rounding="RCEIL", fmt="E5M2")
     with pytest.raises(ValueError, match=r"scale_e8m0\.shape"):
         dequantize_mxfp8(d, c, block_size=8)
+
+
+def test_rceil_at_the_subnormal_boundary_gives_code_0_as_te_does() -> None:
+    """Just above ``fp8_max * 2**-127`` the float32 product ``amax * (1/fp8_max)`` rounds to exactly ``2**-127``
+    (a subnormal), which TE's ``float_to_e8m0`` maps to code 0; the exact ``ceil(log2(amax / fp8_max))`` gave 1."""
+    import torch
+
+    from hf_mixedprec.scaling.mx import mx_scale_codes
+
+    edge = torch.nextafter(torch.tensor(448.0 * 2.0**-127), torch.tensor(float("inf")))
+    assert mx_scale_codes(edge.reshape(1), fmt="e4m3", rounding="rceil").item() == 0
+    above = torch.tensor([448.0 * 2.0**-126])  # product 2**-126 exactly: code 1
+    assert mx_scale_codes(above, fmt="e4m3", rounding="rceil").item() == 1
+    # normal range unchanged: 448 * 2**k -> k + 127, one ulp above -> k + 128
+    for k in (-20, 0, 10):
+        a = torch.tensor([448.0 * 2.0**k])
+        assert mx_scale_codes(a, fmt="e4m3").item() == k + 127
+        assert mx_scale_codes(torch.nextafter(a, torch.tensor(float("inf"))), fmt="e4m3").item() == k + 128

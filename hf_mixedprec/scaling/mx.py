@@ -6,8 +6,10 @@ biased power of two, ``2**(E - 127)``; code 255 is NaN, there is no zero.  Two r
 
 * ``"floor"`` (OCP MX v1.0 section 6.3): ``E - 127 = floor(log2(amax)) - emax_elem`` (emax 8 for E4M3,
   15 for E5M2), clamped to [-127, 127]; the largest elements may saturate.
-* ``"rceil"`` (TE / Blackwell hardware, cuBLAS "1D block quantization"):
-  ``E - 127 = max(-127, ceil(log2(amax / fp8_max)))``, so nothing saturates.
+* ``"rceil"`` (TE / Blackwell hardware, cuBLAS "1D block quantization"): ``E`` is the float32 product
+  ``amax * (1 / fp8_max)`` rounded up to a power of two, so nothing saturates; as TE computes it
+  (``transformer_engine/common/util/ptx.cuh`` ``float_to_e8m0``, fed ``amax * max_norm_rcp``): the product is
+  rounded to float32 first, and a product at or below ``2**-127`` (a subnormal) gives code 0.
 
 Both: a zero block gets code 0, a NaN block code 255, an inf block code 254 (the clamp of +inf).
 Elements: ``q = saturate(round_nearest_even(x * 2**(127 - E)))``; a NaN block's elements are all NaN.
@@ -26,7 +28,6 @@ from hf_mixedprec.scaling.fp8 import (
     FP8Format,
     _exp2_int,
     _f32_exponent_field,
-    _float32_bits,
     _fp8_format,
 )
 
@@ -74,23 +75,33 @@ def _blocked(x: torch.Tensor, block_size: int, dim: int, arg: str = "x") -> tupl
 def mx_scale_codes(amax: torch.Tensor, *, fmt: FP8Format = "e4m3", rounding: str = "rceil") -> torch.Tensor:
     """E8M0 codes (uint8) for block abs-maxima ``amax`` (float32, >= 0), elementwise.
 
-    ``"floor"``: OCP MX v1.0 ``floor(log2(amax)) - emax_elem``; ``"rceil"``: TE/hardware
-    ``ceil(log2(amax / fp8_max))``, both clamped to [-127, 127] and biased by 127; zero -> 0, inf -> 254,
-    NaN -> 255.  Exact integer arithmetic on the float32 bits: with ``amax = m * 2**p`` and
-    ``fp8_max = m_max * 2**p_max`` (``m`` in [1, 2)), ``ceil(log2(amax / fp8_max)) = p - p_max + (m > m_max)``.
+    ``"floor"``: OCP MX v1.0 ``floor(log2(amax)) - emax_elem``, clamped to [-127, 127] and biased by 127.
+    ``"rceil"``: TE's rule on the float32 product ``r = amax * fl32(1 / fp8_max)``: code = the exponent field of
+    ``r``, plus one when its mantissa is non-zero, except at code 254 and for subnormals up to ``2**-127``
+    (which give 0). Zero -> 0, inf -> 254, NaN -> 255. Integer arithmetic on float32 bits, no ``log2``.
     """
     f = _fp8_format(fmt)
     r = _check_rounding(rounding)
     a = amax.to(torch.float32)
-    exp, mant = _f32_exponent_field(a)  # zero/subnormal -> -127: always clamps to code 0 below
-    if r == "floor":
-        e = exp - f.emax
-    else:
-        max_bits = _float32_bits(f.max)
-        max_exp = ((max_bits >> _F32_MANTISSA_BITS) & 0xFF) - 127
-        max_mant = max_bits & ((1 << _F32_MANTISSA_BITS) - 1)
-        e = exp - max_exp + (mant > max_mant).to(torch.int32)
-    codes = torch.clamp(e, -_E8M0_BIAS, _E8M0_BIAS) + _E8M0_BIAS
+    if r == "rceil":
+        return _rceil_codes(a, f.max)
+    exp, _ = _f32_exponent_field(a)  # zero/subnormal -> -127: always clamps to code 0 below
+    codes = torch.clamp(exp - f.emax, -_E8M0_BIAS, _E8M0_BIAS) + _E8M0_BIAS
+    codes = torch.where(torch.isinf(a), _E8M0_MAX_FINITE, codes)
+    codes = torch.where(torch.isnan(a), E8M0_NAN, codes)
+    return codes.to(torch.uint8)
+
+
+def _rceil_codes(a: torch.Tensor, fp8_max: float) -> torch.Tensor:
+    """TE's ``float_to_e8m0(amax * max_norm_rcp)`` (round toward +inf to a power of two), elementwise."""
+    rcp = torch.tensor(1.0 / fp8_max, dtype=torch.float32, device=a.device)  # fl32(1 / fp8_max): TE 1.0f / max
+    r = torch.where(torch.isfinite(a), a, torch.zeros_like(a)) * rcp  # one float32 product, rounded to nearest
+    bits = r.view(torch.int32)
+    exp_field = (bits >> _F32_MANTISSA_BITS) & 0xFF
+    mant = bits & ((1 << _F32_MANTISSA_BITS) - 1)
+    half_subnormal = 1 << (_F32_MANTISSA_BITS - 1)  # 2**-127: subnormals up to it round to code 0
+    up = (mant > 0) & (exp_field != _E8M0_MAX_FINITE) & ~((exp_field == 0) & (mant <= half_subnormal))
+    codes = exp_field + up.to(torch.int32)
     codes = torch.where(torch.isinf(a), _E8M0_MAX_FINITE, codes)
     codes = torch.where(torch.isnan(a), E8M0_NAN, codes)
     return codes.to(torch.uint8)
