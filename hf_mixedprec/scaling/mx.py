@@ -8,7 +8,8 @@ biased power of two, ``2**(E - 127)``; code 255 is NaN, there is no zero.  Two r
   15 for E5M2), clamped to [-127, 127]; the largest elements may saturate.
 * ``"rceil"`` (TE / Blackwell hardware, cuBLAS "1D block quantization"): ``E`` is the float32 product
   ``amax * (1 / fp8_max)`` rounded up to a power of two, so nothing saturates; as TE computes it
-  (``transformer_engine/common/util/ptx.cuh`` ``float_to_e8m0``, fed ``amax * max_norm_rcp``): the product is
+  (``float_to_e8m0`` in ``transformer_engine/common/util/ptx.cuh``, ``utils.cuh`` in older releases, fed
+  ``amax * max_norm_rcp``): the product is
   rounded to float32 first, and a product at or below ``2**-127`` (a subnormal) gives code 0.
 
 Both: a zero block gets code 0, a NaN block code 255, an inf block code 254 (the clamp of +inf).
