@@ -348,27 +348,23 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     if main_process:
         print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     if summary.get("interrupted"):
+        it = summary["interrupted"]
         if main_process:
-            it = summary["interrupted"]
-            where = f"checkpoint {summary['resume_from']}" if summary.get("resume_from") else "no checkpoint was saved"
-            print(
-                f"{PROG}: interrupted by {it['signal']} at step {it['at_step']} (exit code 130); {where}",
-                file=sys.stderr,
-            )
-            if summary.get("resume_command"):
-                print(f"{PROG}: resume with: {summary['resume_command']}", file=sys.stderr)
+            _print_halt(summary, f"interrupted by {it['signal']} at step {it['at_step']} (exit code 130)")
         return 130
     if not summary.get("stopped"):
         return 0  # finished, possibly under a fallback recipe that took over after a stop
     if main_process:
-        where = f"checkpoint {summary['resume_from']}" if summary.get("resume_from") else "no checkpoint was saved"
-        print(
-            f"{PROG}: STOPPED by a health reaction at step {summary['steps']} (exit code {EXIT_STOPPED}); {where}",
-            file=sys.stderr,
-        )
-        if summary.get("resume_command"):
-            print(f"{PROG}: resume with: {summary['resume_command']}", file=sys.stderr)
+        _print_halt(summary, f"STOPPED by a health reaction at step {summary['steps']} (exit code {EXIT_STOPPED})")
     return EXIT_STOPPED
+
+
+def _print_halt(summary: dict, headline: str) -> None:
+    """Why ``finetune`` ended early, where its checkpoint is, and the command that resumes it (stderr)."""
+    where = f"checkpoint {summary['resume_from']}" if summary.get("resume_from") else "no checkpoint was saved"
+    print(f"{PROG}: {headline}; {where}", file=sys.stderr)
+    if summary.get("resume_command"):
+        print(f"{PROG}: resume with: {summary['resume_command']}", file=sys.stderr)
 
 
 def _finetune_command(argv: Sequence[str] | None) -> list[str] | None:

@@ -72,6 +72,7 @@ DEFAULTS: dict[str, Any] = {
     "lr_pretrained": 5e-5,  # with --model: fine-tuning pretrained weights
     "seed": 0,
     "text_field": "text",
+    "eval_split": 0.05,  # with the built-in data
 }
 #: Vocabulary of a tokenizer trained on the spot (capped by the model's vocab_size with --model).
 TRAINED_VOCAB = 2048
@@ -479,9 +480,9 @@ def run_finetune(
         eval_split=eval_split,
     )
     resume, start = _prepare_run_folder(Path(output_dir), overwrite=overwrite, resume=resume), time.perf_counter()
-    prepared = _prepare_data(
-        data, text_field, model, seq_len, (0.05 if data is None else 0.0) if eval_split is None else eval_split
-    )
+    if eval_split is None:  # held-out text by default only for the built-in data: the user's may be small
+        eval_split = DEFAULTS["eval_split"] if data is None else 0.0
+    prepared = _prepare_data(data, text_field, model, seq_len, eval_split)
     if isinstance(recipe, Recipe):
         loaded = recipe.rehearsed(rehearse) if rehearse is not None else recipe
     else:

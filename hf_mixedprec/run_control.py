@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from transformers import TrainerCallback
+
 from hf_mixedprec import metrics as M
 from hf_mixedprec.errors import UsageError
 
@@ -99,13 +101,7 @@ def check_run_folder(out: Path, *, overwrite: bool, resume: str | None) -> None:
     )
 
 
-def _trainer_callback_base() -> type:
-    from transformers import TrainerCallback
-
-    return TrainerCallback
-
-
-class Interrupt(_trainer_callback_base()):  # type: ignore[misc]
+class Interrupt(TrainerCallback):
     """SIGINT/SIGTERM -> save a checkpoint at the end of this step and stop; a second signal stops at once."""
 
     def __init__(self, world_size: int = 1) -> None:
@@ -155,7 +151,7 @@ class Interrupt(_trainer_callback_base()):  # type: ignore[misc]
             control.should_training_stop = True
 
 
-class Progress(_trainer_callback_base()):  # type: ignore[misc]
+class Progress(TrainerCallback):
     """One line per logging step on stderr (stdout is left to the summary): step, loss, lr, grad norm, loss
     scale, skips, and the elapsed time, ETA and tokens/s."""
 
