@@ -135,3 +135,28 @@ def test_empty_and_validation() -> None:
     data, scales = quantize_blockwise(torch.ones(4, 256))
     with pytest.raises(ValueError, match=r"scales.shape=\(4, 2\).*expected \(1, 2\)"):
         dequantize_blockwise(data, scales, tile=(128, 128))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [(torch.bfloat16, float(torch.finfo(torch.bfloat16).max)), (torch.float32, float(torch.finfo(torch.float32).max))],
+)
+def test_overflowing_fp32_scale_takes_the_input_types_max(dtype: torch.dtype, expected: float) -> None:
+    """TE's blockwise kernels (compute_scale_from_types in recipe_common.cuh) replace a scale that overflows float32
+    with the largest finite value of the input type: bfloat16's 0x7F7F for a BF16 input, not FLT_MAX."""
+    x = torch.full((2, 128), 1e-38, dtype=dtype)  # 448 / 1e-38 overflows float32
+    x[1] = 0.5  # a normal tile next to it keeps its ordinary scale
+    _, scales = quantize_blockwise(x, tile=(1, 128), power_2=False)
+    assert scales[0, 0].item() == expected
+    assert scales[1, 0].item() == torch.tensor(448.0 / 0.5, dtype=torch.float32).item()
+    # the emulated layers upcast first and pass the type the operand had
+    _, upcast = quantize_blockwise(x.float(), tile=(1, 128), power_2=False, input_dtype=dtype)
+    assert torch.equal(upcast, scales)
+    # power-of-2 scales clear the replacement's mantissa: 2**127 for both types
+    _, p2 = quantize_blockwise(x, tile=(1, 128), power_2=True)
+    assert p2[0, 0].item() == 2.0**127
+
+
+def test_input_dtype_must_be_a_wide_float() -> None:
+    with pytest.raises(ValueError, match=r"input_dtype=torch.float8_e4m3fn must be a float type"):
+        quantize_blockwise(torch.ones(2, 128), input_dtype=torch.float8_e4m3fn)

@@ -152,8 +152,11 @@ class EmulatedFP8GEMM(nn.Module):
         q = quantize_fp8(t, scale, fmt)
         return _Quantized(dequantize_fp8(q, scale), q)
 
-    def _qdq_blocked(self, t: Tensor, role: int, dim: int, weight_block: bool = False) -> _Quantized:
-        """Block-scaled quantize-dequantize of a 2-D tensor along ``dim`` (MXFP8 or 1x128 / 128x128 tiles)."""
+    def _qdq_blocked(
+        self, t: Tensor, role: int, dim: int, weight_block: bool = False, src_dtype: torch.dtype | None = None
+    ) -> _Quantized:
+        """Block-scaled quantize-dequantize of a 2-D tensor along ``dim`` (MXFP8 or 1x128 / 128x128 tiles);
+        ``src_dtype`` is the operand's type before the float32 upcast (blockwise scales depend on it)."""
         fmt = self._fmt(role)
         if self.spec.scaling == "mxfp8":
             bs = self.spec.block_size
@@ -163,10 +166,14 @@ class EmulatedFP8GEMM(nn.Module):
             return _Quantized(deq, data.narrow(dim, 0, size), codes)
         # blockwise: weights in 128x128 blocks (orientation-free); activations / grads in 1x128 along `dim`
         if weight_block:
-            data, scales = quantize_blockwise(t, tile=(128, 128), fmt=fmt.name, power_2=self.spec.power_2_scales)
+            data, scales = quantize_blockwise(
+                t, tile=(128, 128), fmt=fmt.name, power_2=self.spec.power_2_scales, input_dtype=src_dtype
+            )
             return _Quantized(dequantize_blockwise(data, scales, tile=(128, 128)), data)
         src = t if dim in (-1, t.dim() - 1) else t.transpose(0, 1)
-        data, scales = quantize_blockwise(src, tile=(1, 128), fmt=fmt.name, power_2=self.spec.power_2_scales)
+        data, scales = quantize_blockwise(
+            src, tile=(1, 128), fmt=fmt.name, power_2=self.spec.power_2_scales, input_dtype=src_dtype
+        )
         deq = dequantize_blockwise(data, scales, tile=(1, 128))
         if src is not t:
             deq, data = deq.transpose(0, 1), data.transpose(0, 1)
@@ -180,18 +187,19 @@ class EmulatedFP8GEMM(nn.Module):
         st = operand_stats(t, q.data, q.deq, self._fmt(role), scale_codes=q.codes, block_size=self.spec.block_size)
         self.stats = self.stats.with_role(ROLES[role], st)
 
-    def quantize_for(self, t: Tensor, role: int, *, gemm: str) -> _Quantized:
+    def quantize_for(self, t: Tensor, role: int, *, gemm: str, src_dtype: torch.dtype | None = None) -> _Quantized:
         """Quantize ``t`` (2-D, float32) for one GEMM operand.
 
         ``gemm`` is "fprop" (contraction over the last dim of x and W), "dgrad" (over the last dim of dy and
-        the first dim of W) or "wgrad" (over the first, token dim of dy and x).
+        the first dim of W) or "wgrad" (over the first, token dim of dy and x). ``src_dtype``: the operand's type
+        before it was upcast to float32 (default float32).
         """
         if self.spec.scaling in ("delayed", "current"):
             q = self._qdq_tensorwise(t, role)
         else:
             weight_block = role == 1 and self.spec.scaling == "blockwise"
             dim = 0 if (gemm == "wgrad" or (gemm == "dgrad" and role == 1)) else -1
-            q = self._qdq_blocked(t, role, dim, weight_block)
+            q = self._qdq_blocked(t, role, dim, weight_block, src_dtype)
         if self.record_stats and gemm != "wgrad" and not (role == 1 and gemm == "dgrad"):
             self._record(role, t, q)
         return q
@@ -275,16 +283,20 @@ class _EmulatedFP8Fn(torch.autograd.Function):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).float()
         w = mod.gemm_weight(weight)
-        xq = mod.quantize_for(x2, 0, gemm="fprop").deq
-        wq = mod.quantize_for(w, 1, gemm="fprop").deq
+        xq = mod.quantize_for(x2, 0, gemm="fprop", src_dtype=x.dtype).deq
+        wq = mod.quantize_for(w, 1, gemm="fprop", src_dtype=weight.dtype).deq
         y = xq @ wq.t()
         if bias is not None:
             y = y + bias.float()
         if mod.spec.scaling in ("delayed", "current"):
             x_w, w_d = xq, wq  # a per-tensor scale serves both orientations
         else:
-            x_w = mod.quantize_for(x2, 0, gemm="wgrad").deq
-            w_d = wq if mod.spec.scaling == "blockwise" else mod.quantize_for(w, 1, gemm="dgrad").deq
+            x_w = mod.quantize_for(x2, 0, gemm="wgrad", src_dtype=x.dtype).deq
+            w_d = (
+                wq
+                if mod.spec.scaling == "blockwise"
+                else mod.quantize_for(w, 1, gemm="dgrad", src_dtype=weight.dtype).deq
+            )
         ctx.save_for_backward(x_w, w_d)
         ctx.mod = mod
         ctx.meta = (lead, x.dtype, weight.dtype, bias is not None, bias.dtype if bias is not None else None)
@@ -296,11 +308,15 @@ class _EmulatedFP8Fn(torch.autograd.Function):
         mod: EmulatedFP8GEMM = ctx.mod
         lead, x_dtype, w_dtype, has_bias, b_dtype = ctx.meta
         g2 = gy.reshape(-1, gy.shape[-1]).float()
-        g_d = mod.quantize_for(g2, 2, gemm="dgrad").deq
+        g_d = mod.quantize_for(g2, 2, gemm="dgrad", src_dtype=gy.dtype).deq
         gx = (g_d @ w_d).to(x_dtype).reshape(*lead, w_d.shape[1]) if ctx.needs_input_grad[0] else None
         gw = None
         if ctx.needs_input_grad[1]:  # frozen weights (e.g. a PEFT base layer) need no wgrad GEMM
-            g_w = g_d if mod.spec.scaling in ("delayed", "current") else mod.quantize_for(g2, 2, gemm="wgrad").deq
+            g_w = (
+                g_d
+                if mod.spec.scaling in ("delayed", "current")
+                else mod.quantize_for(g2, 2, gemm="wgrad", src_dtype=gy.dtype).deq
+            )
             gw = mod.weight_grad((g_w.t() @ x_w).to(w_dtype))
         gb = g2.sum(0).to(b_dtype) if has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None

@@ -6,6 +6,11 @@ tile has its own float32 scale computed with the current-scaling rule (:func:`cu
 (TE default ``use_f32_scales=False``).  The tile amax ignores NaN elements (TE: amax ignores NaN), so a
 NaN element does not poison its neighbours' scale; it stays NaN in ``data``.
 
+A tile whose scale overflows float32 (an amax below ``fp8_max / FLT_MAX``) gets the largest finite value of the
+*input* type instead (bfloat16's 0x7F7F for a BF16 input, FLT_MAX for float32), as TE's blockwise kernels do
+(``compute_scale_from_types`` in ``transformer_engine/common/recipe/recipe_common.cuh``, used by
+``transpose/quantize_transpose_{square,vector}_blockwise.cu``); power-of-2 rounding then clears its mantissa.
+
 Partial tiles: when a dim is not a multiple of the tile, the last tile along it is partial (as in TE);
 the amax is taken over the elements that exist (internally the tensor is zero-padded, and zeros never
 change an amax).  ``scales`` has shape ``[..., ceil(M / tile[0]), ceil(N / tile[1])]``.
@@ -17,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hf_mixedprec.formats import FLOAT32_MAX
 from hf_mixedprec.scaling.fp8 import FP8Format, _fp8_format, current_scale
 
 __all__ = ["dequantize_blockwise", "quantize_blockwise"]
@@ -36,6 +42,13 @@ def _check_tile(tile: tuple[int, int]) -> tuple[int, int]:
 def _check_2d(x: torch.Tensor, arg: str) -> None:
     if x.dim() < 2:
         raise ValueError(f"{arg} must have at least 2 dims (tiles cover the last two), got shape {tuple(x.shape)}")
+
+
+def _input_type_max(dtype: torch.dtype) -> float:
+    """The largest finite value of a float input type, capped at FLT_MAX (float64 inputs are float32 in TE)."""
+    if not dtype.is_floating_point or dtype.itemsize == 1:
+        raise ValueError(f"input_dtype={dtype} must be a float type of 2 bytes or more (float32, bfloat16, float16)")
+    return min(float(torch.finfo(dtype).max), FLOAT32_MAX)
 
 
 def _n_tiles(size: int, t: int) -> int:
@@ -64,21 +77,25 @@ def quantize_blockwise(
     tile: tuple[int, int] = (1, 128),
     fmt: FP8Format = "e4m3",
     power_2: bool = True,
+    input_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the last two dims of ``x`` in tiles (TE Float8BlockScaling): returns ``(data, scales)``.
 
     ``data``: ``x``'s shape, float8; ``scales``: float32 ``[..., ceil(M/tm), ceil(N/tn)]`` with
-    ``scale = current_scale(nan-ignoring tile amax, fmt=fmt, power_2=power_2)``.
+    ``scale = current_scale(nan-ignoring tile amax, fmt=fmt, power_2=power_2, value_for_inf=max of the input
+    type)``. ``input_dtype`` is the type the tensor had before it was upcast (default ``x.dtype``); it decides
+    the value an overflowing scale takes (see module docs).
     """
     f = _fp8_format(fmt)
     tm, tn = _check_tile(tile)
     _check_2d(x, "x")
+    value_for_inf = _input_type_max(x.dtype if input_dtype is None else input_dtype)
     m, n = x.shape[-2], x.shape[-1]
     t = _tiled(x.to(torch.float32), (tm, tn))
     a = torch.abs(t)
     a = torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype, device=a.device), a)
     amax = torch.amax(a, dim=(-3, -1))
-    scales = current_scale(amax, fmt=f, power_2=power_2)
+    scales = current_scale(amax, fmt=f, power_2=power_2, value_for_inf=value_for_inf)
     y = torch.clamp(t * scales[..., :, None, :, None], -f.max, f.max)
     return _untile(y, m, n).to(f.dtype), scales
 

@@ -154,12 +154,22 @@ def _check_epsilon(epsilon: float) -> float:
     return eps
 
 
-def current_scale(amax: torch.Tensor, *, fmt: FP8Format, epsilon: float = 0.0, power_2: bool = False) -> torch.Tensor:
+def current_scale(
+    amax: torch.Tensor,
+    *,
+    fmt: FP8Format,
+    epsilon: float = 0.0,
+    power_2: bool = False,
+    value_for_inf: float = FLOAT32_MAX,
+) -> torch.Tensor:
     """Current-scaling scale from ``amax`` (TE ``Float8CurrentScaling``, torchao "tensorwise").
 
     ``a = max(amax, epsilon)``; if ``a`` is 0, inf or NaN (or negative) the scale is 1.0, else
-    ``fmt.max / a`` rounded once to float32, with an infinite result replaced by FLT_MAX; with ``power_2``
-    the scale is rounded down to ``2**floor(log2(scale))`` exactly (mantissa bits cleared, as TE does).
+    ``fmt.max / a`` rounded once to float32, with an infinite result replaced by ``value_for_inf`` (FLT_MAX for
+    per-tensor scaling; TE's blockwise kernels pass the input type's largest finite value, see
+    :func:`hf_mixedprec.scaling.blockwise.quantize_blockwise`); with ``power_2`` the scale is then rounded down to
+    ``2**floor(log2(scale))`` exactly (mantissa bits cleared, as TE does, the replacement value included).
+    As ``compute_scale_from_amax`` in Transformer Engine's ``transformer_engine/common/recipe/recipe_common.cuh``.
     Elementwise over ``amax``; returns float32 of ``amax``'s shape.
 
     ``epsilon`` is applied as the exact real number (``amax < epsilon`` -> ``fmt.max / epsilon`` rounded
@@ -178,7 +188,9 @@ def current_scale(amax: torch.Tensor, *, fmt: FP8Format, epsilon: float = 0.0, p
         below = a < _float32_ceil(eps)  # exact "a < eps" since the threshold is float32-representable
         scale = torch.where(below, f.max / eps, scale)
         valid = valid | below
-    scale = torch.where(torch.isinf(scale), FLOAT32_MAX, scale)
+    if not (0.0 < value_for_inf <= FLOAT32_MAX):
+        raise ValueError(f"value_for_inf={value_for_inf!r} must be a positive finite float32 value")
+    scale = torch.where(torch.isinf(scale), torch.tensor(value_for_inf, dtype=torch.float32), scale)
     if power_2:
         scale = _floor_pow2(scale)
     return torch.where(valid, scale, torch.ones_like(scale))
