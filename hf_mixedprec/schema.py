@@ -177,6 +177,11 @@ class FP8Config(_Section):
         scaling = data.get("scaling", "delayed")
         if scaling not in FP8_SCALING_DEFAULTS:
             return data  # the field validator reports the bad value
+        backend = data.get("backend", "auto")
+        if backend == "torchao":
+            _torchao_rules(data, scaling)
+        elif data.get("torchao_recipe") is not None:
+            raise _rule("torchao_recipe", f"only applies to backend torchao (backend is {backend!r}); remove it")
         applicable = FP8_SCALING_DEFAULTS[scaling]
         for key in _FP8_SCALING_ONLY:
             if key in applicable:
@@ -189,18 +194,6 @@ class FP8Config(_Section):
                     f"does not apply to scaling {scaling!r} (it applies to: {', '.join(users)}); remove it"
                     " (set it to null in a recipe that extends another)",
                 )
-        backend = data.get("backend", "auto")
-        if backend == "torchao":
-            if scaling != "current":
-                raise _rule(
-                    "scaling",
-                    f"{scaling!r} is not available with backend torchao (allowed: current; torchao dropped delayed "
-                    "scaling and has no TE-style mxfp8/blockwise training; use backend transformer_engine or emulated)",
-                )
-            if data.get("torchao_recipe") is None:
-                data["torchao_recipe"] = "tensorwise"
-        elif data.get("torchao_recipe") is not None:
-            raise _rule("torchao_recipe", f"only applies to backend torchao (backend is {backend!r}); remove it")
         size = data.get("block_size")
         allowed = _ALLOWED_BLOCK_SIZE.get(scaling)
         if allowed and isinstance(size, int) and size not in allowed:
@@ -212,6 +205,58 @@ class FP8Config(_Section):
     def options(self) -> dict[str, Any]:
         """The scaling-specific options that apply to this recipe's scaling (resolved)."""
         return {k: getattr(self, k) for k in FP8_SCALING_DEFAULTS[self.scaling]}
+
+
+#: torchao clamps every amax at this value before computing a scale (``torchao/float8/float8_utils.py``, EPS).
+TORCHAO_AMAX_EPS = 1e-12
+#: torchao's float8 recipes that use E4M3 for every tensor with power-of-2 scales (``Float8LinearConfig.from_recipe_name``).
+_TORCHAO_ROWWISE = ("rowwise", "rowwise_with_gw_hp")
+
+
+def _torchao_rules(data: dict[str, Any], scaling: Any) -> None:
+    """What torchao's ``Float8LinearConfig`` can express, checked before any model exists (``validate`` and every
+    load say it in one line), and the defaults that make a torchao recipe say what torchao will do.
+
+    * scaling: current only (torchao dropped delayed scaling; it has no TE-style mxfp8/blockwise training);
+    * ``torchao_recipe`` defaults to tensorwise; the rowwise recipes use E4M3 for every tensor and power-of-2
+      scales: those are their defaults, and a recipe saying otherwise is refused, never overridden;
+    * ``epsilon``: torchao always clamps amax at 1e-12, so that is the default and the only other value refused.
+    """
+    if scaling != "current":
+        raise _rule(
+            "scaling",
+            f"{scaling!r} is not available with backend torchao (allowed: current; torchao dropped delayed "
+            "scaling and has no TE-style mxfp8/blockwise training; use backend transformer_engine or emulated)",
+        )
+    name = data.get("torchao_recipe")
+    if name is None:
+        name = data["torchao_recipe"] = "tensorwise"
+    if name in _TORCHAO_ROWWISE:
+        if data.get("format") is None:
+            data["format"] = "E4M3"
+        elif str(data["format"]).upper() != "E4M3":
+            raise _rule(
+                "format",
+                f"{data['format']!r} does not match torchao's {name} recipe, which casts every tensor to E4M3 "
+                f"(allowed: E4M3 with torchao_recipe {name}; or torchao_recipe tensorwise for HYBRID)",
+            )
+        if data.get("power_2_scales") is None:
+            data["power_2_scales"] = True
+        elif data["power_2_scales"] is not True:
+            raise _rule(
+                "power_2_scales",
+                f"{data['power_2_scales']!r} does not match torchao's {name} recipe, which rounds every scale to a "
+                f"power of two (allowed: true with torchao_recipe {name}; or torchao_recipe tensorwise)",
+            )
+    eps = data.get("epsilon")
+    if eps is None:
+        data["epsilon"] = TORCHAO_AMAX_EPS
+    elif isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps != TORCHAO_AMAX_EPS:
+        raise _rule(
+            "epsilon",
+            f"{eps!r} cannot be set with backend torchao, which always clamps amax at 1e-12 (allowed: 1e-12, the "
+            "default; or backend emulated or transformer_engine for another floor)",
+        )
 
 
 ClipMethod = Literal["none", "norm", "zclip", "autoclip", "agc"]

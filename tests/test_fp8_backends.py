@@ -270,10 +270,9 @@ def test_torchao_backend_trains_with_emulate(batches, bf16_losses):
     assert abs(losses[-5:].mean().item() - bf16_losses[-5:].mean().item()) < FP8_TOLERANCE
 
 
-def test_torchao_refuses_what_it_cannot_express():
-    with pytest.raises(ValueError, match=r"fp8\.format: 'HYBRID' does not match torchao's rowwise recipe"):
-        convert(tiny_llama(), fp8_recipe("current", backend="torchao", torchao_recipe="rowwise"))
-    r = fp8_recipe("current", backend="torchao", torchao_recipe="rowwise", format="E4M3", power_2_scales=True)
+def test_torchao_rowwise_defaults_to_what_torchao_does():
+    r = fp8_recipe("current", backend="torchao", torchao_recipe="rowwise")
+    assert (r.fp8.format, r.fp8.power_2_scales, r.fp8.epsilon) == ("E4M3", True, 1e-12)
     rep = convert(tiny_llama(), r)
     assert len(rep.converted) == 14
 

@@ -18,16 +18,13 @@ import torch
 from torch import nn
 
 from hf_mixedprec.fp8.policy import LayerDecision
-from hf_mixedprec.schema import RecipeSpec
+from hf_mixedprec.schema import TORCHAO_AMAX_EPS, RecipeSpec
 
 __all__ = ["TORCHAO_INSTALL_HINT", "convert_torchao", "torchao_config"]
 
 log = logging.getLogger("hf_mixedprec")
 
 TORCHAO_INSTALL_HINT = "torchao is not installed: pip install 'hf_mixedprec[torchao]'"
-
-#: torchao clamps amax at this value before computing a tensorwise scale.
-TORCHAO_AMAX_EPS = 1e-12
 
 
 def _emulate_needed(device: torch.device) -> bool:
@@ -37,7 +34,13 @@ def _emulate_needed(device: torch.device) -> bool:
 
 
 def torchao_config(recipe: RecipeSpec, *, emulate: bool) -> Any:
-    """Build torchao's ``Float8LinearConfig`` for ``recipe``; refuse what torchao cannot express."""
+    """Build torchao's ``Float8LinearConfig`` for ``recipe``.
+
+    The schema refuses what torchao cannot express (see ``hf_mixedprec.schema._torchao_rules``); this repeats the
+    checks for recipes that reach torchao through ``backend: auto``. ``format: E4M3`` with the tensorwise recipe
+    sets both grad-output casts (the dgrad and the wgrad GEMM) to E4M3: torchao refuses a config whose two
+    grad-output casts differ in dtype.
+    """
     try:
         from torchao.float8 import Float8LinearConfig
     except ImportError as exc:
@@ -54,12 +57,17 @@ def torchao_config(recipe: RecipeSpec, *, emulate: bool) -> Any:
     if fp8.epsilon not in (None, 0.0, TORCHAO_AMAX_EPS):
         raise ValueError(
             f"fp8.epsilon: {fp8.epsilon:g} cannot be set with backend torchao, which always clamps amax at 1e-12 "
-            "(allowed: 0.0 or 1e-12; or backend emulated)"
+            "(allowed: 1e-12; or backend emulated)"
         )
     if name == "tensorwise":
         if fp8.format == "E4M3":
-            e4m3 = dataclasses.replace(cfg.cast_config_grad_output, target_dtype=torch.float8_e4m3fn)
-            cfg = dataclasses.replace(cfg, cast_config_grad_output=e4m3)
+            cfg = dataclasses.replace(
+                cfg,
+                cast_config_grad_output=_with_dtype(cfg.cast_config_grad_output, torch.float8_e4m3fn),
+                cast_config_grad_output_for_grad_weight=_with_dtype(
+                    cfg.cast_config_grad_output_for_grad_weight, torch.float8_e4m3fn
+                ),
+            )
         cfg = dataclasses.replace(cfg, round_scales_to_power_of_2=bool(fp8.power_2_scales))
     else:
         if fp8.format != "E4M3":
@@ -73,6 +81,10 @@ def torchao_config(recipe: RecipeSpec, *, emulate: bool) -> Any:
                 f"of two (allowed: true with torchao_recipe {name})"
             )
     return dataclasses.replace(cfg, emulate=emulate)
+
+
+def _with_dtype(cast: Any, dtype: torch.dtype) -> Any:
+    return dataclasses.replace(cast, target_dtype=dtype)
 
 
 def convert_torchao(model: nn.Module, recipe: RecipeSpec, decisions: list[LayerDecision]) -> list[str]:
@@ -90,6 +102,24 @@ def convert_torchao(model: nn.Module, recipe: RecipeSpec, decisions: list[LayerD
             f"torchao runs with emulate=True on {device.type} (exact FP8 casts, high-precision GEMMs: no speed-up)"
         )
     cfg = torchao_config(recipe, emulate=emulate)
+    assert recipe.fp8 is not None
+    if recipe.fp8.epsilon in (None, 0.0):  # reached through backend: auto (the schema defaults torchao to 1e-12)
+        notes.append("torchao clamps every amax at 1e-12 before scaling (the recipe's fp8.epsilon is 0)")
     wanted = {d.name for d in decisions if d.to_swap}
     convert_to_float8_training(model, config=cfg, module_filter_fn=lambda mod, fqn: fqn in wanted)
+    for name in wanted:
+        model.get_submodule(name).register_forward_pre_hook(_autocast_input)
     return notes
+
+
+def _autocast_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Cast the input to the autocast dtype off CUDA, as ``Float8Linear.forward`` does itself under CUDA autocast
+    (it checks only CUDA's): otherwise a CPU autocast run hands its high-precision GEMMs a float32 input and a
+    bfloat16 gradient, which ``rowwise_with_gw_hp``'s wgrad GEMM refuses."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or x.device.type == "cuda" or not x.is_floating_point():
+        return None
+    if not torch.is_autocast_enabled(x.device.type):
+        return None
+    dtype = torch.get_autocast_dtype(x.device.type)
+    return None if x.dtype == dtype else (x.to(dtype), *args[1:])
