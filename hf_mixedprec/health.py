@@ -501,15 +501,16 @@ def _message(name: str, value: float, cfg: DetectorConfig) -> str:
 def layers_to_bf16(model: nn.Module, names: list[str]) -> list[str]:
     """Move the named FP8 layers back to their high-precision type (``nn.Linear`` or transformers' ``Conv1D``,
     the same Parameter objects); return those moved."""
-    from hf_mixedprec.fp8.emulated import EmulatedFP8GEMM
+    from hf_mixedprec.fp8 import to_high_precision
     from hf_mixedprec.fp8.swap import replace_module
 
     modules = dict(model.named_modules())
     moved = []
     for name in names:
         mod = modules.get(name)
-        if not isinstance(mod, EmulatedFP8GEMM):
+        high = to_high_precision(mod) if mod is not None else None
+        if high is None:
             continue
-        replace_module(model, name, mod.high_precision())
+        replace_module(model, name, high)
         moved.append(name)
     return moved

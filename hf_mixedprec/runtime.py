@@ -37,7 +37,7 @@ from hf_mixedprec import metrics as M
 from hf_mixedprec._device import Constants, is_main_rank
 from hf_mixedprec.amp import GuardScaler, LossScaling
 from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper
-from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated
+from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated, iter_monitored
 from hf_mixedprec.health import HealthEvent, HealthMonitor
 from hf_mixedprec.reactions import Reactions
 from hf_mixedprec.schema import RecipeSpec
@@ -75,6 +75,8 @@ def compute_dtype(recipe: RecipeSpec) -> torch.dtype | None:
 
 def _rehearsed_what(recipe: RecipeSpec) -> str:
     """What a rehearsal runs differently from the recipe's own hardware, in a few words."""
+    if recipe.precision == "fp8" and recipe.fp8 is not None and recipe.fp8.backend == "torchao":
+        return "FP8 layers run through torchao with emulate=True (torchao's exact FP8 casts, GEMMs in high precision)"
     if recipe.precision == "fp8":
         return "FP8 layers are emulated (exact FP8 quantization, GEMMs in FP32), not sped up"
     if recipe.precision == "fp16":
@@ -166,10 +168,11 @@ class MixedPrecisionRuntime:
     def convert_model(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> ConversionReport | None:
-        """Convert ``model`` to FP8 as the recipe says (emulated when rehearsing); None for other precisions."""
-        if self.recipe.precision != "fp8":
+        """Convert ``model`` to FP8 as the recipe says; None for other precisions. A rehearsal runs the emulated
+        backend, except for ``backend: torchao``, which emulates itself (``emulate=True`` off FP8 hardware)."""
+        if self.recipe.precision != "fp8" or self.recipe.fp8 is None:
             return None
-        backend = "emulated" if self.rehearse else None
+        backend = "emulated" if self.rehearse and self.recipe.fp8.backend != "torchao" else None
         self.fp8_report = convert(model, self.recipe, backend=backend, optimizer=optimizer)
         warning = [self.fp8_report.warning] if self.fp8_report.warning else []  # converting nothing: run report too
         self.notes += [*self.fp8_report.notes, *warning]
@@ -225,7 +228,7 @@ class MixedPrecisionRuntime:
         every = self.recipe.health.fp8_sample_every
         self._sampling = self.monitor is not None and (self.steps + 1) % every == 0
         if self.recipe.precision == "fp8":
-            for _, m in iter_emulated(model):
+            for _, m in iter_monitored(model):
                 m.record_stats = self._sampling
 
     def ensure_unscaled(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -293,7 +296,7 @@ class MixedPrecisionRuntime:
                 self.monitor.observe_update(ratio, self.amp.found_inf)
             self.monitor.post_step(skipped=self.amp.found_inf, scale=self.amp.device_scale())
             if self._sampling and self.recipe.precision == "fp8":
-                self.monitor.observe_fp8({name: m.stats for name, m in iter_emulated(model)})
+                self.monitor.observe_fp8({name: m.stats for name, m in iter_monitored(model)})
                 self._fp8_pending = True
         self.amp.after_step(optimizer)
         self.steps += 1
@@ -563,7 +566,7 @@ def _clip_metrics(last: ClipResult, clipper: Clipper | None) -> dict[str, float]
 def _fp8_layer_metrics(model: nn.Module) -> dict[str, float]:
     """Per FP8 layer, the worst saturation, underflow and SQNR over its input, weight and gradient (host reads)."""
     out: dict[str, float] = {}
-    for name, m in iter_emulated(model):
+    for name, m in iter_monitored(model):
         st = m.stats
         if not st:
             continue

@@ -220,7 +220,8 @@ def _torchao_rules(data: dict[str, Any], scaling: Any) -> None:
     * scaling: current only (torchao dropped delayed scaling; it has no TE-style mxfp8/blockwise training);
     * ``torchao_recipe`` defaults to tensorwise; the rowwise recipes use E4M3 for every tensor and power-of-2
       scales: those are their defaults, and a recipe saying otherwise is refused, never overridden;
-    * ``epsilon``: torchao always clamps amax at 1e-12, so that is the default and the only other value refused.
+    * ``epsilon``: torchao always clamps amax at 1e-12, so that is the default; 0 (no floor, the value recipes
+      written for Transformer Engine carry) is accepted and the conversion notes the 1e-12 clamp; others are refused.
     """
     if scaling != "current":
         raise _rule(
@@ -251,11 +252,11 @@ def _torchao_rules(data: dict[str, Any], scaling: Any) -> None:
     eps = data.get("epsilon")
     if eps is None:
         data["epsilon"] = TORCHAO_AMAX_EPS
-    elif isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps != TORCHAO_AMAX_EPS:
+    elif isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps not in (0.0, TORCHAO_AMAX_EPS):
         raise _rule(
             "epsilon",
             f"{eps!r} cannot be set with backend torchao, which always clamps amax at 1e-12 (allowed: 1e-12, the "
-            "default; or backend emulated or transformer_engine for another floor)",
+            "default, or 0; or backend emulated for another floor)",
         )
 
 

@@ -429,10 +429,12 @@ class _StepTracker(TrainerCallback):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["cpu-bf16", "h100-fp8-delayed", "v100-fp16"])
+@pytest.mark.parametrize("name", ["cpu-bf16", "h100-fp8-delayed", "v100-fp16", "h100-fp8-current+torchao"])
 def test_no_host_sync_on_non_logging_steps(tmp_path, monkeypatch, name):
     # a ZClip warm-up of 3 steps ends inside the run: its end is learnt from an AsyncRead host copy
-    recipe = _recipe("clipping: {method: zclip, warmup_steps: 3}", base=name)
+    base, _, backend = name.partition("+")  # +torchao: torchao's Float8Linear with the health probes
+    fp8 = f", fp8: {{backend: {backend}}}" if backend else ""
+    recipe = _recipe(f"{{clipping: {{method: zclip, warmup_steps: 3}}{fp8}}}", base=base)
     counter = _SyncCounter(monkeypatch)
     _run(recipe, tmp_path, steps=12, callbacks=[_StepTracker(counter)], logging_steps=5)
     off_log = [h for h in counter.hits if h[0] % 5 != 0 and h[0] != 0]

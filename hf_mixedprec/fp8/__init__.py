@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from hf_mixedprec.fp8.emulated import (
     iter_emulated,
 )
 from hf_mixedprec.fp8.policy import BACKEND_GEMM_KINDS, GEMM_KINDS, LayerDecision, plan_conversion
+from hf_mixedprec.fp8.probe import LayerProbe, probe_of
 from hf_mixedprec.fp8.swap import replace_module
 from hf_mixedprec.schema import RecipeSpec
 
@@ -42,9 +44,11 @@ __all__ = [
     "convert",
     "fp8_step",
     "iter_emulated",
+    "iter_monitored",
     "plan_conversion",
     "replace_module",
     "resolve_backend",
+    "to_high_precision",
 ]
 
 log = logging.getLogger("hf_mixedprec")
@@ -54,6 +58,28 @@ BACKENDS = ("emulated", "torchao", "transformer_engine")
 
 class FP8BackendUnavailable(RuntimeError):
     """No backend can run this recipe's FP8 scaling here; the message says what to install or set."""
+
+
+def iter_monitored(model: nn.Module) -> Iterator[tuple[str, EmulatedFP8GEMM | LayerProbe]]:
+    """Every FP8 layer whose quantization statistics the health monitor samples, with its dotted name: emulated
+    layers themselves, and torchao / Transformer Engine layers through their :class:`~hf_mixedprec.fp8.probe.LayerProbe`.
+    Each has ``record_stats`` (sample this step) and ``stats`` (the last sample)."""
+    for name, m in model.named_modules():
+        if isinstance(m, EmulatedFP8GEMM):
+            yield name, m
+        else:
+            p = probe_of(m)
+            if p is not None:
+                yield name, p
+
+
+def to_high_precision(layer: nn.Module) -> nn.Module | None:
+    """``layer``'s high-precision equivalent (``nn.Linear`` or ``Conv1D``, the same Parameter objects) when it is an
+    FP8 layer of any backend, else None."""
+    if isinstance(layer, EmulatedFP8GEMM):
+        return layer.high_precision()
+    p = probe_of(layer)
+    return None if p is None else p.high_precision()
 
 
 def _has(module: str) -> bool:

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from hf_mixedprec.fp8.policy import LayerDecision
+from hf_mixedprec.fp8.probe import QuantizeRule, attach_probe
+from hf_mixedprec.scaling.fp8 import FP8Format
 from hf_mixedprec.schema import TORCHAO_AMAX_EPS, RecipeSpec
 
 __all__ = ["TORCHAO_INSTALL_HINT", "convert_torchao", "torchao_config"]
@@ -57,7 +59,7 @@ def torchao_config(recipe: RecipeSpec, *, emulate: bool) -> Any:
     if fp8.epsilon not in (None, 0.0, TORCHAO_AMAX_EPS):
         raise ValueError(
             f"fp8.epsilon: {fp8.epsilon:g} cannot be set with backend torchao, which always clamps amax at 1e-12 "
-            "(allowed: 1e-12; or backend emulated)"
+            "(allowed: 1e-12 or 0; or backend emulated)"
         )
     if name == "tensorwise":
         if fp8.format == "E4M3":
@@ -103,13 +105,62 @@ def convert_torchao(model: nn.Module, recipe: RecipeSpec, decisions: list[LayerD
         )
     cfg = torchao_config(recipe, emulate=emulate)
     assert recipe.fp8 is not None
-    if recipe.fp8.epsilon in (None, 0.0):  # reached through backend: auto (the schema defaults torchao to 1e-12)
+    if recipe.fp8.epsilon in (None, 0.0):
         notes.append("torchao clamps every amax at 1e-12 before scaling (the recipe's fp8.epsilon is 0)")
     wanted = {d.name for d in decisions if d.to_swap}
     convert_to_float8_training(model, config=cfg, module_filter_fn=lambda mod, fqn: fqn in wanted)
+    rule, formats = _quantize_rule(cfg)
     for name in wanted:
-        model.get_submodule(name).register_forward_pre_hook(_autocast_input)
+        layer = model.get_submodule(name)
+        layer.register_forward_pre_hook(_autocast_input)
+        attach_probe(layer, rule, formats, _as_linear, input_cast=_cuda_autocast_cast)
     return notes
+
+
+def _quantize_rule(cfg: Any) -> tuple[QuantizeRule, dict[str, FP8Format]]:
+    """How torchao quantizes each operand of the fprop and dgrad GEMMs under ``cfg``, for the health probe: its
+    own ``tensor_to_scale`` (amax clamped at 1e-12, scale computed in float64, optional power-of-2 rounding) and
+    ``to_fp8_saturated``, per tensor or per row along the GEMM's contraction dim (``torchao/float8/float8_linear.py``:
+    input and grad_output along their last dim, the weight per output row)."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+    casts = {"input": cfg.cast_config_input, "weight": cfg.cast_config_weight, "grad": cfg.cast_config_grad_output}
+    pow2 = bool(cfg.round_scales_to_power_of_2)
+
+    def rule(t: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        c = casts[role]
+        if c.scaling_type is ScalingType.DISABLED:
+            return None
+        axiswise = c.scaling_granularity is ScalingGranularity.AXISWISE
+        scale = tensor_to_scale(
+            t,
+            c.target_dtype,
+            scaling_granularity=c.scaling_granularity,
+            axiswise_dim=-1 if axiswise else None,
+            round_scales_to_power_of_2=pow2,
+        )
+        data = to_fp8_saturated(t * scale, c.target_dtype)
+        return data, data.to(torch.float32) / scale
+
+    formats: dict[str, FP8Format] = {
+        role: "e4m3" if c.target_dtype == torch.float8_e4m3fn else "e5m2" for role, c in casts.items()
+    }
+    return rule, formats
+
+
+def _cuda_autocast_cast(x: torch.Tensor) -> torch.Tensor:
+    """The input as ``Float8Linear.forward`` quantizes it on CUDA: cast to the autocast dtype when one is on."""
+    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda") and x.is_floating_point():
+        return x.to(torch.get_autocast_dtype("cuda"))
+    return x
+
+
+def _as_linear(layer: nn.Module) -> nn.Linear:
+    """A plain ``nn.Linear`` holding the Float8Linear's Parameter objects (the health fallback to BF16)."""
+    lin = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+    lin.weight, lin.bias = layer.weight, layer.bias
+    return lin
 
 
 def _autocast_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:

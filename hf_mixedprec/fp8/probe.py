@@ -1,0 +1,116 @@
+"""Per-layer FP8 health for backends whose layers keep no statistics of their own (torchao's ``Float8Linear``,
+Transformer Engine's modules).
+
+A :class:`LayerProbe` hangs off one such layer. On sampled steps only (the runtime sets :attr:`record_stats`), a
+forward hook quantizes the layer's input and weight, and a hook on the output's gradient the incoming gradient,
+with the backend's own rule (a :data:`QuantizeRule` the backend supplies), and keeps the same
+:class:`~hf_mixedprec.scaling.stats.LayerStats` the emulated layers keep: amax, saturation, underflow, SQNR. It is a
+second quantization of the very tensors the layer quantizes, on the device, with no host read; on other steps the
+hooks return at once. Each probe also knows how to put its layer back in high precision (the health fallback).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_mixedprec.scaling.fp8 import FP8Format
+from hf_mixedprec.scaling.stats import LayerStats, operand_stats
+
+__all__ = ["LayerProbe", "QuantizeRule", "attach_probe", "iter_probed", "probe_of"]
+
+#: ``rule(t, role) -> (data, dequantized)`` for a 2-D float32 operand ``t`` ([tokens, features] for input and
+#: gradient, [out, in] for the weight) and its role ("input", "weight", "grad"): ``data`` the scaled values the
+#: backend would store in FP8 (after saturation), ``dequantized`` what the GEMM computes with. None: the backend
+#: keeps that operand in high precision (nothing to measure).
+QuantizeRule = Callable[[torch.Tensor, str], "tuple[torch.Tensor, torch.Tensor] | None"]
+
+_PROBES: weakref.WeakKeyDictionary[nn.Module, LayerProbe] = weakref.WeakKeyDictionary()
+
+
+class LayerProbe:
+    """Samples one backend FP8 layer's quantization statistics (see module docs)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        rule: QuantizeRule,
+        formats: dict[str, FP8Format],
+        to_high_precision: Callable[[nn.Module], nn.Module],
+        input_cast: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.rule = rule
+        self.formats = formats
+        self._to_high_precision = to_high_precision
+        self._input_cast = input_cast
+        #: set by the runtime for the steps that sample FP8 statistics
+        self.record_stats = False
+        self.stats = LayerStats()
+        self._module = weakref.ref(module)
+        self._handle = module.register_forward_hook(self._forward_hook)
+
+    def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not (self.record_stats and module.training and args and isinstance(args[0], torch.Tensor)):
+            return
+        x = args[0] if self._input_cast is None else self._input_cast(args[0])
+        self._measure("input", x)
+        self._measure("weight", module.weight)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._grad_hook)
+
+    def _grad_hook(self, grad: torch.Tensor) -> None:
+        self._measure("grad", grad)
+
+    def _measure(self, role: str, t: torch.Tensor) -> None:
+        t2 = t.detach().reshape(-1, t.shape[-1]).to(torch.float32)
+        out = self.rule(t2, role)
+        if out is None:
+            return
+        data, deq = out
+        self.stats = self.stats.with_role(role, operand_stats(t2, data, deq, self.formats[role]))
+
+    def high_precision(self) -> nn.Module:
+        """The layer's high-precision equivalent holding the same Parameter objects (the health fallback)."""
+        module = self._module()
+        if module is None:  # pragma: no cover - the registry holds probes of live modules only
+            raise RuntimeError("the probed layer no longer exists")
+        return self._to_high_precision(module)
+
+    def remove(self) -> None:
+        self._handle.remove()
+        module = self._module()
+        if module is not None:
+            _PROBES.pop(module, None)
+
+
+def attach_probe(
+    module: nn.Module,
+    rule: QuantizeRule,
+    formats: dict[str, FP8Format],
+    to_high_precision: Callable[[nn.Module], nn.Module],
+    input_cast: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> LayerProbe:
+    """Attach a :class:`LayerProbe` to ``module`` (replacing an earlier one) and register it."""
+    old = _PROBES.get(module)
+    if old is not None:
+        old.remove()
+    probe = LayerProbe(module, rule, formats, to_high_precision, input_cast)
+    _PROBES[module] = probe
+    return probe
+
+
+def probe_of(module: nn.Module) -> LayerProbe | None:
+    """The probe attached to ``module``, if any."""
+    return _PROBES.get(module)
+
+
+def iter_probed(model: nn.Module) -> Iterator[tuple[str, LayerProbe]]:
+    """Every probed layer of ``model`` with its dotted name."""
+    for name, m in model.named_modules():
+        p = _PROBES.get(m)
+        if p is not None:
+            yield name, p
