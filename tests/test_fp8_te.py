@@ -119,3 +119,77 @@ def test_build_real_te_recipe(recipe_name):
     for k, v in kw.items():
         got = getattr(rec, k)
         assert (got.name if k == "fp8_format" else got) == v
+
+
+# -- per-layer health probe: the rule it applies, checked without TE against the emulated layers -----------------
+
+
+@pytest.mark.parametrize(
+    ("scaling", "kw"),
+    [("current", {}), ("current", {"power_2_scales": True}), ("mxfp8", {}), ("blockwise", {})],
+)
+def test_te_probe_rule_quantizes_as_the_emulated_layer(scaling, kw):
+    """The probe on a TE module measures the quantization TE does; the emulated layer implements the same TE rule,
+    so both give the same FP8 values for the same operand (fprop orientation)."""
+    import torch
+    from torch import nn
+
+    from hf_mixedprec.fp8.emulated import EmulatedFP8Linear, EmulationSpec
+    from hf_mixedprec.fp8.transformer_engine import te_probe_formats, te_quantize_rule
+
+    recipe = _fp8(scaling, backend="emulated", **kw)
+    rule = te_quantize_rule(recipe)
+    emu = EmulatedFP8Linear(nn.Linear(256, 128), EmulationSpec.from_config(recipe.fp8))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=gen) * torch.logspace(-3, 2, 256)
+    w = emu.weight.detach().float()
+    g = torch.randn(64, 128, generator=gen) * 1e-4
+    for role, idx, t, gemm in (("input", 0, x, "fprop"), ("weight", 1, w, "fprop"), ("grad", 2, g, "dgrad")):
+        data, deq = rule(t, role, torch.float32)
+        want = emu.quantize_for(t, idx, gemm=gemm)
+        assert torch.equal(deq, want.deq), (scaling, role)
+        assert torch.equal(data.float(), want.data.float()), (scaling, role)
+    assert te_probe_formats(recipe)["grad"] == "e5m2"
+
+
+def test_te_probe_delayed_rule_uses_the_modules_own_scale():
+    import torch
+
+    from hf_mixedprec.fp8.transformer_engine import te_quantize_rule
+    from hf_mixedprec.scaling import dequantize_fp8, quantize_fp8
+
+    recipe = _fp8("delayed", backend="emulated")
+    scales = {"input": torch.tensor(2.0), "weight": None, "grad": torch.tensor(1024.0)}
+    rule = te_quantize_rule(recipe, delayed_scale=scales.get)
+    x = torch.linspace(-300, 300, 64).reshape(4, 16)
+    data, deq = rule(x, "input", torch.bfloat16)
+    assert torch.equal(data, quantize_fp8(x, scales["input"], "e4m3"))  # 300 * 2 saturates at 448, as in TE
+    assert torch.equal(deq, dequantize_fp8(data, scales["input"]))
+    assert rule(x, "weight", torch.float32) is None  # no scale yet: nothing measured
+    assert rule(x, "grad", torch.float32)[0].dtype == torch.float8_e5m2
+
+
+def test_te_module_probe_and_fallback_with_transformer_engine():
+    """Needs Transformer Engine and a GPU: the probe reads a real te.Linear and the fallback keeps its Parameters."""
+    te = pytest.importorskip("transformer_engine.pytorch")
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from torch import nn
+
+    from hf_mixedprec.fp8 import convert, iter_monitored, to_high_precision
+
+    model = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128)).cuda()
+    convert(model, _fp8("delayed", backend="transformer_engine", keep_lm_head=False))
+    probes = dict(iter_monitored(model))
+    assert set(probes) == {"0", "1"}
+    for p in probes.values():
+        p.record_stats = True
+    for _ in range(2):
+        model(torch.randn(32, 128, device="cuda", requires_grad=True)).sum().backward()
+    st = probes["0"].stats
+    assert st.input is not None and st.weight is not None and st.grad is not None
+    w = model[0].weight
+    lin = to_high_precision(model[0])
+    assert isinstance(lin, nn.Linear) and not isinstance(lin, te.Linear) and lin.weight is w

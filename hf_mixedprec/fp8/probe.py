@@ -23,11 +23,11 @@ from hf_mixedprec.scaling.stats import LayerStats, operand_stats
 
 __all__ = ["LayerProbe", "QuantizeRule", "attach_probe", "iter_probed", "probe_of"]
 
-#: ``rule(t, role) -> (data, dequantized)`` for a 2-D float32 operand ``t`` ([tokens, features] for input and
-#: gradient, [out, in] for the weight) and its role ("input", "weight", "grad"): ``data`` the scaled values the
-#: backend would store in FP8 (after saturation), ``dequantized`` what the GEMM computes with. None: the backend
-#: keeps that operand in high precision (nothing to measure).
-QuantizeRule = Callable[[torch.Tensor, str], "tuple[torch.Tensor, torch.Tensor] | None"]
+#: ``rule(t, role, src_dtype) -> (data, dequantized)`` for a 2-D float32 operand ``t`` ([tokens, features] for
+#: input and gradient, [out, in] for the weight), its role ("input", "weight", "grad") and the type it had before
+#: the upcast: ``data`` the scaled values the backend would store in FP8 (after saturation), ``dequantized`` what
+#: the GEMM computes with. None: the backend keeps that operand in high precision (nothing to measure).
+QuantizeRule = Callable[[torch.Tensor, str, torch.dtype], "tuple[torch.Tensor, torch.Tensor] | None"]
 
 _PROBES: weakref.WeakKeyDictionary[nn.Module, LayerProbe] = weakref.WeakKeyDictionary()
 
@@ -67,7 +67,7 @@ class LayerProbe:
 
     def _measure(self, role: str, t: torch.Tensor) -> None:
         t2 = t.detach().reshape(-1, t.shape[-1]).to(torch.float32)
-        out = self.rule(t2, role)
+        out = self.rule(t2, role, t.dtype)
         if out is None:
             return
         data, deq = out

@@ -128,7 +128,7 @@ def _quantize_rule(cfg: Any) -> tuple[QuantizeRule, dict[str, FP8Format]]:
     casts = {"input": cfg.cast_config_input, "weight": cfg.cast_config_weight, "grad": cfg.cast_config_grad_output}
     pow2 = bool(cfg.round_scales_to_power_of_2)
 
-    def rule(t: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def rule(t: torch.Tensor, role: str, src_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         c = casts[role]
         if c.scaling_type is ScalingType.DISABLED:
             return None

@@ -16,16 +16,37 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 from hf_mixedprec.fp8.policy import LayerDecision
+from hf_mixedprec.fp8.probe import QuantizeRule, attach_probe
 from hf_mixedprec.fp8.swap import replace_module
+from hf_mixedprec.scaling import (
+    current_scale,
+    dequantize_blockwise,
+    dequantize_fp8,
+    dequantize_mxfp8,
+    quantize_blockwise,
+    quantize_fp8,
+    quantize_mxfp8,
+    tensor_amax,
+)
+from hf_mixedprec.scaling.fp8 import FP8Format
 from hf_mixedprec.schema import RecipeSpec
 
-__all__ = ["TE_INSTALL_HINT", "accelerate_fp8_config", "build_te_recipe", "convert_te", "te_recipe_spec"]
+__all__ = [
+    "TE_INSTALL_HINT",
+    "accelerate_fp8_config",
+    "build_te_recipe",
+    "convert_te",
+    "te_probe_formats",
+    "te_quantize_rule",
+    "te_recipe_spec",
+]
 
 log = logging.getLogger("hf_mixedprec")
 
@@ -173,6 +194,7 @@ def convert_te(
         if old.bias is not None:
             mapping[id(old.bias)] = new.bias
         replace_module(model, d.name, new)
+        attach_probe(new, te_quantize_rule(recipe, _delayed_scale_of(new)), te_probe_formats(recipe), _te_as_linear)
     if optimizer is not None:
         for group in optimizer.param_groups:
             group["params"] = [mapping.get(id(p), p) for p in group["params"]]
@@ -187,3 +209,82 @@ def convert_te(
 
     model.forward = forward  # type: ignore[method-assign]
     return notes
+
+
+def te_probe_formats(recipe: RecipeSpec) -> dict[str, FP8Format]:
+    """The FP8 format of each operand under TE's ``Format``: HYBRID is E4M3 forward and E5M2 for gradients."""
+    assert recipe.fp8 is not None
+    grad: FP8Format = "e5m2" if recipe.fp8.format == "HYBRID" else "e4m3"
+    return {"input": "e4m3", "weight": "e4m3", "grad": grad}
+
+
+def te_quantize_rule(recipe: RecipeSpec, delayed_scale: Any = None) -> QuantizeRule:
+    """How a TE module quantizes each operand under ``recipe``, for the health probe (pure; needs no TE):
+
+    * delayed: with the scale TE holds for that operand (``delayed_scale(role)``, read from the module's
+      ``fp8_meta``; None before TE has made one, and nothing is measured);
+    * current: ``compute_scale_from_amax`` with epsilon 0 (TE forwards none) and the recipe's power-of-2 setting;
+    * mxfp8: 32-element E8M0 blocks along the last dim, RCEIL (the only rule TE and the hardware use);
+    * blockwise: 1x128 tiles for input and gradient, 128x128 blocks for the weight, the overflow value of the
+      operand's own type (``transformer_engine/common/recipe/recipe_common.cuh``).
+    """
+    fp8 = recipe.fp8
+    assert fp8 is not None
+    formats = te_probe_formats(recipe)
+
+    def rule(t: torch.Tensor, role: str, src_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        fmt = formats[role]
+        if fp8.scaling in ("delayed", "current"):
+            if fp8.scaling == "delayed":
+                scale = None if delayed_scale is None else delayed_scale(role)
+                if scale is None:
+                    return None
+            else:
+                scale = current_scale(tensor_amax(t), fmt=fmt, power_2=bool(fp8.power_2_scales))
+            data = quantize_fp8(t, scale, fmt)
+            return data, dequantize_fp8(data, scale)
+        if fp8.scaling == "mxfp8":
+            bs = fp8.block_size or 32
+            if t.shape[-1] % bs:
+                return None
+            data, codes = quantize_mxfp8(t, fmt=fmt, block_size=bs, rounding="rceil", dim=-1)
+            return data, dequantize_mxfp8(data, codes, block_size=bs, dim=-1)
+        tile = (128, 128) if role == "weight" else (1, 128)
+        data, scales = quantize_blockwise(
+            t, tile=tile, fmt=fmt, power_2=bool(fp8.power_2_scales), input_dtype=src_dtype
+        )
+        return data, dequantize_blockwise(data, scales, tile=tile)
+
+    return rule
+
+
+#: Where TE keeps each operand's delayed-scaling scale: ``fp8_meta[key].scale[index]`` (TE's forward GEMM meta:
+#: input 0, weight 1; backward: grad_output 0).
+_TE_SCALE_SLOTS = {"input": ("scaling_fwd", 0), "weight": ("scaling_fwd", 1), "grad": ("scaling_bwd", 0)}
+
+
+def _delayed_scale_of(module: nn.Module) -> Any:
+    """``role -> scale`` from the TE module's own delayed-scaling state (None until TE has initialised it)."""
+    ref = weakref.ref(module)
+
+    def scale(role: str) -> torch.Tensor | None:
+        mod = ref()
+        key, index = _TE_SCALE_SLOTS[role]
+        meta = getattr(mod, "fp8_meta", None) or {}
+        state = meta.get(key)
+        tensor = getattr(state, "scale", None)
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() <= index:
+            return None
+        return tensor[index]
+
+    return scale
+
+
+def _te_as_linear(layer: nn.Module) -> nn.Linear:
+    """A plain ``nn.Linear`` holding the TE Linear's Parameter objects (the health fallback to BF16)."""
+    bias = getattr(layer, "bias", None)
+    has_bias = isinstance(bias, torch.Tensor) and bias.numel() > 0
+    lin = nn.Linear(layer.in_features, layer.out_features, bias=has_bias, device="meta")
+    lin.weight = layer.weight
+    lin.bias = bias if has_bias else None
+    return lin
