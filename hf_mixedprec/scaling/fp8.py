@@ -172,8 +172,10 @@ def current_scale(
     As ``compute_scale_from_amax`` in Transformer Engine's ``transformer_engine/common/recipe/recipe_common.cuh``.
     Elementwise over ``amax``; returns float32 of ``amax``'s shape.
 
-    ``epsilon`` is applied as the exact real number (``amax < epsilon`` -> ``fmt.max / epsilon`` rounded
-    once to float32), which is what torchao's float64 ``clamp(amax, 1e-12)`` does; so
+    ``epsilon`` is applied as torchao applies its float64 ``clamp(amax, 1e-12)``: ``amax < epsilon`` compared
+    exactly, and then ``fmt.max / epsilon`` divided in float64 and rounded to float32 (an overflow takes
+    ``value_for_inf`` like any other). TE's current scaling forwards no epsilon, so torchao is the backend whose
+    rule this follows; so
     ``current_scale(amax, fmt=..., epsilon=1e-12)`` equals ``torchao.float8.float8_utils.amax_to_scale``
     bit for bit on finite non-negative amax (torchao gives NaN for NaN amax and 0 for inf amax, where
     this function follows TE and gives 1.0).
@@ -186,7 +188,9 @@ def current_scale(
     valid = torch.isfinite(a) & (a > 0)
     if eps > 0.0:
         below = a < _float32_ceil(eps)  # exact "a < eps" since the threshold is float32-representable
-        scale = torch.where(below, f.max / eps, scale)
+        # float64 quotient -> float32: inf (not an error) where it is beyond float32's range
+        eps_scale = torch.tensor(f.max / eps, dtype=torch.float64).to(device=a.device, dtype=torch.float32)
+        scale = torch.where(below, eps_scale, scale)
         valid = valid | below
     if not (0.0 < value_for_inf <= FLOAT32_MAX):
         raise ValueError(f"value_for_inf={value_for_inf!r} must be a positive finite float32 value")
