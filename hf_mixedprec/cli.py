@@ -467,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch(sub)
     _add_simulate(sub)
     _add_finetune(sub)
+    _add_compare(sub)
     _add_report(sub)
     return p
 
@@ -653,6 +654,93 @@ def _add_finetune(sub: Any) -> None:
     )
     s.add_argument("--json", action="store_true", help="print the summary as JSON (the content of summary.json)")
     s.set_defaults(func=cmd_finetune)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from hf_mixedprec._stdio import quiet_progress_bars, stdout_to_stderr
+    from hf_mixedprec.compare import EXIT_FAILED, Criteria, run_compare
+
+    quiet_progress_bars()
+    crit = Criteria(
+        max_skip_rate=args.max_skip_rate, max_loss_delta_pct=args.max_loss_delta, allow_stop=args.allow_stop
+    )
+    with stdout_to_stderr():
+        result = run_compare(
+            [r for r in args.recipes.split(",")],
+            baseline=args.baseline,
+            model=args.model,
+            data=args.data,
+            text_field=args.text_field,
+            max_steps=args.max_steps,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            seed=args.seed,
+            eval_split=args.eval_split,
+            output_dir=args.output_dir,
+            criteria=crit,
+        )
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.markdown(), end="" if not args.json else "\n")
+    if not args.json:
+        print(f"\nwritten: {', '.join(result.files)}")
+    return 0 if result.passed else EXIT_FAILED
+
+
+def _add_compare(sub: Any) -> None:
+    from hf_mixedprec.compare import EXIT_FAILED, Criteria
+
+    d = Criteria()
+    s = sub.add_parser(
+        "compare",
+        help="train each recipe and an FP32 baseline from the same weights on the same batches; judge each recipe",
+        description="Train the baseline and each recipe from the same initial weights on the same batches in the same "
+        "order (recipes this machine cannot run are rehearsed), then compare: the loss gap per step and at the end, "
+        "per-layer gradient cosine and SQNR against FP32 on identical weights at sampled steps, skip rate, loss "
+        "scale, FP8 saturation/underflow, health events. Writes compare.json, compare.md, compare_loss.png and "
+        "compare_grad_sqnr.png into --output-dir and prints the table. Exit code 0 when every recipe passes, "
+        f"{EXIT_FAILED} when one fails (the reasons and what to change are printed), 2 for a mistake in the input.",
+    )
+    s.add_argument(
+        "--recipes", required=True, metavar="R1,R2,...", help="comma-separated built-in recipe names or YAML paths"
+    )
+    s.add_argument(
+        "--baseline", default="fp32", metavar="NAME|PATH", help="what each recipe is judged against (default fp32)"
+    )
+    s.add_argument("--model", metavar="DIR", help="a local save_pretrained causal-LM folder (default: a small Llama)")
+    s.add_argument("--data", metavar="PATH", help="training text, as for finetune (default: built-in prose)")
+    s.add_argument("--text-field", metavar="NAME", help="the column holding the text in --data (default: text)")
+    s.add_argument("--max-steps", type=int, default=40, metavar="N", help="optimizer steps per run (default 40)")
+    s.add_argument("--seq-len", type=int, default=128, metavar="N", help="tokens per packed block (default 128)")
+    s.add_argument("--batch-size", type=int, default=8, metavar="N", help="blocks per step (default 8)")
+    s.add_argument("--lr", type=float, help="AdamW learning rate, linear decay (default 1e-3; 5e-5 with --model)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order (default 0)")
+    s.add_argument(
+        "--eval-split",
+        type=float,
+        metavar="F",
+        help="fraction of blocks held out for the final eval loss (default 0.05 with the built-in data, 0 with --data:"
+        " then the mean train loss of the last tenth of the steps)",
+    )
+    s.add_argument(
+        "--output-dir", default="runs/compare", metavar="DIR", help="where the files go (default runs/compare)"
+    )
+    s.add_argument(
+        "--max-skip-rate",
+        type=float,
+        default=d.max_skip_rate,
+        metavar="F",
+        help=f"fail a recipe that skips more than this fraction of its steps (default {d.max_skip_rate:g})",
+    )
+    s.add_argument(
+        "--max-loss-delta",
+        type=float,
+        default=d.max_loss_delta_pct,
+        metavar="PCT",
+        help=f"fail a recipe whose final loss is more than PCT %% above the baseline's (default {d.max_loss_delta_pct:g})",
+    )
+    s.add_argument("--allow-stop", action="store_true", help="do not fail a recipe whose run a health reaction stopped")
+    s.add_argument("--json", action="store_true", help="print compare.json instead of the table")
+    s.set_defaults(func=cmd_compare)
 
 
 def _add_report(sub: Any) -> None:

@@ -1,0 +1,718 @@
+"""``hf-mixedprec compare``: train the same model on the same batches under each recipe and under an FP32 baseline,
+and judge each recipe against the baseline before a long run pays for the GPUs.
+
+Every run starts from the same initial weights (built once, loaded into each run's model) and sees the same
+batches in the same order (one seeded order for all; both are recorded as digests and checked). Recipes this
+machine cannot run are rehearsed, and the table says so. Per recipe it measures:
+
+- the trajectory: train loss gap to the baseline per step (absolute and relative), the final loss delta in %
+  (eval loss on held-out blocks when there are some, else the mean train loss of the last tenth of the steps) and
+  the perplexity;
+- gradient fidelity: at sampled steps, on the recipe run's current weights and one fixed batch, each layer's
+  gradient under the recipe against the FP32 gradient of the same weights (cosine similarity and SQNR in dB), so
+  the cause of a gap is located, not just seen;
+- numerics health: skip rate, FP16 loss-scale settling, per-layer FP8 saturation and underflow, health events;
+- cost: tokens/s and peak memory on a GPU; on a CPU the timings of emulated precisions mean nothing, and say so.
+
+A verdict per recipe follows from :class:`Criteria`; :data:`EXIT_FAILED` is the CLI's exit code when one fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_mixedprec.errors import HardwareRefusal, UsageError
+from hf_mixedprec.recipe import Recipe, load_recipe, resolve_recipe
+
+__all__ = [
+    "EXIT_FAILED",
+    "CompareResult",
+    "Criteria",
+    "LayerFidelity",
+    "RunResult",
+    "gradient_fidelity",
+    "run_compare",
+]
+
+#: ``hf-mixedprec compare`` exits with this code when at least one recipe fails its verdict.
+EXIT_FAILED = 4
+COMPARE_FILE = "compare.json"
+TABLE_FILE = "compare.md"
+
+
+@dataclass(frozen=True)
+class Criteria:
+    """What a recipe must do to pass (each a ``compare`` flag)."""
+
+    max_skip_rate: float = 0.05
+    """Largest fraction of optimizer steps skipped (overflow, non-finite)."""
+    max_loss_delta_pct: float = 1.0
+    """Largest final loss above the baseline's, in % of it (a recipe ending below the baseline passes)."""
+    allow_stop: bool = False
+    """Whether a health reaction that stopped the run is tolerated."""
+
+
+@dataclass(frozen=True)
+class LayerFidelity:
+    """One layer's gradient under a recipe against the FP32 gradient of the same weights and batch."""
+
+    cosine: float
+    sqnr_db: float
+
+
+@dataclass
+class RunResult:
+    """One run (the baseline or a recipe) and, for a recipe, how it compares with the baseline."""
+
+    recipe: str
+    precision: str
+    rehearsed: bool
+    init_digest: str
+    batch_digests: list[str]
+    train_loss: list[float]
+    eval_loss: float | None
+    final_loss: float
+    steps: int
+    skipped: int
+    loss_scale: list[float]
+    events: list[dict[str, Any]]
+    stopped: str | None
+    fp8_layers: dict[str, dict[str, float]]
+    fidelity: dict[int, dict[str, LayerFidelity]]
+    tokens_per_s: float
+    peak_memory_bytes: int | None
+    cost_note: str
+    notes: list[str] = field(default_factory=list)
+    loss_gap_abs: list[float] = field(default_factory=list)
+    loss_gap_rel: list[float] = field(default_factory=list)
+    final_delta_pct: float | None = None
+    verdict: str = "baseline"
+    reasons: list[str] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def skip_rate(self) -> float:
+        return self.skipped / self.steps if self.steps else 0.0
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(min(self.final_loss, 700.0))
+
+    @property
+    def loss_scale_settled(self) -> bool | None:
+        """FP16: no backoff in the second half of the run (None without a loss scale)."""
+        s = self.loss_scale
+        if not s:
+            return None
+        half = s[len(s) // 2 :]
+        return all(b >= a for a, b in itertools.pairwise(half))
+
+    def worst_fidelity(self) -> tuple[str, LayerFidelity] | None:
+        """The layer with the lowest gradient SQNR at the last sampled step."""
+        if not self.fidelity:
+            return None
+        last = self.fidelity[max(self.fidelity)]
+        return min(last.items(), key=lambda kv: kv[1].sqnr_db) if last else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["fidelity"] = {str(k): {n: asdict(f) for n, f in v.items()} for k, v in self.fidelity.items()}
+        d.update(skip_rate=self.skip_rate, perplexity=self.perplexity, loss_scale_settled=self.loss_scale_settled)
+        return _finite_json(d)
+
+
+@dataclass
+class CompareResult:
+    """The baseline, every recipe's result and the criteria they were judged by."""
+
+    baseline: RunResult
+    runs: list[RunResult]
+    criteria: Criteria
+    loss_metric: str
+    output_dir: Path | None = None
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.verdict == "pass" for r in self.runs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "loss_metric": self.loss_metric,
+            "criteria": asdict(self.criteria),
+            "baseline": self.baseline.to_dict(),
+            "runs": [r.to_dict() for r in self.runs],
+            "files": self.files,
+        }
+
+    def markdown(self) -> str:
+        """The comparison as a markdown table, then each failure's reasons and suggestions."""
+        return _markdown(self)
+
+
+def _finite_json(v: Any) -> Any:
+    """JSON has no inf/NaN: they become strings."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, dict):
+        return {k: _finite_json(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite_json(x) for x in v]
+    return v
+
+
+# -- gradient fidelity -------------------------------------------------------------------------------------------
+
+
+def _layer_of(param_name: str) -> str:
+    return param_name.removesuffix(".weight")
+
+
+def gradient_fidelity(
+    model: torch.nn.Module,
+    reference: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    *,
+    autocast: Any = None,
+    loss_scale: float = 1.0,
+) -> dict[str, LayerFidelity]:
+    """Per layer with a 2-D weight: ``model``'s gradient (under ``autocast``, the loss multiplied by
+    ``loss_scale`` and the gradient divided by it, as an FP16 step does) against ``reference``'s FP32 gradient of
+    the same weights (copied into it here) on the same batch. Neither model's ``.grad`` is touched; ``model`` runs
+    in eval mode (no FP8 history update, no dropout) and its FP8 statistics are left as they were."""
+    import contextlib
+
+    from hf_mixedprec.fp8 import iter_monitored
+
+    names = [n for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2]
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        ref_params = dict(reference.named_parameters())
+        missing = [n for n in names if n not in ref_params]
+        if missing:
+            raise ValueError(f"the reference model has no parameter {missing[0]!r}")
+        for n, p in params.items():
+            if n in ref_params:
+                ref_params[n].copy_(p.detach().to(torch.float32))
+    recording = [(m, m.record_stats) for _, m in iter_monitored(model)]
+    training = model.training
+    model.eval()
+    reference.eval()
+    try:
+        for m, _ in recording:
+            m.record_stats = False
+        with autocast if autocast is not None else contextlib.nullcontext():
+            loss = model(**batch).loss
+        grads = torch.autograd.grad(loss * loss_scale, [params[n] for n in names], allow_unused=True)
+        ref_loss = reference(**batch).loss
+        ref_grads = torch.autograd.grad(ref_loss, [ref_params[n] for n in names], allow_unused=True)
+    finally:
+        model.train(training)
+        for m, was in recording:
+            m.record_stats = was
+    out: dict[str, LayerFidelity] = {}
+    for n, g, r in zip(names, grads, ref_grads, strict=True):
+        if g is None or r is None:
+            continue
+        out[_layer_of(n)] = _fidelity(g.detach().double() / loss_scale, r.detach().double())
+    return out
+
+
+def _fidelity(g: torch.Tensor, r: torch.Tensor) -> LayerFidelity:
+    """Cosine similarity and SQNR (dB, signal = the FP32 gradient) of ``g`` against ``r`` (float64)."""
+    dot, gn, rn = float((g * r).sum()), float(g.norm()), float(r.norm())
+    cosine = dot / (gn * rn) if gn > 0 and rn > 0 else (1.0 if gn == rn == 0 else 0.0)
+    noise = float((g - r).pow(2).sum())
+    signal = float(r.pow(2).sum())
+    if not math.isfinite(noise):
+        return LayerFidelity(float("nan"), float("nan"))
+    sqnr = math.inf if noise == 0 else (10 * math.log10(signal / noise) if signal > 0 else -math.inf)
+    return LayerFidelity(cosine, sqnr)
+
+
+# -- one run ---------------------------------------------------------------------------------------------------
+
+
+def _digest(tensors: Any) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class _RecordingCollator:
+    """``default_data_collator`` that keeps a digest of each training batch, in the order they were made."""
+
+    def __init__(self) -> None:
+        self.digests: list[str] = []
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        from transformers import default_data_collator
+
+        batch = default_data_collator(features)
+        self.digests.append(_digest([batch["input_ids"]]))
+        return batch
+
+
+@dataclass
+class _Setup:
+    """What every run shares: data, tokenizer, initial weights, the fidelity batch and the run settings."""
+
+    prepared: Any
+    model_dir: str | None
+    init_state: dict[str, torch.Tensor]
+    probe_batch: dict[str, torch.Tensor]
+    fidelity_steps: list[int]
+    out: Path
+    max_steps: int
+    seq_len: int
+    batch_size: int
+    lr: float
+    seed: int
+
+
+def _fidelity_callback(setup: _Setup, results: dict[int, dict[str, LayerFidelity]]) -> Any:
+    from transformers import TrainerCallback
+
+    from hf_mixedprec.finetune import build_model
+
+    class Fidelity(TrainerCallback):
+        """At the sampled steps, after the optimizer step: the gradient of the current weights vs FP32."""
+
+        reference: Any = None
+
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            if state.global_step not in setup.fidelity_steps or model is None:
+                return
+            from hf_mixedprec.integrations.trainer import runtime_of
+
+            if self.reference is None:
+                self.reference, _ = build_model(
+                    setup.model_dir, setup.prepared.tokenizer, seq_len=setup.seq_len, seed=setup.seed
+                )
+            rt = runtime_of(model)
+            scale = rt.amp.device_scale() if rt is not None else None
+            device = next(model.parameters()).device
+            self.reference.to(device)
+            batch = {k: v.to(device) for k, v in setup.probe_batch.items()}
+            results[state.global_step] = gradient_fidelity(
+                model,
+                self.reference,
+                batch,
+                autocast=rt.autocast() if rt is not None else None,
+                loss_scale=float(scale) if scale is not None else 1.0,
+            )
+
+    return Fidelity()
+
+
+def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool) -> RunResult:
+    from transformers import PrinterCallback, Trainer
+
+    from hf_mixedprec.finetune import _peak_memory, build_model
+    from hf_mixedprec.integrations.trainer import runtime_of
+
+    targs = rec.training_args(
+        output_dir=str(setup.out / "runs" / rec.name),
+        max_steps=setup.max_steps,
+        per_device_train_batch_size=setup.batch_size,
+        per_device_eval_batch_size=setup.batch_size,
+        learning_rate=setup.lr,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=setup.seed,
+        disable_tqdm=True,
+        logging_nan_inf_filter=False,
+        dataloader_pin_memory=torch.cuda.is_available(),
+    )
+    model, _ = build_model(setup.model_dir, setup.prepared.tokenizer, seq_len=setup.seq_len, seed=setup.seed)
+    model.load_state_dict(setup.init_state)
+    init_digest = _digest(model.state_dict().values())
+    collator = _RecordingCollator()
+    fidelity: dict[int, dict[str, LayerFidelity]] = {}
+    tr = Trainer(
+        model=model,
+        args=targs,
+        train_dataset=setup.prepared.train_ds,
+        data_collator=collator,
+        processing_class=setup.prepared.tokenizer,
+        callbacks=[*rec.callbacks(), _fidelity_callback(setup, fidelity)],
+    )
+    tr.remove_callback(PrinterCallback)
+    device = tr.args.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    tr.train()
+    seconds = time.perf_counter() - t0
+    batches = list(collator.digests[: tr.state.global_step])
+    rt = runtime_of(tr)
+    eval_loss = None
+    if setup.prepared.eval_ds is not None and rt is not None and not rt.stop_requested:
+        eval_loss = float(tr.evaluate(setup.prepared.eval_ds)["eval_loss"])
+    logs = tr.state.log_history
+    train_loss = [float(r["loss"]) for r in logs if "loss" in r and "step" in r]
+    tail = train_loss[-max(1, len(train_loss) // 10) :]
+    final = eval_loss if eval_loss is not None else (sum(tail) / len(tail) if tail else math.nan)
+    steps = tr.state.global_step
+    tokens = steps * setup.batch_size * setup.seq_len * tr.args.world_size
+    peak, _ = _peak_memory(device)
+    emulated = rehearsed or (rec.precision == "fp8" and device.type != "cuda")
+    if device.type != "cuda":
+        cost = "CPU: timings compare nothing (no tensor cores" + ("; FP8/FP16 emulated)" if emulated else ")")
+    else:
+        cost = "GPU" + (" (rehearsed: emulation, not the recipe's speed)" if rehearsed else "")
+    return RunResult(
+        recipe=rec.name,
+        precision=rec.precision,
+        rehearsed=rehearsed,
+        init_digest=init_digest,
+        batch_digests=batches,
+        train_loss=train_loss,
+        eval_loss=eval_loss,
+        final_loss=final,
+        steps=steps,
+        skipped=rt.amp.skipped_count() if rt is not None else 0,
+        loss_scale=[float(r["mp/loss_scale"]) for r in logs if "mp/loss_scale" in r],
+        events=list(rt.events) if rt is not None else [],
+        stopped=rt.stop_requested if rt is not None else None,
+        fp8_layers=_fp8_layers(logs),
+        fidelity=fidelity,
+        tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+        peak_memory_bytes=int(peak) if device.type == "cuda" else None,
+        cost_note=cost,
+        notes=list(rt.notes) if rt is not None else [],
+    )
+
+
+def _fp8_layers(logs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per FP8 layer, the worst saturation and underflow logged over the run."""
+    out: dict[str, dict[str, float]] = {}
+    for row in logs:
+        for key, v in row.items():
+            if not key.startswith("mp/fp8/"):
+                continue
+            layer, _, metric = key[len("mp/fp8/") :].rpartition("/")
+            if metric in ("saturation", "underflow"):
+                d = out.setdefault(layer, {"saturation": 0.0, "underflow": 0.0})
+                d[metric] = max(d[metric], float(v))
+    return out
+
+
+# -- judging against the baseline --------------------------------------------------------------------------------
+
+
+def _judge(run: RunResult, base: RunResult, crit: Criteria) -> None:
+    """Fill ``run``'s gaps to ``base``, its verdict, the reasons for a failure and what to change."""
+    n = min(len(run.train_loss), len(base.train_loss))
+    run.loss_gap_abs = [run.train_loss[i] - base.train_loss[i] for i in range(n)]
+    run.loss_gap_rel = [
+        g / base.train_loss[i] if base.train_loss[i] else math.nan for i, g in enumerate(run.loss_gap_abs)
+    ]
+    if math.isfinite(run.final_loss) and math.isfinite(base.final_loss) and base.final_loss:
+        run.final_delta_pct = 100.0 * (run.final_loss - base.final_loss) / base.final_loss
+    reasons: list[str] = []
+    if run.skip_rate > crit.max_skip_rate:
+        reasons.append(
+            f"skip rate {run.skip_rate:.1%} ({run.skipped} of {run.steps} steps) is above {crit.max_skip_rate:.1%}"
+        )
+    if run.final_delta_pct is None:
+        reasons.append(f"the final loss is {run.final_loss} (not finite)")
+    elif run.final_delta_pct > crit.max_loss_delta_pct:
+        reasons.append(
+            f"final loss {run.final_loss:.4f} is {run.final_delta_pct:+.2f}% from the baseline's "
+            f"{base.final_loss:.4f} (allowed: up to +{crit.max_loss_delta_pct:g}%)"
+        )
+    if run.stopped and not crit.allow_stop:
+        reasons.append(f"a health reaction stopped the run: {run.stopped}")
+    run.reasons = reasons
+    run.verdict = "fail" if reasons else "pass"
+    run.suggestions = _suggestions(run) if reasons else []
+
+
+def _suggestions(run: RunResult) -> list[str]:
+    """What to change, from what went wrong (the precision, the loss scale, the weakest layers)."""
+    out: list[str] = []
+    if run.precision == "fp16":
+        settled = run.loss_scale_settled
+        if run.skip_rate > 0 or settled is False:
+            out.append(
+                "FP16 loss scaling is struggling (skips or a scale still backing off): train in BF16 (a100-bf16 "
+                "on Ampere or later, cpu-bf16 on CPU) if the hardware has it"
+            )
+        if run.loss_scale and max(run.loss_scale) < 2.0**10:
+            out.append(
+                f"the loss scale stayed at {max(run.loss_scale):g} or below, so small gradients flush to zero in FP16: "
+                "use the default loss_scale (init_scale 65536, growth_interval 2000)"
+            )
+    worst = run.worst_fidelity()
+    if run.precision == "fp8":
+        weak = sorted(run.fidelity[max(run.fidelity)].items(), key=lambda kv: kv[1].sqnr_db)[:3] if worst else []
+        if weak:
+            patterns = ", ".join(f"'{name}'" for name, _ in weak)
+            out.append(f"keep the layers with the lowest gradient SQNR in BF16: fp8.keep_in_bf16: [{patterns}]")
+        out.append(f"see each layer's FP8 numerics: hf-mixedprec simulate --recipe {run.recipe}")
+        out.append("or use a BF16 recipe (a100-bf16) for this model")
+    elif worst is not None and run.precision != "fp32":
+        name, f = worst
+        out.append(f"the weakest gradient is {name} (SQNR {f.sqnr_db:.1f} dB, cosine {f.cosine:.4f})")
+    return out
+
+
+# -- the command ------------------------------------------------------------------------------------------------
+
+
+def _sample_fp8(rec: Recipe, every: int) -> Recipe:
+    """FP8 statistics at least every ``every`` steps, so that a short comparison sees them (said on stderr)."""
+    cur = rec.health.fp8_sample_every
+    if rec.precision != "fp8" or not rec.health.enabled or (cur and cur <= every):
+        return rec
+    print(f"compare: {rec.name}: FP8 statistics sampled every {every} steps (the recipe says {cur})", file=sys.stderr)
+    return rec.model_copy(update={"health": rec.health.model_copy(update={"fp8_sample_every": every})})
+
+
+def _load(name: str, baseline: bool) -> tuple[Recipe, bool]:
+    """The recipe ``name`` (``fp32`` as a baseline is plain FP32 training), rehearsed where this machine cannot
+    run it; and whether it is rehearsed."""
+    if name == "fp32":
+        return resolve_recipe({"name": "fp32", "precision": "fp32"}), False
+    try:
+        return load_recipe(name), False
+    except HardwareRefusal:
+        return load_recipe(name, rehearse=True), True
+
+
+def _check_args(
+    recipes: Sequence[str],
+    max_steps: int,
+    batch_size: int,
+    seq_len: int,
+    crit: Criteria,
+    eval_split: float | None,
+    model: str | None,
+    data: str | None,
+) -> None:
+    from hf_mixedprec.finetune import _check_numbers, check_data_path, check_model_dir
+
+    if not recipes or any(not r.strip() for r in recipes):
+        raise UsageError(
+            f"--recipes: {','.join(recipes)!r} must list at least one recipe, comma-separated (allowed: built-in "
+            "names, YAML paths, e.g. a100-bf16,v100-fp16)"
+        )
+    _check_numbers(**{"max-steps": (max_steps, 1), "batch-size": (batch_size, 1), "seq-len": (seq_len, 2)})
+    if not 0 <= crit.max_skip_rate <= 1:
+        raise UsageError(f"--max-skip-rate: {crit.max_skip_rate} is not a fraction (allowed: 0 to 1)")
+    if not (crit.max_loss_delta_pct >= 0 and math.isfinite(crit.max_loss_delta_pct)):
+        raise UsageError(f"--max-loss-delta: {crit.max_loss_delta_pct} (allowed: a percentage >= 0)")
+    if eval_split is not None and not (isinstance(eval_split, (int, float)) and 0 <= eval_split < 0.5):
+        raise UsageError(f"--eval-split: {eval_split} is out of range (allowed: 0 <= F < 0.5)")
+    if model is not None:
+        check_model_dir(model)
+    if data is not None:
+        check_data_path(data)
+
+
+def run_compare(
+    recipes: Sequence[str],
+    *,
+    baseline: str = "fp32",
+    model: str | None = None,
+    data: str | None = None,
+    text_field: str | None = None,
+    max_steps: int = 40,
+    seq_len: int = 128,
+    batch_size: int = 8,
+    lr: float | None = None,
+    seed: int = 0,
+    eval_split: float | None = None,
+    output_dir: str | Path = "runs/compare",
+    criteria: Criteria | None = None,
+    fidelity_points: int = 4,
+) -> CompareResult:
+    """Train the baseline and each recipe from the same weights on the same batches; judge each recipe.
+
+    Writes ``compare.json``, ``compare.md`` and the plots into ``output_dir``. ``eval_split``: the fraction of
+    blocks held out for the final loss (default 0.05 with the built-in data, 0 with ``data``, when the mean train
+    loss of the last tenth of the steps is the final loss). ``fidelity_points``: how many steps (spread over the
+    run, the first included) measure per-layer gradient fidelity.
+    """
+    from hf_mixedprec.finetune import DEFAULTS, _prepare_data, build_model
+
+    crit = criteria or Criteria()
+    _check_args(recipes, max_steps, batch_size, seq_len, crit, eval_split, model, data)
+    loaded = [_load(r.strip(), False) for r in recipes]
+    loaded = [(_sample_fp8(rec, max(1, max_steps // 10)), rehearsed) for rec, rehearsed in loaded]
+    base_recipe, base_rehearsed = _load(baseline, True)
+    if eval_split is None:
+        eval_split = DEFAULTS["eval_split"] if data is None else 0.0
+    prepared = _prepare_data(data, text_field, model, seq_len, eval_split)
+    net, _ = build_model(model, prepared.tokenizer, seq_len=seq_len, seed=seed)
+    init_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    del net
+    probe = prepared.eval_ds if prepared.eval_ds is not None else prepared.train_ds
+    rows = [probe[i] for i in range(min(batch_size, len(probe)))]
+    probe_batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    k = max(1, fidelity_points)
+    steps = sorted({1, *(max(1, round(max_steps * (i + 1) / k)) for i in range(k))})
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    setup = _Setup(
+        prepared=prepared,
+        model_dir=model,
+        init_state=init_state,
+        probe_batch=probe_batch,
+        fidelity_steps=steps,
+        out=out,
+        max_steps=max_steps,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        lr=lr if lr is not None else (DEFAULTS["lr"] if model is None else DEFAULTS["lr_pretrained"]),
+        seed=seed,
+    )
+    base = _train_one(base_recipe, setup, rehearsed=base_rehearsed)
+    runs = []
+    for rec, rehearsed in loaded:
+        _reset_accelerate()
+        run = _train_one(rec, setup, rehearsed=rehearsed)
+        _check_same_start(run, base)
+        _judge(run, base, crit)
+        runs.append(run)
+    metric = "eval loss" if prepared.eval_ds is not None else "mean train loss of the last tenth of the steps"
+    result = CompareResult(base, runs, crit, metric, out)
+    _write(result)
+    return result
+
+
+def _reset_accelerate() -> None:
+    """Each run builds its own Accelerator: forget the previous run's mixed-precision state."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _check_same_start(run: RunResult, base: RunResult) -> None:
+    """Same initial weights and the same batches in the same order as the baseline, or the comparison is void."""
+    if run.init_digest != base.init_digest:
+        raise RuntimeError(f"{run.recipe}: its initial weights differ from the baseline's (a bug: please report it)")
+    n = min(len(run.batch_digests), len(base.batch_digests))
+    if run.batch_digests[:n] != base.batch_digests[:n]:
+        raise RuntimeError(f"{run.recipe}: its batches differ from the baseline's (a bug: please report it)")
+
+
+# -- output -----------------------------------------------------------------------------------------------------
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def _markdown(res: CompareResult) -> str:
+    head = (
+        "| recipe | run | final loss | vs baseline | perplexity | skip rate | loss scale | worst FP8 layer "
+        "(saturation / underflow) | weakest gradient (SQNR, cosine) | events | verdict |"
+    )
+    lines = [head, "| " + " | ".join(["---"] * 11) + " |"]
+    for r in [res.baseline, *res.runs]:
+        fp8 = "-"
+        if r.fp8_layers:
+            name, d = max(r.fp8_layers.items(), key=lambda kv: (kv[1]["saturation"], kv[1]["underflow"]))
+            fp8 = f"{name} ({d['saturation']:.2%} / {d['underflow']:.2%})"
+        w = r.worst_fidelity()
+        weak = "-" if w is None else f"{w[0]} ({w[1].sqnr_db:.1f} dB, {w[1].cosine:.4f})"
+        scale = "-"
+        if r.loss_scale:
+            scale = f"{r.loss_scale[-1]:g} ({'settled' if r.loss_scale_settled else 'backing off'})"
+        delta = "baseline" if r is res.baseline else f"{_fmt(r.final_delta_pct, '+.2f')}%"
+        kind = "rehearsed" if r.rehearsed else "native"
+        lines.append(
+            f"| {r.recipe} | {kind} | {_fmt(r.final_loss, '.4f')} | {delta} | {_fmt(r.perplexity, '.1f')} | "
+            f"{r.skip_rate:.1%} | {scale} | {fp8} | {weak} | {len(r.events)} | {r.verdict.upper()} |"
+        )
+    lines.append("")
+    lines.append(
+        f"Final loss: {res.loss_metric}. Criteria: skip rate <= {res.criteria.max_skip_rate:.0%}, final loss at most "
+        f"{res.criteria.max_loss_delta_pct:g}% above the baseline's, "
+        f"{'a health stop tolerated' if res.criteria.allow_stop else 'no health stop'}."
+    )
+    for r in res.runs:
+        if r.reasons:
+            lines.append("")
+            lines.append(f"**{r.recipe}: FAIL**")
+            lines += [f"- {x}" for x in r.reasons]
+            lines += [f"- try: {x}" for x in r.suggestions]
+    notes = sorted({r.cost_note for r in [res.baseline, *res.runs]})
+    lines.append("")
+    lines.append("Cost: " + "; ".join(notes))
+    return "\n".join(lines) + "\n"
+
+
+def _write(res: CompareResult) -> None:
+    out = res.output_dir
+    assert out is not None
+    files = [out / COMPARE_FILE, out / TABLE_FILE]
+    files[1].write_text(res.markdown())
+    files += _plots(res, out)
+    res.files = [str(p) for p in files]
+    files[0].write_text(json.dumps(res.to_dict(), indent=2))
+
+
+def _plots(res: CompareResult, out: Path) -> list[Path]:
+    """``compare_loss.png`` (every run's train loss over the baseline's) and ``compare_grad_sqnr.png`` (each
+    layer's gradient SQNR against FP32 at the last sampled step, per recipe)."""
+    from hf_mixedprec._optional import require
+
+    matplotlib = require("matplotlib", "finetune", "the comparison plots")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    fig, (ax, gap) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2))
+    for r in [res.baseline, *res.runs]:
+        style = {"color": "black", "linewidth": 2.2} if r is res.baseline else {"linewidth": 1.2}
+        label = f"{r.recipe} (baseline)" if r is res.baseline else r.recipe
+        ax.plot(range(1, len(r.train_loss) + 1), r.train_loss, label=label, **style)
+        if r is not res.baseline:
+            gap.plot(range(1, len(r.loss_gap_abs) + 1), r.loss_gap_abs, label=r.recipe, linewidth=1.2)
+    gap.axhline(0.0, color="black", linewidth=1.0)
+    ax.set_ylabel("train loss")
+    gap.set_ylabel(f"loss - {res.baseline.recipe}")
+    gap.set_xlabel("optimizer step")
+    for a in (ax, gap):
+        a.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "compare_loss.png", dpi=100)
+    plt.close(fig)
+    written.append(out / "compare_loss.png")
+    runs = [r for r in res.runs if r.fidelity and r.precision != "fp32"]
+    if runs:
+        layers = list(runs[0].fidelity[max(runs[0].fidelity)])
+        fig, ax = plt.subplots(figsize=(8, 0.22 * len(layers) + 1.6))
+        for j, r in enumerate(runs):
+            last = r.fidelity[max(r.fidelity)]
+            vals = [min(last[n].sqnr_db, 99.0) if n in last else math.nan for n in layers]
+            ax.scatter(vals, range(len(layers)), s=14, label=r.recipe, marker="os^dv"[j % 5])
+        ax.set_yticks(range(len(layers)))
+        ax.set_yticklabels(layers, fontsize=6)
+        ax.invert_yaxis()
+        ax.set_xlabel(f"gradient SQNR vs FP32 (dB, step {max(runs[0].fidelity)}; higher is better)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "compare_grad_sqnr.png", dpi=100)
+        plt.close(fig)
+        written.append(out / "compare_grad_sqnr.png")
+    return written
