@@ -318,7 +318,8 @@ def _fidelity_callback(setup: _Setup, results: dict[int, dict[str, LayerFidelity
     return Fidelity()
 
 
-def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool) -> RunResult:
+def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = True) -> RunResult:
+    """One run; ``measure=False`` skips the gradient-fidelity samples of an FP32 run (the baseline itself)."""
     from transformers import PrinterCallback, Trainer
 
     from hf_mixedprec.finetune import _peak_memory, build_model
@@ -349,7 +350,10 @@ def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool) -> RunResult:
         train_dataset=setup.prepared.train_ds,
         data_collator=collator,
         processing_class=setup.prepared.tokenizer,
-        callbacks=[*rec.callbacks(), _fidelity_callback(setup, fidelity)],
+        callbacks=[
+            *rec.callbacks(),
+            *([_fidelity_callback(setup, fidelity)] if rec.precision != "fp32" or measure else []),
+        ],
     )
     tr.remove_callback(PrinterCallback)
     device = tr.args.device
@@ -582,7 +586,7 @@ def run_compare(
         lr=lr if lr is not None else (DEFAULTS["lr"] if model is None else DEFAULTS["lr_pretrained"]),
         seed=seed,
     )
-    base = _train_one(base_recipe, setup, rehearsed=base_rehearsed)
+    base = _train_one(base_recipe, setup, rehearsed=base_rehearsed, measure=False)
     runs = []
     for rec, rehearsed in loaded:
         _reset_accelerate()
@@ -619,6 +623,16 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
+def _events(events: list[dict[str, Any]]) -> str:
+    """``"7 (fp8_sqnr x5, fp8_underflow x2)"``: how many health events, by detector."""
+    if not events:
+        return "0"
+    counts: dict[str, int] = {}
+    for e in events:
+        counts[e.get("detector", "?")] = counts.get(e.get("detector", "?"), 0) + 1
+    return f"{len(events)} (" + ", ".join(f"{d} x{n}" for d, n in sorted(counts.items())) + ")"
+
+
 def _markdown(res: CompareResult) -> str:
     head = (
         "| recipe | run | final loss | vs baseline | perplexity | skip rate | loss scale | worst FP8 layer "
@@ -639,7 +653,7 @@ def _markdown(res: CompareResult) -> str:
         kind = "rehearsed" if r.rehearsed else "native"
         lines.append(
             f"| {r.recipe} | {kind} | {_fmt(r.final_loss, '.4f')} | {delta} | {_fmt(r.perplexity, '.1f')} | "
-            f"{r.skip_rate:.1%} | {scale} | {fp8} | {weak} | {len(r.events)} | {r.verdict.upper()} |"
+            f"{r.skip_rate:.1%} | {scale} | {fp8} | {weak} | {_events(r.events)} | {r.verdict.upper()} |"
         )
     lines.append("")
     lines.append(

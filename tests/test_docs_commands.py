@@ -1,5 +1,5 @@
 """The commands in the user docs exist: every `hf-mixedprec SUBCOMMAND --flag` in a ```bash block of
-docs/{quickstart,health,troubleshooting,scaling_out,fp8_backends}.md is a real subcommand with real flags (checked against
+docs/{quickstart,health,troubleshooting,scaling_out,fp8_backends,compare}.md is a real subcommand with real flags (checked against
 the `--help` text and parsed with the CLI's own parser, never run), every `python scripts/X.py --flag` uses
 flags from the script's parser, and the cheap commands (recipe validation, `launch --dry-run`) are run for real.
 
