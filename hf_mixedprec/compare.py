@@ -42,6 +42,7 @@ __all__ = [
     "LayerFidelity",
     "RunResult",
     "gradient_fidelity",
+    "held_out_loss",
     "run_compare",
 ]
 
@@ -94,8 +95,12 @@ class RunResult:
     peak_memory_bytes: int | None
     cost_note: str
     notes: list[str] = field(default_factory=list)
+    eval_curve: dict[int, float] = field(default_factory=dict)
+    """Held-out loss at the sampled steps (with an eval split)."""
     loss_gap_abs: list[float] = field(default_factory=list)
     loss_gap_rel: list[float] = field(default_factory=list)
+    eval_gap_abs: dict[int, float] = field(default_factory=dict)
+    eval_gap_rel: dict[int, float] = field(default_factory=dict)
     final_delta_pct: float | None = None
     verdict: str = "baseline"
     reasons: list[str] = field(default_factory=list)
@@ -128,6 +133,8 @@ class RunResult:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["fidelity"] = {str(k): {n: asdict(f) for n, f in v.items()} for k, v in self.fidelity.items()}
+        for key in ("eval_curve", "eval_gap_abs", "eval_gap_rel"):
+            d[key] = {str(k): v for k, v in getattr(self, key).items()}
         d.update(skip_rate=self.skip_rate, perplexity=self.perplexity, loss_scale_settled=self.loss_scale_settled)
         return _finite_json(d)
 
@@ -318,6 +325,52 @@ def _fidelity_callback(setup: _Setup, results: dict[int, dict[str, LayerFidelity
     return Fidelity()
 
 
+def held_out_loss(model: torch.nn.Module, blocks: Any, batch_size: int, autocast: Any = None) -> float:
+    """Mean loss over the held-out blocks, in eval mode, without gradients and without FP8 statistics."""
+    import contextlib
+
+    from hf_mixedprec.fp8 import iter_monitored
+
+    recording = [(m, m.record_stats) for _, m in iter_monitored(model)]
+    training = model.training
+    device = next(model.parameters()).device
+    total, n = 0.0, 0
+    model.eval()
+    try:
+        for m, _ in recording:
+            m.record_stats = False
+        with torch.no_grad(), autocast if autocast is not None else contextlib.nullcontext():
+            for i in range(0, len(blocks), batch_size):
+                ids = torch.stack([blocks[j]["input_ids"] for j in range(i, min(i + batch_size, len(blocks)))])
+                ids = ids.to(device)
+                total += float(model(input_ids=ids, labels=ids).loss) * len(ids)
+                n += len(ids)
+    finally:
+        model.train(training)
+        for m, was in recording:
+            m.record_stats = was
+    return total / max(n, 1)
+
+
+def _eval_callback(setup: _Setup, curve: dict[int, float]) -> Any:
+    from transformers import TrainerCallback
+
+    class EvalCurve(TrainerCallback):
+        """At the sampled steps: the held-out loss of the current weights, under the recipe's autocast."""
+
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            if state.global_step not in setup.fidelity_steps or model is None:
+                return
+            from hf_mixedprec.integrations.trainer import runtime_of
+
+            rt = runtime_of(model)
+            curve[state.global_step] = held_out_loss(
+                model, setup.prepared.eval_ds, setup.batch_size, rt.autocast() if rt is not None else None
+            )
+
+    return EvalCurve()
+
+
 def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = True) -> RunResult:
     """One run; ``measure=False`` skips the gradient-fidelity samples of an FP32 run (the baseline itself)."""
     from transformers import PrinterCallback, Trainer
@@ -344,16 +397,17 @@ def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = T
     init_digest = _digest(model.state_dict().values())
     collator = _RecordingCollator()
     fidelity: dict[int, dict[str, LayerFidelity]] = {}
+    curve: dict[int, float] = {}
+    extra = [_fidelity_callback(setup, fidelity)] if rec.precision != "fp32" or measure else []
+    if setup.prepared.eval_ds is not None:
+        extra.append(_eval_callback(setup, curve))
     tr = Trainer(
         model=model,
         args=targs,
         train_dataset=setup.prepared.train_ds,
         data_collator=collator,
         processing_class=setup.prepared.tokenizer,
-        callbacks=[
-            *rec.callbacks(),
-            *([_fidelity_callback(setup, fidelity)] if rec.precision != "fp32" or measure else []),
-        ],
+        callbacks=[*rec.callbacks(), *extra],
     )
     tr.remove_callback(PrinterCallback)
     device = tr.args.device
@@ -399,6 +453,7 @@ def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = T
         peak_memory_bytes=int(peak) if device.type == "cuda" else None,
         cost_note=cost,
         notes=list(rt.notes) if rt is not None else [],
+        eval_curve=curve,
     )
 
 
@@ -426,6 +481,12 @@ def _judge(run: RunResult, base: RunResult, crit: Criteria) -> None:
     run.loss_gap_rel = [
         g / base.train_loss[i] if base.train_loss[i] else math.nan for i, g in enumerate(run.loss_gap_abs)
     ]
+    for step, loss in run.eval_curve.items():
+        if step in base.eval_curve:
+            run.eval_gap_abs[step] = loss - base.eval_curve[step]
+            run.eval_gap_rel[step] = (
+                run.eval_gap_abs[step] / base.eval_curve[step] if base.eval_curve[step] else math.nan
+            )
     if math.isfinite(run.final_loss) and math.isfinite(base.final_loss) and base.final_loss:
         run.final_delta_pct = 100.0 * (run.final_loss - base.final_loss) / base.final_loss
     reasons: list[str] = []
@@ -667,9 +728,15 @@ def _markdown(res: CompareResult) -> str:
             lines.append(f"**{r.recipe}: FAIL**")
             lines += [f"- {x}" for x in r.reasons]
             lines += [f"- try: {x}" for x in r.suggestions]
-    notes = sorted({r.cost_note for r in [res.baseline, *res.runs]})
     lines.append("")
-    lines.append("Cost: " + "; ".join(notes))
+    every = [res.baseline, *res.runs]
+    if any(r.peak_memory_bytes is not None for r in every):  # on a GPU: what each precision costs
+        lines.append("Cost on this GPU:")
+        for r in every:
+            peak = "-" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 2**30:.2f} GiB"
+            lines.append(f"- {r.recipe}: {r.tokens_per_s:,.0f} tokens/s, peak memory {peak} ({r.cost_note})")
+    else:
+        lines.append("Cost: " + "; ".join(sorted({r.cost_note for r in every})))
     return "\n".join(lines) + "\n"
 
 

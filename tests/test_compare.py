@@ -36,6 +36,9 @@ def test_a_recipe_compared_with_itself_has_zero_gap_and_the_same_start_and_batch
     for layers in same.fidelity.values():
         assert len(layers) == 30  # 28 Linears, embeddings and lm_head of the small Llama
         assert all(f.cosine == pytest.approx(1.0, abs=1e-12) and f.sqnr_db == math.inf for f in layers.values())
+    # held-out loss at the sampled steps, the same for both FP32 runs; the last one is the final eval loss
+    assert sorted(same.eval_curve) == [1, 2, 4] and same.eval_gap_abs == {1: 0.0, 2: 0.0, 4: 0.0}
+    assert base.eval_curve[4] == pytest.approx(base.eval_loss, rel=1e-5)
     # BF16 differs, a little
     assert any(g != 0.0 for g in bf16.loss_gap_abs)
     assert all(0.99 < f.cosine < 1.0 and 15 < f.sqnr_db < 80 for f in bf16.fidelity[4].values())
