@@ -371,14 +371,9 @@ def _eval_callback(setup: _Setup, curve: dict[int, float]) -> Any:
     return EvalCurve()
 
 
-def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = True) -> RunResult:
-    """One run; ``measure=False`` skips the gradient-fidelity samples of an FP32 run (the baseline itself)."""
-    from transformers import PrinterCallback, Trainer
-
-    from hf_mixedprec.finetune import _peak_memory, build_model
-    from hf_mixedprec.integrations.trainer import runtime_of
-
-    targs = rec.training_args(
+def _training_args(rec: Recipe, setup: _Setup) -> Any:
+    """The same Trainer settings for every run: only the recipe's own flags differ."""
+    return rec.training_args(
         output_dir=str(setup.out / "runs" / rec.name),
         max_steps=setup.max_steps,
         per_device_train_batch_size=setup.batch_size,
@@ -392,6 +387,23 @@ def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = T
         logging_nan_inf_filter=False,
         dataloader_pin_memory=torch.cuda.is_available(),
     )
+
+
+def _cost_note(rec: Recipe, device: torch.device, rehearsed: bool) -> str:
+    if device.type != "cuda":
+        emulated = rehearsed or rec.precision == "fp8"
+        return "CPU: timings compare nothing (no tensor cores" + ("; FP8/FP16 emulated)" if emulated else ")")
+    return "GPU" + (" (rehearsed: emulation, not the recipe's speed)" if rehearsed else "")
+
+
+def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = True) -> RunResult:
+    """One run; ``measure=False`` skips the gradient-fidelity samples of an FP32 run (the baseline itself)."""
+    from transformers import PrinterCallback, Trainer
+
+    from hf_mixedprec.finetune import _peak_memory, build_model
+    from hf_mixedprec.integrations.trainer import runtime_of
+
+    targs = _training_args(rec, setup)
     model, _ = build_model(setup.model_dir, setup.prepared.tokenizer, seq_len=setup.seq_len, seed=setup.seed)
     model.load_state_dict(setup.init_state)
     init_digest = _digest(model.state_dict().values())
@@ -428,11 +440,7 @@ def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = T
     steps = tr.state.global_step
     tokens = steps * setup.batch_size * setup.seq_len * tr.args.world_size
     peak, _ = _peak_memory(device)
-    emulated = rehearsed or (rec.precision == "fp8" and device.type != "cuda")
-    if device.type != "cuda":
-        cost = "CPU: timings compare nothing (no tensor cores" + ("; FP8/FP16 emulated)" if emulated else ")")
-    else:
-        cost = "GPU" + (" (rehearsed: emulation, not the recipe's speed)" if rehearsed else "")
+    cost = _cost_note(rec, device, rehearsed)
     return RunResult(
         recipe=rec.name,
         precision=rec.precision,
