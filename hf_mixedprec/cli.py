@@ -776,6 +776,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Tear down the process group a distributed run (``launch``) initialised, before the interpreter exits: left to
+    interpreter teardown, its communication threads can abort the process (``terminate called without an active
+    exception``) after the run has finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ blocks, then the model), so that a mistake costs seconds and prints nothing else
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
@@ -883,4 +884,13 @@ def format_summary(s: dict[str, Any]) -> str:
 if __name__ == "__main__":  # python -m hf_mixedprec.finetune ... (e.g. under torch.distributed.run -m)
     from hf_mixedprec.cli import main
 
-    sys.exit(main(["finetune", *sys.argv[1:]]))
+    code = main(["finetune", *sys.argv[1:]])
+    if "LOCAL_RANK" in os.environ:
+        # A rank of a launched run, its work written and its process group closed: end here. Interpreter teardown
+        # can abort the process afterwards (a native thread of the communication libraries still joinable:
+        # "terminate called without an active exception"), which the launcher would report as a failed rank.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
