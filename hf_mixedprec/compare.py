@@ -19,13 +19,14 @@ A verdict per recipe follows from :class:`Criteria`; :data:`EXIT_FAILED` is the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,25 @@ def _layer_of(param_name: str) -> str:
     return param_name.removesuffix(".weight")
 
 
+@contextlib.contextmanager
+def _measuring(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (no FP8 history update, no dropout) with its FP8 statistics off, both restored after:
+    a measurement that leaves the training run as it was."""
+    from hf_mixedprec.fp8 import iter_monitored
+
+    recording = [(m, m.record_stats) for _, m in iter_monitored(model)]
+    training = model.training
+    model.eval()
+    try:
+        for m, _ in recording:
+            m.record_stats = False
+        yield
+    finally:
+        model.train(training)
+        for m, was in recording:
+            m.record_stats = was
+
+
 def gradient_fidelity(
     model: torch.nn.Module,
     reference: torch.nn.Module,
@@ -199,10 +219,6 @@ def gradient_fidelity(
     ``loss_scale`` and the gradient divided by it, as an FP16 step does) against ``reference``'s FP32 gradient of
     the same weights (copied into it here) on the same batch. Neither model's ``.grad`` is touched; ``model`` runs
     in eval mode (no FP8 history update, no dropout) and its FP8 statistics are left as they were."""
-    import contextlib
-
-    from hf_mixedprec.fp8 import iter_monitored
-
     names = [n for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2]
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -213,22 +229,13 @@ def gradient_fidelity(
         for n, p in params.items():
             if n in ref_params:
                 ref_params[n].copy_(p.detach().to(torch.float32))
-    recording = [(m, m.record_stats) for _, m in iter_monitored(model)]
-    training = model.training
-    model.eval()
-    reference.eval()
-    try:
-        for m, _ in recording:
-            m.record_stats = False
+    with _measuring(model):
         with autocast if autocast is not None else contextlib.nullcontext():
             loss = model(**batch).loss
         grads = torch.autograd.grad(loss * loss_scale, [params[n] for n in names], allow_unused=True)
-        ref_loss = reference(**batch).loss
-        ref_grads = torch.autograd.grad(ref_loss, [ref_params[n] for n in names], allow_unused=True)
-    finally:
-        model.train(training)
-        for m, was in recording:
-            m.record_stats = was
+    reference.eval()
+    ref_loss = reference(**batch).loss
+    ref_grads = torch.autograd.grad(ref_loss, [ref_params[n] for n in names], allow_unused=True)
     out: dict[str, LayerFidelity] = {}
     for n, g, r in zip(names, grads, ref_grads, strict=True):
         if g is None or r is None:
@@ -290,85 +297,58 @@ class _Setup:
     seed: int
 
 
-def _fidelity_callback(setup: _Setup, results: dict[int, dict[str, LayerFidelity]]) -> Any:
+def held_out_loss(model: torch.nn.Module, blocks: Any, batch_size: int, autocast: Any = None) -> float:
+    """Mean loss over the held-out blocks, in eval mode, without gradients and without FP8 statistics."""
+    device = next(model.parameters()).device
+    total, n = 0.0, 0
+    with torch.no_grad(), _measuring(model), autocast if autocast is not None else contextlib.nullcontext():
+        for i in range(0, len(blocks), batch_size):
+            ids = torch.stack([blocks[j]["input_ids"] for j in range(i, min(i + batch_size, len(blocks)))])
+            ids = ids.to(device)
+            total += float(model(input_ids=ids, labels=ids).loss) * len(ids)
+            n += len(ids)
+    return total / max(n, 1)
+
+
+def _measure_callback(
+    setup: _Setup, fidelity: dict[int, dict[str, LayerFidelity]] | None, curve: dict[int, float] | None
+) -> Any:
+    """At the sampled steps, after the optimizer step, on the current weights: the per-layer gradient against FP32
+    into ``fidelity`` and the held-out loss into ``curve`` (each only when given)."""
     from transformers import TrainerCallback
 
     from hf_mixedprec.finetune import build_model
+    from hf_mixedprec.integrations.trainer import runtime_of
 
-    class Fidelity(TrainerCallback):
-        """At the sampled steps, after the optimizer step: the gradient of the current weights vs FP32."""
-
+    class Measure(TrainerCallback):
         reference: Any = None
 
         def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
             if state.global_step not in setup.fidelity_steps or model is None:
                 return
-            from hf_mixedprec.integrations.trainer import runtime_of
-
-            if self.reference is None:
-                self.reference, _ = build_model(
-                    setup.model_dir, setup.prepared.tokenizer, seq_len=setup.seq_len, seed=setup.seed
+            rt = runtime_of(model)
+            if fidelity is not None:
+                if self.reference is None:
+                    self.reference, _ = build_model(
+                        setup.model_dir, setup.prepared.tokenizer, seq_len=setup.seq_len, seed=setup.seed
+                    )
+                scale = rt.amp.device_scale() if rt is not None else None
+                device = next(model.parameters()).device
+                self.reference.to(device)
+                batch = {k: v.to(device) for k, v in setup.probe_batch.items()}
+                fidelity[state.global_step] = gradient_fidelity(
+                    model,
+                    self.reference,
+                    batch,
+                    autocast=rt.autocast() if rt is not None else None,
+                    loss_scale=float(scale) if scale is not None else 1.0,
                 )
-            rt = runtime_of(model)
-            scale = rt.amp.device_scale() if rt is not None else None
-            device = next(model.parameters()).device
-            self.reference.to(device)
-            batch = {k: v.to(device) for k, v in setup.probe_batch.items()}
-            results[state.global_step] = gradient_fidelity(
-                model,
-                self.reference,
-                batch,
-                autocast=rt.autocast() if rt is not None else None,
-                loss_scale=float(scale) if scale is not None else 1.0,
-            )
+            if curve is not None:
+                curve[state.global_step] = held_out_loss(
+                    model, setup.prepared.eval_ds, setup.batch_size, rt.autocast() if rt is not None else None
+                )
 
-    return Fidelity()
-
-
-def held_out_loss(model: torch.nn.Module, blocks: Any, batch_size: int, autocast: Any = None) -> float:
-    """Mean loss over the held-out blocks, in eval mode, without gradients and without FP8 statistics."""
-    import contextlib
-
-    from hf_mixedprec.fp8 import iter_monitored
-
-    recording = [(m, m.record_stats) for _, m in iter_monitored(model)]
-    training = model.training
-    device = next(model.parameters()).device
-    total, n = 0.0, 0
-    model.eval()
-    try:
-        for m, _ in recording:
-            m.record_stats = False
-        with torch.no_grad(), autocast if autocast is not None else contextlib.nullcontext():
-            for i in range(0, len(blocks), batch_size):
-                ids = torch.stack([blocks[j]["input_ids"] for j in range(i, min(i + batch_size, len(blocks)))])
-                ids = ids.to(device)
-                total += float(model(input_ids=ids, labels=ids).loss) * len(ids)
-                n += len(ids)
-    finally:
-        model.train(training)
-        for m, was in recording:
-            m.record_stats = was
-    return total / max(n, 1)
-
-
-def _eval_callback(setup: _Setup, curve: dict[int, float]) -> Any:
-    from transformers import TrainerCallback
-
-    class EvalCurve(TrainerCallback):
-        """At the sampled steps: the held-out loss of the current weights, under the recipe's autocast."""
-
-        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            if state.global_step not in setup.fidelity_steps or model is None:
-                return
-            from hf_mixedprec.integrations.trainer import runtime_of
-
-            rt = runtime_of(model)
-            curve[state.global_step] = held_out_loss(
-                model, setup.prepared.eval_ds, setup.batch_size, rt.autocast() if rt is not None else None
-            )
-
-    return EvalCurve()
+    return Measure()
 
 
 def _training_args(rec: Recipe, setup: _Setup) -> Any:
@@ -410,16 +390,18 @@ def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = T
     collator = _RecordingCollator()
     fidelity: dict[int, dict[str, LayerFidelity]] = {}
     curve: dict[int, float] = {}
-    extra = [_fidelity_callback(setup, fidelity)] if rec.precision != "fp32" or measure else []
-    if setup.prepared.eval_ds is not None:
-        extra.append(_eval_callback(setup, curve))
+    measure_cb = _measure_callback(
+        setup,
+        fidelity if rec.precision != "fp32" or measure else None,
+        curve if setup.prepared.eval_ds is not None else None,
+    )
     tr = Trainer(
         model=model,
         args=targs,
         train_dataset=setup.prepared.train_ds,
         data_collator=collator,
         processing_class=setup.prepared.tokenizer,
-        callbacks=[*rec.callbacks(), *extra],
+        callbacks=[*rec.callbacks(), measure_cb],
     )
     tr.remove_callback(PrinterCallback)
     device = tr.args.device
@@ -550,14 +532,18 @@ def _suggestions(run: RunResult) -> list[str]:
 
 def _sample_fp8(rec: Recipe, every: int) -> Recipe:
     """FP8 statistics at least every ``every`` steps, so that a short comparison sees them (said on stderr)."""
-    cur = rec.health.fp8_sample_every
-    if rec.precision != "fp8" or not rec.health.enabled or (cur and cur <= every):
-        return rec
-    print(f"compare: {rec.name}: FP8 statistics sampled every {every} steps (the recipe says {cur})", file=sys.stderr)
-    return rec.model_copy(update={"health": rec.health.model_copy(update={"fp8_sample_every": every})})
+    from hf_mixedprec.finetune import sample_fp8_at_least_every
+
+    lowered = sample_fp8_at_least_every(rec, every) if rec.health.enabled else rec
+    if lowered is not rec:
+        cur = rec.health.fp8_sample_every
+        print(
+            f"compare: {rec.name}: FP8 statistics sampled every {every} steps (the recipe says {cur})", file=sys.stderr
+        )
+    return lowered
 
 
-def _load(name: str, baseline: bool) -> tuple[Recipe, bool]:
+def _load(name: str) -> tuple[Recipe, bool]:
     """The recipe ``name`` (``fp32`` as a baseline is plain FP32 training), rehearsed where this machine cannot
     run it; and whether it is rehearsed."""
     if name == "fp32":
@@ -578,7 +564,7 @@ def _check_args(
     model: str | None,
     data: str | None,
 ) -> None:
-    from hf_mixedprec.finetune import _check_numbers, check_data_path, check_model_dir
+    from hf_mixedprec.finetune import _check_numbers, check_data_path, check_eval_split, check_model_dir
 
     if not recipes or any(not r.strip() for r in recipes):
         raise UsageError(
@@ -590,8 +576,7 @@ def _check_args(
         raise UsageError(f"--max-skip-rate: {crit.max_skip_rate} is not a fraction (allowed: 0 to 1)")
     if not (crit.max_loss_delta_pct >= 0 and math.isfinite(crit.max_loss_delta_pct)):
         raise UsageError(f"--max-loss-delta: {crit.max_loss_delta_pct} (allowed: a percentage >= 0)")
-    if eval_split is not None and not (isinstance(eval_split, (int, float)) and 0 <= eval_split < 0.5):
-        raise UsageError(f"--eval-split: {eval_split} is out of range (allowed: 0 <= F < 0.5)")
+    check_eval_split(eval_split)
     if model is not None:
         check_model_dir(model)
     if data is not None:
@@ -626,9 +611,9 @@ def run_compare(
 
     crit = criteria or Criteria()
     _check_args(recipes, max_steps, batch_size, seq_len, crit, eval_split, model, data)
-    loaded = [_load(r.strip(), False) for r in recipes]
+    loaded = [_load(r.strip()) for r in recipes]
     loaded = [(_sample_fp8(rec, max(1, max_steps // 10)), rehearsed) for rec, rehearsed in loaded]
-    base_recipe, base_rehearsed = _load(baseline, True)
+    base_recipe, base_rehearsed = _load(baseline)
     if eval_split is None:
         eval_split = DEFAULTS["eval_split"] if data is None else 0.0
     prepared = _prepare_data(data, text_field, model, seq_len, eval_split)

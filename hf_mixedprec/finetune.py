@@ -506,19 +506,34 @@ def run_finetune(
     return summary
 
 
+def sample_fp8_at_least_every(recipe: Recipe, every: int) -> Recipe:
+    """``recipe`` with FP8 statistics sampled at least every ``every`` steps, so that a short run sees them (the
+    recipe's interval is meant for long runs; it is never raised, only lowered); ``recipe`` itself when it already
+    samples that often or is not FP8. The caller says so when it changed."""
+    cur = recipe.health.fp8_sample_every
+    if recipe.precision != "fp8" or not cur or cur <= every:
+        return recipe
+    return recipe.model_copy(update={"health": recipe.health.model_copy(update={"fp8_sample_every": every})})
+
+
 def _sample_fp8_at_every_log(recipe: Recipe, run: _RunSettings) -> Recipe:
     """Sample FP8 statistics at least once per logging interval, so that a short run's saturation plot is a
-    curve (the recipe's interval is meant for long runs; it is never raised, only lowered, and said)."""
-    every = recipe.health.fp8_sample_every
-    if recipe.precision != "fp8" or not every or every <= run.logging_steps:
-        return recipe
-    print(
-        f"finetune: FP8 statistics are sampled every {run.logging_steps} steps in this run (the recipe's "
-        f"health.fp8_sample_every {every} would give {run.max_steps // every} points in {run.max_steps} steps)",
-        file=sys.stderr,
-    )
-    health = recipe.health.model_copy(update={"fp8_sample_every": run.logging_steps})
-    return recipe.model_copy(update={"health": health})
+    curve (said on stderr)."""
+    lowered = sample_fp8_at_least_every(recipe, run.logging_steps)
+    if lowered is not recipe:
+        every = recipe.health.fp8_sample_every
+        print(
+            f"finetune: FP8 statistics are sampled every {run.logging_steps} steps in this run (the recipe's "
+            f"health.fp8_sample_every {every} would give {run.max_steps // every} points in {run.max_steps} steps)",
+            file=sys.stderr,
+        )
+    return lowered
+
+
+def check_eval_split(eval_split: float | None) -> None:
+    """``--eval-split``: a fraction of the blocks, below half (None: the command's default)."""
+    if eval_split is not None and not (isinstance(eval_split, (int, float)) and 0 <= eval_split < 0.5):
+        raise UsageError(f"--eval-split: {eval_split} is out of range (allowed: 0 <= F < 0.5)")
 
 
 def _write_outputs(run: _RunSettings, trained: _Trained, summary: dict[str, Any], *, save: bool, start: float) -> None:
@@ -565,8 +580,7 @@ def _check_inputs(
             "save-total-limit": (save_total_limit, 1),
         }
     )
-    if eval_split is not None and not (isinstance(eval_split, (int, float)) and 0 <= eval_split < 0.5):
-        raise UsageError(f"--eval-split: {eval_split} is out of range (allowed: 0 <= F < 0.5)")
+    check_eval_split(eval_split)
     if data is not None:
         check_data_path(data)
     if model is not None:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hf_mixedprec.formats import FP8_SCALING_DEFAULTS, NumberFormat, get_format
+from hf_mixedprec.fp8.swap import linear_holding
 from hf_mixedprec.scaling import (
     LayerStats,
     current_scale,
@@ -236,9 +237,7 @@ class EmulatedFP8Linear(EmulatedFP8GEMM):
         super().__init__(linear, linear.in_features, linear.out_features, spec)
 
     def high_precision(self) -> nn.Linear:
-        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        lin.weight, lin.bias = self.weight, self.bias
-        return lin
+        return linear_holding(self.weight, self.bias)
 
 
 class EmulatedFP8Conv1D(EmulatedFP8GEMM):

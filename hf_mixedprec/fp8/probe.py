@@ -41,12 +41,10 @@ class LayerProbe:
         rule: QuantizeRule,
         formats: dict[str, FP8Format],
         to_high_precision: Callable[[nn.Module], nn.Module],
-        input_cast: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.rule = rule
         self.formats = formats
         self._to_high_precision = to_high_precision
-        self._input_cast = input_cast
         #: set by the runtime for the steps that sample FP8 statistics
         self.record_stats = False
         self.stats = LayerStats()
@@ -56,8 +54,7 @@ class LayerProbe:
     def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not (self.record_stats and module.training and args and isinstance(args[0], torch.Tensor)):
             return
-        x = args[0] if self._input_cast is None else self._input_cast(args[0])
-        self._measure("input", x)
+        self._measure("input", args[0])
         self._measure("weight", module.weight)
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(self._grad_hook)
@@ -92,13 +89,12 @@ def attach_probe(
     rule: QuantizeRule,
     formats: dict[str, FP8Format],
     to_high_precision: Callable[[nn.Module], nn.Module],
-    input_cast: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> LayerProbe:
     """Attach a :class:`LayerProbe` to ``module`` (replacing an earlier one) and register it."""
     old = _PROBES.get(module)
     if old is not None:
         old.remove()
-    probe = LayerProbe(module, rule, formats, to_high_precision, input_cast)
+    probe = LayerProbe(module, rule, formats, to_high_precision)
     _PROBES[module] = probe
     return probe
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["replace_module"]
+__all__ = ["linear_holding", "replace_module"]
 
 
 def replace_module(root: nn.Module, qualified_name: str, new: nn.Module) -> nn.Module:
@@ -17,3 +17,12 @@ def replace_module(root: nn.Module, qualified_name: str, new: nn.Module) -> nn.M
     old = getattr(parent, child)
     setattr(parent, child, new)
     return old
+
+
+def linear_holding(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:
+    """A plain ``nn.Linear`` holding these Parameter objects (``weight`` is [out, in]), built without allocating:
+    an FP8 layer's way back to high precision (the health fallback), whatever its backend."""
+    out_features, in_features = weight.shape
+    lin = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
+    lin.weight, lin.bias = weight, bias
+    return lin

@@ -19,6 +19,7 @@ from torch import nn
 
 from hf_mixedprec.fp8.policy import LayerDecision
 from hf_mixedprec.fp8.probe import QuantizeRule, attach_probe
+from hf_mixedprec.fp8.swap import linear_holding
 from hf_mixedprec.scaling.fp8 import FP8Format
 from hf_mixedprec.schema import TORCHAO_AMAX_EPS, RecipeSpec
 
@@ -113,7 +114,7 @@ def convert_torchao(model: nn.Module, recipe: RecipeSpec, decisions: list[LayerD
     for name in wanted:
         layer = model.get_submodule(name)
         layer.register_forward_pre_hook(_autocast_input)
-        attach_probe(layer, rule, formats, _as_linear, input_cast=_cuda_autocast_cast)
+        attach_probe(layer, rule, formats, lambda lay: linear_holding(lay.weight, lay.bias))
     return notes
 
 
@@ -149,26 +150,13 @@ def _quantize_rule(cfg: Any) -> tuple[QuantizeRule, dict[str, FP8Format]]:
     return rule, formats
 
 
-def _cuda_autocast_cast(x: torch.Tensor) -> torch.Tensor:
-    """The input as ``Float8Linear.forward`` quantizes it on CUDA: cast to the autocast dtype when one is on."""
-    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda") and x.is_floating_point():
-        return x.to(torch.get_autocast_dtype("cuda"))
-    return x
-
-
-def _as_linear(layer: nn.Module) -> nn.Linear:
-    """A plain ``nn.Linear`` holding the Float8Linear's Parameter objects (the health fallback to BF16)."""
-    lin = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
-    lin.weight, lin.bias = layer.weight, layer.bias
-    return lin
-
-
 def _autocast_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """Cast the input to the autocast dtype off CUDA, as ``Float8Linear.forward`` does itself under CUDA autocast
-    (it checks only CUDA's): otherwise a CPU autocast run hands its high-precision GEMMs a float32 input and a
-    bfloat16 gradient, which ``rowwise_with_gw_hp``'s wgrad GEMM refuses."""
+    """Cast the input to its device's autocast dtype, as ``Float8Linear.forward`` does itself, but for CUDA's only:
+    off CUDA, a CPU autocast run would hand its high-precision GEMMs a float32 input and a bfloat16 gradient, which
+    ``rowwise_with_gw_hp``'s wgrad GEMM refuses. On CUDA it is the cast torchao then makes a no-op. Either way the
+    layer's health probe (a forward hook) sees the input as torchao quantizes it."""
     x = args[0] if args else None
-    if not isinstance(x, torch.Tensor) or x.device.type == "cuda" or not x.is_floating_point():
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return None
     if not torch.is_autocast_enabled(x.device.type):
         return None

@@ -24,7 +24,7 @@ from torch import nn
 
 from hf_mixedprec.fp8.policy import LayerDecision
 from hf_mixedprec.fp8.probe import QuantizeRule, attach_probe
-from hf_mixedprec.fp8.swap import replace_module
+from hf_mixedprec.fp8.swap import linear_holding, replace_module
 from hf_mixedprec.scaling import (
     current_scale,
     dequantize_blockwise,
@@ -283,8 +283,4 @@ def _delayed_scale_of(module: nn.Module) -> Any:
 def _te_as_linear(layer: nn.Module) -> nn.Linear:
     """A plain ``nn.Linear`` holding the TE Linear's Parameter objects (the health fallback to BF16)."""
     bias = getattr(layer, "bias", None)
-    has_bias = isinstance(bias, torch.Tensor) and bias.numel() > 0
-    lin = nn.Linear(layer.in_features, layer.out_features, bias=has_bias, device="meta")
-    lin.weight = layer.weight
-    lin.bias = bias if has_bias else None
-    return lin
+    return linear_holding(layer.weight, bias if isinstance(bias, torch.Tensor) and bias.numel() > 0 else None)
