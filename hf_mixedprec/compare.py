@@ -560,6 +560,7 @@ def _check_args(
     batch_size: int,
     seq_len: int,
     crit: Criteria,
+    lr: float | None,
     eval_split: float | None,
     model: str | None,
     data: str | None,
@@ -571,7 +572,9 @@ def _check_args(
             f"--recipes: {','.join(recipes)!r} must list at least one recipe, comma-separated (allowed: built-in "
             "names, YAML paths, e.g. a100-bf16,v100-fp16)"
         )
-    _check_numbers(**{"max-steps": (max_steps, 1), "batch-size": (batch_size, 1), "seq-len": (seq_len, 2)})
+    _check_numbers(
+        **{"max-steps": (max_steps, 1), "batch-size": (batch_size, 1), "seq-len": (seq_len, 2), "lr": (lr, 0.0)}
+    )
     if not 0 <= crit.max_skip_rate <= 1:
         raise UsageError(f"--max-skip-rate: {crit.max_skip_rate} is not a fraction (allowed: 0 to 1)")
     if not (crit.max_loss_delta_pct >= 0 and math.isfinite(crit.max_loss_delta_pct)):
@@ -610,7 +613,7 @@ def run_compare(
     from hf_mixedprec.finetune import DEFAULTS, _prepare_data, build_model
 
     crit = criteria or Criteria()
-    _check_args(recipes, max_steps, batch_size, seq_len, crit, eval_split, model, data)
+    _check_args(recipes, max_steps, batch_size, seq_len, crit, lr, eval_split, model, data)
     loaded = [_load(r.strip()) for r in recipes]
     loaded = [(_sample_fp8(rec, max(1, max_steps // 10)), rehearsed) for rec, rehearsed in loaded]
     base_recipe, base_rehearsed = _load(baseline)

@@ -104,6 +104,7 @@ def test_exit_codes_pass_fail_and_bad_input(tmp_path, capsys):
         (["--recipes", "cpu-bf16", "--max-skip-rate", "2"], "--max-skip-rate: 2.0 is not a fraction"),
         (["--recipes", "no-such-recipe"], "no-such-recipe"),
         (["--recipes", "cpu-bf16", "--eval-split", "0.9"], "--eval-split: 0.9 is out of range"),
+        (["--recipes", "cpu-bf16", "--lr", "-1"], "--lr: -1.0 is out of range (allowed: > 0)"),
     ):
         assert main(["compare", *argv, "--output-dir", str(tmp_path / "c")]) == 2, argv
         err = capsys.readouterr().err.strip()
