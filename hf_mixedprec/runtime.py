@@ -37,7 +37,7 @@ from hf_mixedprec import metrics as M
 from hf_mixedprec._device import Constants, is_main_rank
 from hf_mixedprec.amp import GuardScaler, LossScaling
 from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper
-from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated, iter_monitored
+from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated, monitored_layers
 from hf_mixedprec.health import HealthEvent, HealthMonitor
 from hf_mixedprec.reactions import Reactions
 from hf_mixedprec.schema import RecipeSpec
@@ -124,6 +124,7 @@ class MixedPrecisionRuntime:
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_n = 0  # forwards since the last optimizer step (host: the hook runs on the host)
         self._sampling = False
+        self._recording: tuple[list[Any] | None, bool] = (None, False)  # the layers told to record, and what
         self._fp8_pending = False  # a sampled step's FP8 statistics wait for the next check (a logging step)
         self._fp8_metrics: dict[str, float] = {}
         self._update_probe = _UpdateProbe()
@@ -228,8 +229,7 @@ class MixedPrecisionRuntime:
         every = self.recipe.health.fp8_sample_every
         self._sampling = self.monitor is not None and (self.steps + 1) % every == 0
         if self.recipe.precision == "fp8":
-            for _, m in iter_monitored(model):
-                m.record_stats = self._sampling
+            self._recording = _tell_fp8_layers(model, self._sampling, self._recording)
 
     def ensure_unscaled(self, optimizer: torch.optim.Optimizer | None) -> None:
         """FP16: unscale the gradients once (the GradScaler refuses a second unscale_ before update())."""
@@ -296,7 +296,7 @@ class MixedPrecisionRuntime:
                 self.monitor.observe_update(ratio, self.amp.found_inf)
             self.monitor.post_step(skipped=self.amp.found_inf, scale=self.amp.device_scale())
             if self._sampling and self.recipe.precision == "fp8":
-                self.monitor.observe_fp8({name: m.stats for name, m in iter_monitored(model)})
+                self.monitor.observe_fp8({name: m.stats for name, m in monitored_layers(model)})
                 self._fp8_pending = True
         self.amp.after_step(optimizer)
         self.steps += 1
@@ -550,6 +550,16 @@ class _UpdateProbe:
         return (num / den.clamp_min(1e-30)).sqrt()
 
 
+def _tell_fp8_layers(model: nn.Module, on: bool, told: tuple[list[Any] | None, bool]) -> tuple[list[Any], bool]:
+    """Set ``record_stats`` on every monitored FP8 layer where it changes (a sampled step begins or ends, or the
+    layers changed); ``told`` is what the last call set. Returns what is set now."""
+    layers = monitored_layers(model)
+    if layers is not told[0] or on != told[1]:
+        for _, m in layers:
+            m.record_stats = on
+    return layers, on
+
+
 def _clip_metrics(last: ClipResult, clipper: Clipper | None) -> dict[str, float]:
     """``mp/grad_norm``, ``mp/clip_threshold`` (when there is one) and ``mp/clipped`` of the last step (host reads)."""
     out = {M.GRAD_NORM: float(last.total_norm.item())}
@@ -566,7 +576,7 @@ def _clip_metrics(last: ClipResult, clipper: Clipper | None) -> dict[str, float]
 def _fp8_layer_metrics(model: nn.Module) -> dict[str, float]:
     """Per FP8 layer, the worst saturation, underflow and SQNR over its input, weight and gradient (host reads)."""
     out: dict[str, float] = {}
-    for name, m in iter_monitored(model):
+    for name, m in monitored_layers(model):
         st = m.stats
         if not st:
             continue

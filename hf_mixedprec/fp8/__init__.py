@@ -26,8 +26,11 @@ from hf_mixedprec.fp8.emulated import (
     EmulatedFP8GEMM,
     EmulatedFP8Linear,
     EmulationSpec,
+    emulated_layers,
     fp8_step,
+    invalidate_layer_cache,
     iter_emulated,
+    layer_cache,
 )
 from hf_mixedprec.fp8.policy import BACKEND_GEMM_KINDS, GEMM_KINDS, LayerDecision, plan_conversion
 from hf_mixedprec.fp8.probe import LayerProbe, probe_of
@@ -42,9 +45,12 @@ __all__ = [
     "FP8BackendUnavailable",
     "LayerDecision",
     "convert",
+    "emulated_layers",
     "fp8_step",
+    "invalidate_layer_cache",
     "iter_emulated",
     "iter_monitored",
+    "monitored_layers",
     "plan_conversion",
     "replace_module",
     "resolve_backend",
@@ -73,9 +79,20 @@ def iter_monitored(model: nn.Module) -> Iterator[tuple[str, EmulatedFP8GEMM | La
                 yield name, p
 
 
+def monitored_layers(model: nn.Module) -> list[tuple[str, EmulatedFP8GEMM | LayerProbe]]:
+    """:func:`iter_monitored` collected once per model (until FP8 layers are swapped in or out), for the per-step
+    hooks; do not modify it."""
+    lists = layer_cache(model).lists
+    found = lists.get("monitored")
+    if found is None:
+        found = lists["monitored"] = list(iter_monitored(model))
+    return found
+
+
 def to_high_precision(layer: nn.Module) -> nn.Module | None:
     """``layer``'s high-precision equivalent (``nn.Linear`` or ``Conv1D``, the same Parameter objects) when it is an
-    FP8 layer of any backend, else None."""
+    FP8 layer of any backend, else None. The caller swaps it in, so the per-model layer lists are forgotten."""
+    invalidate_layer_cache()
     if isinstance(layer, EmulatedFP8GEMM):
         return layer.high_precision()
     p = probe_of(layer)
@@ -172,6 +189,7 @@ def convert(
         from hf_mixedprec.fp8.transformer_engine import convert_te
 
         notes += convert_te(model, recipe, decisions, optimizer)
+    invalidate_layer_cache()  # FP8 layers were swapped in: per-model layer lists are collected anew
     report = ConversionReport(backend, recipe.fp8.scaling, recipe.fp8.format, decisions, notes)
     for n in notes:
         log.warning("hf_mixedprec: %s", n)

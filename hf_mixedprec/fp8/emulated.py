@@ -26,6 +26,7 @@ that don't log pay nothing and nothing syncs with the host.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -49,10 +50,22 @@ from hf_mixedprec.scaling import (
     quantize_mxfp8,
     tensor_amax,
 )
+from hf_mixedprec.scaling.fp8 import delayed_scaled_max
 from hf_mixedprec.scaling.stats import ROLES
 from hf_mixedprec.schema import FP8Config
 
-__all__ = ["EmulatedFP8Conv1D", "EmulatedFP8GEMM", "EmulatedFP8Linear", "EmulationSpec", "fp8_step", "iter_emulated"]
+__all__ = [
+    "EmulatedFP8Conv1D",
+    "EmulatedFP8GEMM",
+    "EmulatedFP8Linear",
+    "EmulationSpec",
+    "LayerCache",
+    "emulated_layers",
+    "fp8_step",
+    "invalidate_layer_cache",
+    "iter_emulated",
+    "layer_cache",
+]
 
 _DELAYED, _CURRENT, _MX = (FP8_SCALING_DEFAULTS[s] for s in ("delayed", "current", "mxfp8"))
 
@@ -322,36 +335,101 @@ class _EmulatedFP8Fn(torch.autograd.Function):
 
 
 def iter_emulated(model: nn.Module) -> Iterator[tuple[str, EmulatedFP8GEMM]]:
-    """Every emulated FP8 layer (Linear and Conv1D) of ``model``, with its dotted name."""
+    """Every emulated FP8 layer (Linear and Conv1D) of ``model``, with its dotted name (a walk over the model now;
+    per-step code takes :func:`emulated_layers`)."""
     for name, mod in model.named_modules():
         if isinstance(mod, EmulatedFP8GEMM):
             yield name, mod
+
+
+class LayerCache:
+    """What a model's FP8 layers are, collected once (one walk over ``named_modules``) instead of every step.
+
+    Valid until :func:`invalidate_layer_cache` (FP8 conversion and the health fallback to high precision call it,
+    the two places that swap FP8 layers in or out). ``lists`` holds other per-model lists built on demand (the
+    monitored layers of every backend, see ``hf_mixedprec.fp8.monitored_layers``).
+    """
+
+    def __init__(self, model: nn.Module, generation: int) -> None:
+        self.generation = generation
+        self.emulated: list[tuple[str, EmulatedFP8GEMM]] = list(iter_emulated(model))
+        self.lists: dict[str, list[Any]] = {}
+        groups: dict[tuple[Any, ...], list[EmulatedFP8GEMM]] = {}
+        for _, m in self.emulated:
+            if m.spec.scaling == "delayed":
+                key = (m.fp8_amax_history.shape, m.spec.margin, m.spec.amax_compute_algo, m.fwd_fmt, m.bwd_fmt)
+                groups.setdefault(key, []).append(m)
+        self.delayed = [_DelayedGroup(mods) for mods in groups.values()]
+
+
+_generation = 0
+_CACHES: weakref.WeakKeyDictionary[nn.Module, LayerCache] = weakref.WeakKeyDictionary()
+
+
+def invalidate_layer_cache() -> None:
+    """Forget every model's :class:`LayerCache`: FP8 layers were swapped in or out (the next step collects anew)."""
+    global _generation
+    _generation += 1
+
+
+def layer_cache(model: nn.Module) -> LayerCache:
+    """``model``'s :class:`LayerCache`, collected on first use after conversion or a swap."""
+    cache = _CACHES.get(model)
+    if cache is None or cache.generation != _generation:
+        cache = _CACHES[model] = LayerCache(model, _generation)
+    return cache
+
+
+def emulated_layers(model: nn.Module) -> list[tuple[str, EmulatedFP8GEMM]]:
+    """:func:`iter_emulated` as a cached list (see :class:`LayerCache`); do not modify it."""
+    return layer_cache(model).emulated
+
+
+class _DelayedGroup:
+    """Delayed-scaling layers with the same history length, margin, algorithm and formats: their state is updated
+    by one batched :func:`~hf_mixedprec.scaling.fp8.delayed_update` per step, whatever their number.
+
+    Each layer keeps its own buffers (``fp8_amax_history``, ``fp8_scale``: state_dict keys, checkpoints and DDP's
+    buffer broadcast stay as they are); a step stacks them, updates them together and writes them back with
+    ``torch._foreach_copy_`` (one fused kernel per list on CUDA). Bit-identical to one update per layer per role.
+    """
+
+    def __init__(self, mods: list[EmulatedFP8GEMM]) -> None:
+        m0 = mods[0]
+        self.mods = mods
+        self.algo = m0.spec.amax_compute_algo
+        fmts = (m0.fwd_fmt, m0.fwd_fmt, m0.bwd_fmt)  # input, weight, grad-output
+        self.scaled_max = delayed_scaled_max(fmts, margin=m0.spec.margin, device=m0.fp8_scale.device)
+
+    def step(self) -> None:
+        mods = self.mods
+        pendings = [m.fp8_amax_pending for m in mods]
+        hists = [m.fp8_amax_history for m in mods]
+        scales = [m.fp8_scale for m in mods]
+        pending = torch.stack(pendings)  # [n, 3]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(pending, op=dist.ReduceOp.MAX)
+        if self.scaled_max.device != pending.device:  # the model moved since the group was made
+            self.scaled_max = self.scaled_max.to(pending.device)
+        hist, scale = delayed_update(
+            torch.stack(hists, dim=1),  # [L, n, 3], newest amax last
+            torch.stack(scales),
+            pending,
+            scaled_max=self.scaled_max,
+            algo=self.algo,
+        )
+        torch._foreach_copy_(hists, hist.transpose(0, 1).contiguous().unbind(0))
+        torch._foreach_copy_(scales, scale.unbind(0))
+        torch._foreach_zero_(pendings)
 
 
 @torch.no_grad()
 def fp8_step(model: nn.Module) -> None:
     """Advance delayed scaling by one optimizer step: reduce pending amaxes (MAX over ranks), update.
 
-    Call once per optimizer step (the Trainer callback and the Accelerate plugin do). Layers with
-    current, MXFP8 or blockwise scaling have nothing to update. No host sync.
+    Call once per optimizer step (the Trainer callback and the Accelerate plugin do). Layers with current, MXFP8
+    or blockwise scaling have nothing to update. One batched update for all delayed layers that share their
+    settings (usually all of them): a fixed number of tensor operations, however many layers. No host sync.
     """
-    mods = [m for _, m in iter_emulated(model) if m.spec.scaling == "delayed"]
-    if not mods:
-        return
-    pending = torch.stack([m.fp8_amax_pending for m in mods])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(pending, op=dist.ReduceOp.MAX)
-    for i, m in enumerate(mods):
-        fmts = (m.fwd_fmt, m.fwd_fmt, m.bwd_fmt)
-        for role, fmt in enumerate(fmts):
-            hist, scale = delayed_update(
-                m.fp8_amax_history[:, role : role + 1],
-                m.fp8_scale[role : role + 1],
-                pending[i, role : role + 1],
-                fmt=fmt,
-                margin=m.spec.margin,
-                algo=m.spec.amax_compute_algo,
-            )
-            m.fp8_amax_history[:, role : role + 1] = hist
-            m.fp8_scale[role : role + 1] = scale
-        m.fp8_amax_pending.zero_()
+    for group in layer_cache(model).delayed:
+        group.step()

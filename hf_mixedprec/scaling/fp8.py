@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 
 import torch
 
@@ -25,6 +26,7 @@ from hf_mixedprec.formats import E4M3, E5M2, FLOAT32_MAX, NumberFormat, get_form
 __all__ = [
     "FP8Format",
     "current_scale",
+    "delayed_scaled_max",
     "delayed_update",
     "dequantize_fp8",
     "quantize_fp8",
@@ -200,14 +202,40 @@ def current_scale(
     return torch.where(valid, scale, torch.ones_like(scale))
 
 
+def delayed_scaled_max(
+    fmt: FP8Format | Sequence[FP8Format], *, margin: int = 0, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """``fmt.max * 2**-margin`` as float32 (0-d, or ``[R]`` for a sequence of formats): the numerator of delayed
+    scaling, made once and passed to :func:`delayed_update` as ``scaled_max`` so a step makes no host-to-device copy.
+
+    A sequence gives one value per entry of the quantizers' last dim (e.g. input, weight and gradient of many
+    layers stacked as ``[n, 3]``, with E4M3, E4M3, E5M2).
+    """
+    return torch.tensor(_scaled_max_values(fmt, margin), dtype=torch.float32, device=device)
+
+
+def _scaled_max_values(fmt: FP8Format | Sequence[FP8Format], margin: int) -> float | list[float]:
+    """``fmt.max * 2**-margin`` on the host (exact: a power-of-two multiple of the format maximum)."""
+    _check_margin(margin)
+    if isinstance(fmt, (list, tuple)):
+        return [_fp8_format(f).max * math.ldexp(1.0, -margin) for f in fmt]
+    return _fp8_format(fmt).max * math.ldexp(1.0, -margin)
+
+
+def _check_margin(margin: int) -> None:
+    if isinstance(margin, bool) or not isinstance(margin, int) or not (0 <= margin <= 127):
+        raise ValueError(f"margin={margin!r} must be an int in [0, 127] (TE DelayedScaling.margin)")
+
+
 def delayed_update(
     amax_history: torch.Tensor,
     scale: torch.Tensor,
     amax: torch.Tensor,
     *,
-    fmt: FP8Format,
+    fmt: FP8Format | Sequence[FP8Format] | None = None,
     margin: int = 0,
     algo: str = "max",
+    scaled_max: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One delayed-scaling step for many quantizers at once (TE ``DelayedScaling`` semantics).
 
@@ -228,12 +256,18 @@ def delayed_update(
     tiny amax with a margin gives the finite quotient TE gives; a quotient that is still infinite becomes
     FLT_MAX.  A NaN amax is non-zero, so it rolls into the history like any other value.  Returns new float32
     tensors; inputs are not modified.
+
+    Many layers in one call: ``fmt`` may be a sequence with one format per entry of the last quantizer dim (an
+    ``[L, n, 3]`` history of n layers' input, weight and gradient takes ``(e4m3, e4m3, e5m2)``); or pass
+    ``scaled_max`` from :func:`delayed_scaled_max` (made once, so the step copies nothing to the device) instead
+    of ``fmt`` and ``margin``. Every element gets the same float32 operations as a call of its own, so one
+    batched call is bit-identical to one call per quantizer.
     """
-    f = _fp8_format(fmt)
+    if (fmt is None) == (scaled_max is None):
+        raise ValueError("pass exactly one of fmt= and scaled_max= (from delayed_scaled_max)")
     if algo not in _AMAX_ALGOS:
         raise ValueError(f"algo={algo!r} is not supported; allowed: {', '.join(map(repr, _AMAX_ALGOS))}")
-    if isinstance(margin, bool) or not isinstance(margin, int) or not (0 <= margin <= 127):
-        raise ValueError(f"margin={margin!r} must be an int in [0, 127] (TE DelayedScaling.margin)")
+    _check_margin(margin)
     if amax_history.dim() < 1 or amax_history.shape[0] < 1:
         raise ValueError(f"amax_history must have shape [L, *q] with L >= 1, got {tuple(amax_history.shape)}")
     q_shape = tuple(amax_history.shape[1:])
@@ -254,8 +288,14 @@ def delayed_update(
     else:
         used = a
 
-    scaled_max = f.max * math.ldexp(1.0, -margin)  # exact: a power-of-two multiple of the format maximum
-    cand = torch.div(torch.full_like(used, scaled_max), used)
+    if scaled_max is None:
+        values = _scaled_max_values(fmt, margin)  # type: ignore[arg-type]
+        scaled_max = (
+            torch.full_like(used, values)
+            if isinstance(values, float)
+            else torch.tensor(values, dtype=torch.float32, device=used.device)
+        )
+    cand = torch.div(scaled_max.expand_as(used), used)
     cand = torch.where(torch.isinf(cand), FLOAT32_MAX, cand)
     ok = update & torch.isfinite(used) & (used > 0)
     new_scale = torch.where(ok, cand, prev)
