@@ -468,6 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_simulate(sub)
     _add_finetune(sub)
     _add_compare(sub)
+    _add_estimate(sub)
     _add_report(sub)
     return p
 
@@ -741,6 +742,85 @@ def _add_compare(sub: Any) -> None:
     s.add_argument("--allow-stop", action="store_true", help="do not fail a recipe whose run a health reaction stopped")
     s.add_argument("--json", action="store_true", help="print compare.json instead of the table")
     s.set_defaults(func=cmd_compare)
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from hf_mixedprec.estimate import estimate_memory, format_estimate
+
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    if not recipes:
+        raise UsageError(
+            f"--recipes: {args.recipes!r} names no recipe (allowed: comma-separated recipe names or paths)"
+        )
+    model: Any = None
+    if args.model is not None or args.config is not None:
+        from hf_mixedprec.estimate import load_model_config
+
+        model = load_model_config(args.model, config=args.config)
+    est = estimate_memory(
+        model,
+        recipes,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        gradient_checkpointing=args.gradient_checkpointing,
+        optimizer=args.optimizer,
+        zero=args.zero,
+        num_gpus=args.num_gpus,
+        gpus=args.gpu or ["h100-80gb"],
+        target=args.target,
+    )
+    print(json.dumps(est.to_dict(), indent=2) if args.json else format_estimate(est))
+    return 0
+
+
+def _add_estimate(sub: Any) -> None:
+    from hf_mixedprec.estimate import GPUS, OPTIMIZERS
+
+    s = sub.add_parser(
+        "estimate",
+        help="memory per GPU of each recipe, by component, without allocating the model",
+        description="Build the model from its config.json on fake tensors (nothing is allocated: an 8B config takes "
+        "seconds), run one training step under each recipe and count what it holds per GPU: weights (and the FP32 "
+        "master copy DeepSpeed keeps), gradients, optimizer states, activations saved for backward, FP8 extras "
+        "(amax histories, scales, Transformer Engine's FP8 weight copies), with ZeRO / FSDP2 / DDP sharding; the "
+        "total, its share of FP32 training, and whether it fits each --gpu.",
+    )
+    s.add_argument(
+        "--recipes", required=True, metavar="R1,R2,...", help="comma-separated built-in recipe names or YAML paths"
+    )
+    s.add_argument("--model", metavar="DIR", help="a model folder with a config.json (weights are not read)")
+    s.add_argument("--config", metavar="FILE", help="a model's config.json (default: finetune's small Llama)")
+    s.add_argument("--batch-size", type=int, default=1, metavar="N", help="sequences per GPU per step (default 1)")
+    s.add_argument("--seq-len", type=int, default=2048, metavar="N", help="tokens per sequence (default 2048)")
+    s.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in backward")
+    s.add_argument(
+        "--optimizer",
+        default="adamw",
+        metavar="NAME",
+        help=f"{' | '.join(OPTIMIZERS)}, as Trainer builds it (default adamw: {OPTIMIZERS['adamw']})",
+    )
+    s.add_argument(
+        "--zero",
+        type=int,
+        metavar="STAGE",
+        help="DeepSpeed ZeRO stage 0-3 (default: the recipe's distributed section; 0 = no sharding)",
+    )
+    s.add_argument("--num-gpus", type=int, metavar="N", help="world size (default: the recipe's num_processes)")
+    s.add_argument(
+        "--gpu",
+        action="append",
+        metavar="NAME|SIZE",
+        help=f"a GPU to fit (repeat for several): {', '.join(GPUS)}, a size such as 24GiB, or NAME=SIZE "
+        "(default h100-80gb)",
+    )
+    s.add_argument(
+        "--target",
+        default="gpu",
+        metavar="gpu|cpu",
+        help="gpu: FP8 on the recipe's GPU backend (auto = Transformer Engine); cpu: as rehearsed on this machine",
+    )
+    s.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    s.set_defaults(func=cmd_estimate)
 
 
 def _add_report(sub: Any) -> None:

@@ -1,0 +1,627 @@
+"""Memory per GPU for each recipe, by component, from one training step run on fake tensors.
+
+``estimate_memory`` builds the model from its ``config.json`` under PyTorch's ``FakeTensorMode`` (tensors with
+shapes, dtypes and devices but no storage: an 8B-parameter model costs no memory), converts it as the recipe
+would, and runs one real training step on it: the model's own forward and backward under the recipe's
+autocast, the optimizer Trainer would build (``Trainer.get_optimizer_cls_and_kwargs``) and, for delayed FP8
+scaling, the amax-history update. What that step creates is counted by kind:
+
+- weights: the Parameters (float32 under autocast mixed precision; 2 bytes under DeepSpeed BF16/FP16, which
+  casts the module), and the float32 master copy DeepSpeed keeps beside them;
+- gradients and optimizer states: the ``.grad`` tensors and ``optimizer.state`` after the step;
+- activations: the peak of the tensors autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``),
+  Parameters excluded, each storage counted once. With gradient checkpointing the recomputation inside
+  backward is part of the peak (the step uses reentrant checkpointing, whose recomputed tensors the hook sees;
+  non-reentrant checkpointing holds the same tensors);
+- FP8 extras: the converted layers' buffers (amax histories, scales); for Transformer Engine, its FP8 weight
+  copies (row- and column-wise) and delayed-scaling state, from :mod:`hf_mixedprec.fp8.memory`.
+
+Sharding: DeepSpeed ZeRO stage 1 partitions the optimizer states (and the float32 master weights), stage 2 also
+the gradients, stage 3 also the weights, each over the world size (Rajbhandari et al., "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models", SC 2020, Sec. 5.1). FSDP2 shards weights, gradients
+and optimizer states like stage 3. Plain data parallel (DDP) keeps a gradient-sized set of buckets
+(``torch.nn.parallel.DistributedDataParallel``'s ``gradient_as_bucket_view=False``, Trainer's default).
+
+Not counted: the CUDA context, the caching allocator's fragmentation, temporaries that live only within one op,
+communication buckets of DeepSpeed and FSDP, and the all-gathered block FSDP2/ZeRO-3 holds during a forward.
+The fit verdict keeps 10% of a GPU free for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_mixedprec.errors import UsageError
+from hf_mixedprec.recipe import Recipe, load_recipe, resolve_recipe
+from hf_mixedprec.runtime import compute_dtype
+
+__all__ = [
+    "GPUS",
+    "OPTIMIZERS",
+    "Components",
+    "GpuFit",
+    "MemoryEstimate",
+    "RecipeEstimate",
+    "SavedTensorMeter",
+    "estimate_memory",
+    "format_estimate",
+    "load_model_config",
+    "parse_gpu",
+]
+
+#: ``--optimizer`` -> the ``TrainingArguments.optim`` Trainer builds it from.
+OPTIMIZERS: dict[str, str] = {"adamw": "adamw_torch_fused", "sgd": "sgd", "adafactor": "adafactor"}
+
+#: Nominal memory of common training GPUs in GiB, as their product names give it; the driver reports a little
+#: less (an H200 shows about 139 GiB of its 141). ``--gpu NAME=SIZE`` or a bare size names any other card.
+GPUS: dict[str, float] = {
+    "t4-16gb": 16,
+    "v100-16gb": 16,
+    "v100-32gb": 32,
+    "a10-24gb": 24,
+    "l4-24gb": 24,
+    "rtx4090-24gb": 24,
+    "a100-40gb": 40,
+    "l40s-48gb": 48,
+    "a100-80gb": 80,
+    "h100-80gb": 80,
+    "h200-141gb": 141,
+    "b200-192gb": 192,
+}
+
+#: Share of a GPU the verdict leaves for what the estimate does not count (see the module docs).
+RESERVE = 0.10
+GIB = 2**30
+
+
+# -- measuring -----------------------------------------------------------------------------------------------
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view or a repeated tensor counts once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen.setdefault(_storage_key(t), t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+class _Held:
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class SavedTensorMeter:
+    """Live and peak bytes of the tensors autograd saves for backward, while the context is active.
+
+    Each storage counts once, however many saved tensors view it; storages in ``exclude`` (the Parameters: they
+    are weights, not activations) count zero. A storage stops counting when autograd frees the last saved
+    tensor that holds it (after backward has used it).
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._exclude = {_storage_key(t) for t in exclude}
+        self._live: dict[int, list[int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _release(self, key: int) -> None:
+        entry = self._live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self._live[key]
+
+    def _pack(self, t: torch.Tensor) -> _Held:
+        held = _Held(t)
+        key = _storage_key(t)
+        if key in self._exclude:
+            return held
+        if key in self._live:
+            self._live[key][0] += 1
+        else:
+            size = t.untyped_storage().nbytes()
+            self._live[key] = [1, size]
+            self.current += size
+            self.peak = max(self.peak, self.current)
+        weakref.finalize(held, self._release, key)
+        return held
+
+    @staticmethod
+    def _unpack(held: _Held) -> torch.Tensor:
+        return held.tensor
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[SavedTensorMeter]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self
+
+
+# -- results -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Components:
+    """Bytes per GPU by kind (see the module docs for what each holds)."""
+
+    weights: int
+    master_weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    fp8_extras: int
+    ddp_buckets: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(asdict(self).values())
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+@dataclass(frozen=True)
+class GpuFit:
+    """Whether a recipe's total fits one GPU, keeping :data:`RESERVE` of it free."""
+
+    gpu: str
+    capacity: int
+    headroom: int
+    verdict: str  # "fits", "tight" (under the reserve) or "does not fit"
+
+
+@dataclass(frozen=True)
+class RecipeEstimate:
+    """One recipe's memory per GPU."""
+
+    recipe: str
+    precision: str
+    fp8_backend: str | None
+    fp8_layers: int
+    strategy: str
+    memory: Components
+    percent_of_fp32: float
+    fits: tuple[GpuFit, ...]
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """``estimate_memory``'s answer: the settings, the FP32 reference and one entry per recipe."""
+
+    model: str
+    parameters: int
+    settings: dict[str, Any]
+    fp32: Components
+    recipes: tuple[RecipeEstimate, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["fp32"] = self.fp32.to_dict()
+        for r, rec in zip(d["recipes"], self.recipes, strict=True):
+            r["memory"] = rec.memory.to_dict()
+        return d
+
+
+@dataclass(frozen=True)
+class _Settings:
+    batch_size: int
+    seq_len: int
+    gradient_checkpointing: bool
+    optimizer: str
+    zero: int | None
+    num_gpus: int | None
+    target: str
+
+
+@dataclass
+class _Step:
+    """What one fake training step held (single device, nothing sharded)."""
+
+    params: int = 0
+    weights: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    fp8_extras: int = 0
+    fp8_layers: int = 0
+    backend: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+# -- inputs --------------------------------------------------------------------------------------------------
+
+
+def load_model_config(
+    model: str | os.PathLike[str] | None = None, *, config: str | os.PathLike[str] | None = None
+) -> Any:
+    """The ``PretrainedConfig`` of a model folder (its ``config.json``; no weights needed) or of a config file;
+    neither: ``finetune``'s embedded default model."""
+    from transformers import AutoConfig
+
+    if model is not None and config is not None:
+        raise UsageError("--model and --config: give one of them (both name the model)")
+    if model is None and config is None:
+        from hf_mixedprec.demo import SMALL_LLAMA, tiny_llama_config
+
+        return tiny_llama_config(**SMALL_LLAMA, vocab_size=512, attn_implementation="sdpa")
+    flag, path = ("--model", Path(model)) if model is not None else ("--config", Path(config or ""))
+    if flag == "--model" and not (path / "config.json").is_file():
+        raise UsageError(f"--model: {str(path)!r} has no config.json (allowed: a model folder with a config.json)")
+    if flag == "--config" and not path.is_file():
+        raise UsageError(f"--config: {str(path)!r} is not a file (allowed: a model's config.json)")
+    try:
+        if flag == "--config":
+            data = json.loads(path.read_text())
+            cfg = AutoConfig.for_model(**data) if "model_type" in data else _no_type(path)
+        else:
+            cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except UsageError:
+        raise
+    except Exception as exc:
+        raise UsageError(f"{flag}: cannot read a model config from {str(path)!r} ({_first_line(exc)})") from None
+    cfg.name_or_path = str(path)
+    return cfg
+
+
+def _no_type(path: Path) -> Any:
+    raise UsageError(f"--config: {str(path)!r} has no 'model_type' (allowed: a transformers config.json)")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text[:200]
+
+
+def parse_gpu(spec: str) -> tuple[str, int]:
+    """``h100-80gb`` (a name in :data:`GPUS`), ``NAME=SIZE`` or ``SIZE`` (``24GiB``, ``24``) -> (name, bytes)."""
+    name, _, size = spec.rpartition("=") if "=" in spec else ("", "", spec)
+    key = spec.lower()
+    if not name and key in GPUS:
+        return key, int(GPUS[key] * GIB)
+    text = size.strip().lower().removesuffix("gib").removesuffix("gb").strip()
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = float("nan")
+    if not math.isfinite(gib) or gib <= 0:
+        raise UsageError(
+            f"--gpu: {spec!r} is not a GPU this knows (allowed: {', '.join(GPUS)}, or a size such as 24GiB, "
+            "or NAME=SIZE)"
+        )
+    return (name or f"{gib:g}GiB"), int(gib * GIB)
+
+
+def _recipe(spec: str | Recipe) -> Recipe:
+    if isinstance(spec, Recipe):
+        return spec
+    if spec == "fp32":
+        return resolve_recipe({"name": "fp32", "precision": "fp32"})
+    return load_recipe(spec, check_hardware=False)
+
+
+def _check(settings: _Settings, config: Any) -> None:
+    for flag, value in (("--batch-size", settings.batch_size), ("--seq-len", settings.seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{flag}: {value!r} is not allowed (allowed: an integer >= 1)")
+    if settings.num_gpus is not None and (not isinstance(settings.num_gpus, int) or settings.num_gpus < 1):
+        raise UsageError(f"--num-gpus: {settings.num_gpus!r} is not allowed (allowed: an integer >= 1)")
+    if settings.zero is not None and settings.zero not in (0, 1, 2, 3):
+        raise UsageError(f"--zero: {settings.zero!r} is not allowed (allowed: 0, 1, 2, 3)")
+    if settings.optimizer not in OPTIMIZERS:
+        raise UsageError(f"--optimizer: {settings.optimizer!r} is not allowed (allowed: {', '.join(OPTIMIZERS)})")
+    if settings.target not in ("gpu", "cpu"):
+        raise UsageError(f"--target: {settings.target!r} is not allowed (allowed: gpu, cpu)")
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if isinstance(limit, int) and settings.seq_len > limit:
+        raise UsageError(
+            f"--seq-len: {settings.seq_len} is more than the model's max_position_embeddings {limit} "
+            f"(allowed: 1..{limit})"
+        )
+
+
+# -- the fake step -------------------------------------------------------------------------------------------
+
+
+def _fp8_backend(recipe: Recipe, target: str) -> str:
+    """The backend the recipe's FP8 layers run on: on a GPU its own choice (``auto`` takes Transformer Engine),
+    on this CPU what a rehearsal runs (torchao emulated for ``backend: torchao``, else the emulated layers)."""
+    assert recipe.fp8 is not None
+    choice = recipe.fp8.backend
+    if target == "cpu":
+        return "torchao" if choice == "torchao" else "emulated"
+    return "transformer_engine" if choice == "auto" else choice
+
+
+def _convert(model: nn.Module, recipe: Recipe, backend: str, step: _Step, tokens: int) -> None:
+    """Convert as the recipe would on ``backend``; Transformer Engine is stood in for (:mod:`fp8.memory`)."""
+    from hf_mixedprec import fp8
+    from hf_mixedprec.fp8 import memory
+    from hf_mixedprec.fp8.policy import plan_conversion
+    from hf_mixedprec.fp8.swap import replace_module
+
+    assert recipe.fp8 is not None
+    step.backend = backend
+    if backend != "transformer_engine":
+        report = fp8.convert(model, recipe, backend=backend)
+        step.fp8_layers = len(report.converted)
+        return
+    scaling, history = recipe.fp8.scaling, recipe.fp8.amax_history_len or 1024
+    for d in plan_conversion(model, recipe.fp8, backend=backend):
+        if d.to_swap:
+            replace_module(model, d.name, memory.TEMemoryStandIn(model.get_submodule(d.name), scaling))
+            step.fp8_layers += 1
+            step.fp8_extras += memory.te_weight_bytes(d.out_features, d.in_features, scaling)
+            step.fp8_extras += memory.te_meta_bytes(scaling, history)
+    step.notes.append(
+        "Transformer Engine: its FP8 weight copies and saved FP8 inputs follow its module/linear.py (not run here)"
+    )
+
+
+def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=os.devnull, optim=OPTIMIZERS[name], report_to=[], use_cpu=True)
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+
+
+def _enable_checkpointing(model: Any) -> None:
+    kwargs = {"use_reentrant": True}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # pragma: no cover - transformers before activation_checkpointing_enable
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _fp8_buffers(model: nn.Module) -> int:
+    from hf_mixedprec import fp8
+
+    return storage_bytes(b for _, layer in fp8.iter_monitored(model) for b in layer.buffers())
+
+
+def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.dtype | None = None) -> _Step:
+    """One training step of ``config``'s model under ``recipe`` on fake tensors; what it held, by kind.
+
+    Weights are float32 (what ``finetune`` loads and autocast trains), whatever dtype ``config.json`` names;
+    ``model_dtype``: build in that dtype instead (DeepSpeed's BF16/FP16 module) and train without autocast.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    step = _Step()
+    with FakeTensorMode(allow_non_fake_inputs=True), _quiet_logs():
+        # a copy: from_config records the dtype in the config it is given
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=model_dtype or torch.float32)
+        model.train()
+        if recipe.precision == "fp8":
+            _convert(model, recipe, _fp8_backend(recipe, s.target), step, s.batch_size * s.seq_len)
+        if s.gradient_checkpointing:
+            _enable_checkpointing(model)
+        params = list(model.parameters())
+        step.params = sum(p.numel() for p in params)
+        step.weights = storage_bytes(params)
+        optimizer = _optimizer(model, s.optimizer)
+        ids = torch.zeros(s.batch_size, s.seq_len, dtype=torch.long)
+        meter = SavedTensorMeter(exclude=params)
+        dtype = None if model_dtype is not None else compute_dtype(recipe)
+        with meter.recording(), torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = model(input_ids=ids, labels=ids).loss
+        with meter.recording():
+            loss.backward()
+        step.activations = meter.peak
+        step.gradients = storage_bytes(p.grad for p in params if p.grad is not None)
+        optimizer.step()
+        step.optimizer = storage_bytes(v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+        if recipe.precision == "fp8" and step.backend == "emulated":
+            from hf_mixedprec.fp8.emulated import fp8_step
+
+            fp8_step(model)
+        if step.backend != "transformer_engine":
+            step.fp8_extras = _fp8_buffers(model)
+    return step
+
+
+@contextlib.contextmanager
+def _quiet_logs() -> Iterator[None]:
+    """transformers and hf_mixedprec log per model build (config checks, conversion notes): not for an estimate."""
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("transformers", "hf_mixedprec")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+# -- sharding ------------------------------------------------------------------------------------------------
+
+
+def _strategy(recipe: Recipe, s: _Settings) -> tuple[str, int, int]:
+    """(strategy, ZeRO stage, world size) for ``recipe`` under the flags (flags win over the recipe)."""
+    n = s.num_gpus if s.num_gpus is not None else recipe.distributed.num_processes
+    if s.zero is not None:
+        return ("deepspeed" if s.zero > 0 else ("ddp" if n > 1 else "none")), s.zero, n
+    dist = recipe.distributed
+    if dist.strategy == "deepspeed":
+        return "deepspeed", dist.zero_stage or 0, n
+    if dist.strategy == "fsdp2":
+        return ("fsdp2" if n > 1 else "none"), 0, n
+    return ("ddp" if n > 1 else "none"), 0, n
+
+
+def _share(nbytes: int, n: int, sharded: bool) -> int:
+    return -(-nbytes // n) if sharded else nbytes
+
+
+def _components(
+    step: _Step, recipe: Recipe, strategy: str, stage: int, n: int, half_activations: int | None
+) -> Components:
+    """Per-GPU bytes of ``step`` under ``strategy`` (see the module docs for the ZeRO / FSDP2 / DDP rules)."""
+    if strategy == "deepspeed":
+        low = 2 if recipe.precision in ("bf16", "fp16") else 4
+        return Components(
+            weights=_share(step.params * low, n, stage >= 3),
+            master_weights=_share(step.params * 4, n, stage >= 1) if low == 2 else 0,
+            gradients=_share(step.params * low, n, stage >= 2),
+            optimizer=_share(step.optimizer, n, stage >= 1),
+            activations=half_activations if half_activations is not None else step.activations,
+            fp8_extras=step.fp8_extras,
+        )
+    sharded = strategy == "fsdp2"
+    return Components(
+        weights=_share(step.weights, n, sharded),
+        master_weights=0,
+        gradients=_share(step.gradients, n, sharded),
+        optimizer=_share(step.optimizer, n, sharded),
+        activations=step.activations,
+        fp8_extras=step.fp8_extras,
+        ddp_buckets=step.gradients if strategy == "ddp" else 0,
+    )
+
+
+def _fit(total: int, gpus: Sequence[tuple[str, int]]) -> tuple[GpuFit, ...]:
+    fits = []
+    for name, capacity in gpus:
+        headroom = capacity - total
+        verdict = "fits" if total <= capacity * (1 - RESERVE) else ("tight" if headroom >= 0 else "does not fit")
+        fits.append(GpuFit(name, capacity, headroom, verdict))
+    return tuple(fits)
+
+
+def _estimate_one(config: Any, recipe: Recipe, s: _Settings) -> tuple[Components, _Step, str]:
+    strategy, stage, n = _strategy(recipe, s)
+    step = _fake_step(config, recipe, s)
+    half = None
+    if strategy == "deepspeed" and recipe.precision in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float16
+        half = _fake_step(config, recipe, replace(s, optimizer="sgd"), model_dtype=dtype).activations
+    label = strategy if strategy != "deepspeed" else f"deepspeed ZeRO-{stage}"
+    if n > 1:
+        label += f" x{n}"
+    return _components(step, recipe, strategy, stage, n, half), step, label
+
+
+def estimate_memory(
+    model: Any = None,
+    recipes: Sequence[str | Recipe] = ("a100-bf16",),
+    *,
+    batch_size: int = 1,
+    seq_len: int = 2048,
+    gradient_checkpointing: bool = False,
+    optimizer: str = "adamw",
+    zero: int | None = None,
+    num_gpus: int | None = None,
+    gpus: Sequence[str] = ("h100-80gb",),
+    target: str = "gpu",
+) -> MemoryEstimate:
+    """Memory per GPU of one training step of ``model`` under each recipe, by component.
+
+    ``model``: a ``PretrainedConfig``, a model folder or a ``config.json`` path (None: ``finetune``'s default
+    model); no weights are read or allocated. ``target``: ``gpu`` (FP8 on the recipe's GPU backend, Transformer
+    Engine for ``auto``) or ``cpu`` (what runs on this machine: rehearsed FP8 layers). ``zero`` and
+    ``num_gpus`` override the recipes' ``distributed`` section. Raises :class:`UsageError` for bad input.
+    """
+    config, label = _config_of(model)
+    s = _Settings(batch_size, seq_len, bool(gradient_checkpointing), optimizer, zero, num_gpus, target)
+    _check(s, config)
+    gpu_list = [parse_gpu(g) for g in gpus]
+    loaded = [_recipe(r) for r in recipes]
+    fp32 = resolve_recipe({"name": "fp32", "precision": "fp32"})
+    results, params = [], 0
+    baselines: dict[tuple[str, int, int], Components] = {}
+    for rec in loaded:
+        mem, step, strategy = _estimate_one(config, rec, s)
+        params = step.params
+        key = _strategy(rec, s)
+        if key not in baselines:
+            baselines[key] = _estimate_one(config, _with_distributed(fp32, rec), s)[0]
+        base = baselines[key]
+        results.append(
+            RecipeEstimate(
+                recipe=rec.name,
+                precision=rec.precision,
+                fp8_backend=step.backend,
+                fp8_layers=step.fp8_layers,
+                strategy=strategy,
+                memory=mem,
+                percent_of_fp32=round(100.0 * mem.total / base.total, 1),
+                fits=_fit(mem.total, gpu_list),
+                notes=tuple(step.notes),
+            )
+        )
+    fp32_mem = next(iter(baselines.values()), None) or _estimate_one(config, fp32, s)[0]
+    settings = {k: v for k, v in asdict(s).items()}
+    settings["gpus"] = [name for name, _ in gpu_list]
+    return MemoryEstimate(label, params, settings, fp32_mem, tuple(results))
+
+
+def _with_distributed(fp32: Recipe, rec: Recipe) -> Recipe:
+    """The FP32 reference under ``rec``'s distributed section (DeepSpeed keeps FP32 weights at FP32)."""
+    return fp32.model_copy(update={"distributed": rec.distributed})
+
+
+def _config_of(model: Any) -> tuple[Any, str]:
+    if model is None:
+        return load_model_config(), "finetune's default model (small Llama built from a config)"
+    if isinstance(model, (str, os.PathLike)):
+        model = load_model_config(model) if Path(model).is_dir() else load_model_config(config=model)
+    return model, getattr(model, "name_or_path", "") or type(model).__name__
+
+
+# -- output --------------------------------------------------------------------------------------------------
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def format_estimate(est: MemoryEstimate) -> str:
+    """The estimate as a Markdown table (GiB per GPU) with the settings above it."""
+    s = est.settings
+    head = (
+        f"model: {est.model}, {est.parameters / 1e9:.3f}B parameters; batch {s['batch_size']} x seq "
+        f"{s['seq_len']}, optimizer {s['optimizer']}, gradient checkpointing "
+        f"{'on' if s['gradient_checkpointing'] else 'off'}, target {s['target']}"
+    )
+    gpus = s["gpus"]
+    cols = ["recipe", "strategy", "weights", "master", "grads", "optimizer", "activations", "fp8", "total", "% fp32"]
+    lines = [head, "", "GiB per GPU:", "", "| " + " | ".join(cols + gpus) + " |"]
+    lines.append("|" + "---|" * 2 + "---:|" * (len(cols) - 2) + "---|" * len(gpus))
+    for r in est.recipes:
+        m = r.memory
+        parts = [m.weights, m.master_weights, m.gradients + m.ddp_buckets, m.optimizer, m.activations, m.fp8_extras]
+        fits = [f"{f.verdict} ({f.headroom / GIB:+.1f})" for f in r.fits]
+        row = [r.recipe, r.strategy, *(_gib(p) for p in parts), _gib(m.total), f"{r.percent_of_fp32:.1f}", *fits]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "Fit: the headroom in GiB after the total; 'tight' = fits but with under 10% free for the CUDA context, "
+        "fragmentation and temporaries (not counted).",
+    ]
+    notes = sorted({n for r in est.recipes for n in r.notes})
+    lines += [f"note: {n}" for n in notes]
+    return "\n".join(lines)
