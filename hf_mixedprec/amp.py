@@ -338,9 +338,21 @@ class LossScaling:
         return grad, torch.tensor(float(skipped)), None if scale is None else torch.tensor(float(scale))
 
     # -- reporting and state (host reads: logging and checkpoint steps only) --------------------------------
-    def metrics(self, external: dict[str, Any] | None = None) -> dict[str, float]:
+    def metric_tensors(self) -> dict[str, torch.Tensor]:
+        """The device values :meth:`metrics` reports (skipped steps; the FP16 loss scale), by metric name, for a
+        caller that reads them with others in one copy."""
+        out: dict[str, torch.Tensor] = {}
+        if self.scaler is not None:
+            scale = None if self.guard else _scale_tensor(self.scaler)
+            if scale is not None and self.scaler.is_enabled():
+                out[M.LOSS_SCALE] = scale
+            out[M.SKIPPED_STEPS] = self.skipped
+        return out
+
+    def metrics(self, external: dict[str, Any] | None = None, host: dict[str, float] | None = None) -> dict[str, float]:
         """``mp/loss_scale``, ``mp/overflow`` and ``mp/skipped_steps``; ``external`` is DeepSpeed's step state
-        (``hf_mixedprec.integrations.deepspeed.deepspeed_step_state``) when the engine owns loss scaling."""
+        (``hf_mixedprec.integrations.deepspeed.deepspeed_step_state``) when the engine owns loss scaling; ``host``
+        the values of :meth:`metric_tensors` already read (else they are read here, in one copy)."""
         out: dict[str, float] = {}
         if external is not None:
             if external.get("loss_scale") is not None:
@@ -349,9 +361,12 @@ class LossScaling:
             if external.get("skipped_steps") is not None:
                 out[M.SKIPPED_STEPS] = float(external["skipped_steps"])
         if self.scaler is not None:
-            if not self.guard:
-                out[M.LOSS_SCALE] = float(self.scaler.get_scale())
-            out[M.SKIPPED_STEPS] = float(self.skipped.item())
+            if host is None:
+                tensors = self.metric_tensors()
+                host = dict(zip(tensors, torch.stack([t.float() for t in tensors.values()]).tolist()))
+            if not self.guard:  # before the scaler's first use (or disabled) its scale is a Python number
+                out[M.LOSS_SCALE] = host[M.LOSS_SCALE] if M.LOSS_SCALE in host else float(self.scaler.get_scale())
+            out[M.SKIPPED_STEPS] = host[M.SKIPPED_STEPS]
         return out
 
     def skipped_count(self) -> int:

@@ -240,9 +240,15 @@ class Clipper:
         valid = self._k.finite(norm) if has_any else torch.zeros((), dtype=torch.bool, device=device)
         return self._clip(names, params, grads, norm, valid)
 
-    def host_sync(self) -> None:
+    def host_request(self) -> Tensor | None:
+        """The 0-d device value :meth:`host_sync` would read (None: nothing), for a caller that reads it with its
+        own values in one copy and hands the result to :meth:`host_sync`."""
+        return None
+
+    def host_sync(self, value: float | None = None) -> None:
         """Called where a host read is due anyway (a logging step): a clipper may read its state here to learn
-        facts that make its next steps cheaper. The default learns nothing."""
+        facts that make its next steps cheaper; ``value`` is :meth:`host_request` already read. The default
+        learns nothing."""
 
     def to(self, device: torch.device | str) -> Clipper:
         """Move the state tensors to ``device`` (done automatically on the first :meth:`clip_`)."""
@@ -418,10 +424,14 @@ class ZClip(Clipper):
         """Bool tensor: whether the warm-up is over (mean and var hold statistics)."""
         return self.count >= self.warmup_steps
 
-    def host_sync(self) -> None:
-        """Learn (one host read) whether the warm-up is over; from then on steps skip the warm-up operations."""
+    def host_request(self) -> Tensor | None:
+        return None if self._warm_done else (self.count >= self.warmup_steps).float()
+
+    def host_sync(self, value: float | None = None) -> None:
+        """Learn (one host read, or ``value`` read by the caller) whether the warm-up is over; from then on steps
+        skip the warm-up operations."""
         if not self._warm_done:
-            self._warm_done = bool(self.count >= self.warmup_steps)
+            self._warm_done = bool(self.count >= self.warmup_steps) if value is None else value > 0.5
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from hf_mixedprec._device import Constants
-from hf_mixedprec.scaling.stats import ROLES, LayerStats
+from hf_mixedprec.scaling.stats import ROLES, LayerStats, StatsLayout, stack_layer_stats, unstack_layer_stats
 from hf_mixedprec.schema import DetectorConfig, DetectorsConfig, HealthConfig
 
 __all__ = ["STEP_DETECTORS", "HealthEvent", "HealthMonitor", "LayerBreach", "layer_breaches", "threshold_of"]
@@ -156,6 +156,7 @@ class HealthMonitor:
         self._cur: dict[str, Tensor] = {}
         self._rows: list[tuple[int, dict[str, Tensor]]] = []
         self._chunks: list[tuple[Tensor, list[tuple[int, tuple[str, ...]]]]] = []
+        self._requested: tuple[list[Any], StatsLayout] = ([], [])  # what check_request stacked, for check
         # device side, only for what must act on the step itself (skip_step reactions)
         self._skip_loss = _skips(d.nonfinite_loss)
         self._skip_grad = _skips(d.nonfinite_grad)
@@ -258,16 +259,28 @@ class HealthMonitor:
     def sync(self) -> None:
         """Read the recorded steps (one device-to-host copy) and run the detectors over them in order."""
         self._flush()
-        if not self._chunks:
-            return
         chunks, self._chunks = self._chunks, []
-        data = torch.cat([c for c, _ in chunks]).tolist() if len(chunks) > 1 else chunks[0][0].tolist()
+        if chunks:
+            self._replay_chunks(chunks, torch.cat([c for c, _ in chunks]).tolist())
+
+    def _replay_chunks(self, chunks: list[tuple[Tensor, list[tuple[int, tuple[str, ...]]]]], data: list[float]) -> None:
         pos = 0
         for _, layout in chunks:
             for step, keys in layout:
                 rec = dict(zip(keys, data[pos : pos + len(keys)]))
                 pos += len(keys)
                 self._replay(step, rec)
+
+    def check_request(self) -> Tensor | None:
+        """Everything the next :meth:`check` reads (the recorded steps, the sampled FP8 layers' statistics) as one
+        flat float32 device tensor, so a caller can read it with its own values in one copy and pass the host
+        values to :meth:`check`; None when there is nothing to read. No host read."""
+        self._flush()
+        chunks, self._chunks = self._chunks, []
+        layers, layout = stack_layer_stats(self.layer_values, self.device)
+        self._requested = (chunks, layout)
+        parts = [c for c, _ in chunks] + ([layers] if layers is not None else [])
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
 
     def _latch(self, name: str, cond: bool, value: float, step: int) -> None:
         if cond and not self.fired[name] and getattr(self.det, name).enabled:
@@ -321,9 +334,18 @@ class HealthMonitor:
             self._latch("death_spiral", spiral, backoffs, step)
             self.prev_scale = scale
 
-    def check(self) -> list[HealthEvent]:
-        """Events fired since the last check (reads device values; call on logging/sampling steps only)."""
-        self.sync()
+    def check(self, values: list[float] | None = None) -> list[HealthEvent]:
+        """Events fired since the last check (reads device values; call on logging/sampling steps only).
+
+        ``values``: the host values of :meth:`check_request`'s tensor, read by the caller; without them this
+        makes the request and reads it itself (one copy)."""
+        if values is None:
+            request = self.check_request()
+            values = [] if request is None else request.tolist()
+        chunks, layout = self._requested
+        self._requested = ([], [])
+        n_steps = sum(len(keys) for _, lay in chunks for _, keys in lay)
+        self._replay_chunks(chunks, values[:n_steps])
         events: list[HealthEvent] = []
         for n in STEP_DETECTORS:
             if self.fired[n]:
@@ -334,18 +356,18 @@ class HealthMonitor:
                 )
             self.fired[n] = False
             self.first_step[n] = -1
-        events += self._check_layers()
+        events += self._check_layers(unstack_layer_stats(values[n_steps:], layout))
         return events
 
-    def _check_layers(self) -> list[HealthEvent]:
+    def _check_layers(self, values: dict[str, dict[str, dict[str, float]]]) -> list[HealthEvent]:
         events: list[HealthEvent] = []
         active = [
             n for n in LAYER_DETECTORS if getattr(self.det, n).enabled and getattr(self.det, n).threshold is not None
         ]
-        if not self.layer_values or not active:
-            self.layer_values = {}
+        self.layer_values = {}
+        if not values or not active:
             return events
-        found = [(layer, layer_breaches(stats.to_floats(), self.det)) for layer, stats in self.layer_values.items()]
+        found = [(layer, layer_breaches(v, self.det)) for layer, v in values.items()]
         for det_name in active:  # events by detector, then layer, then role
             cfg: DetectorConfig = getattr(self.det, det_name)
             for layer, breaches in found:
@@ -354,7 +376,6 @@ class HealthMonitor:
                         op = "<" if b.metric == "sqnr_db" else ">"
                         msg = f"{layer} {b.role} {b.metric} {b.value:.4g} {op} {b.threshold:g}"
                         events.append(HealthEvent(self.step, det_name, cfg.reaction, b.value, b.threshold, msg, layer))
-        self.layer_values = {}
         return events
 
     def skip_flag(self) -> Tensor:
@@ -374,48 +395,56 @@ class HealthMonitor:
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """JSON-friendly state (reads the recorded steps first: call on checkpoint steps only)."""
-        self.sync()
-        return {
-            "version": 1,
-            "step": self.step,
-            **{key: list(getattr(self, key).vals) for key in _HISTORIES},
-            "consecutive": self.consecutive,
-            "prev_scale": self.prev_scale,
-            "skipped_total": self.skipped_total,
-            # latched since the last check: a resumed run turns them into the same events at the same check
-            "latched": {n: [self.first_step[n], self.value[n]] for n in STEP_DETECTORS if self.fired[n]},
-            "layer_values": {
-                layer: {k: float(v) for k, v in stats.items()} for layer, stats in self.layer_values.items()
-            },
-        }
+        return _monitor_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != 1:
-            raise ValueError(f"health monitor state version {state.get('version')!r} (expected 1)")
-        self._cur, self._rows, self._chunks = {}, [], []
-        self.step = int(state["step"])
-        for key in _HISTORIES:
-            hist = getattr(self, key)
-            data = [float(x) for x in state[key]]
-            if len(data) != len(hist.vals):
-                raise ValueError(f"health state {key} has {len(data)} entries, the recipe's window is {len(hist.vals)}")
-            hist.load(data)
-        for name, ring in self._dev_rings.items():
-            src = self.loss_hist if name == "loss_spike" else self.grad_hist
-            ring.buf = torch.tensor(src.vals, dtype=torch.float32, device=self.device)
-        self.consecutive = float(state["consecutive"])
-        self.prev_scale = float(state["prev_scale"])
-        self.skipped_total = float(state["skipped_total"])
-        latched = state.get("latched", {})  # absent in checkpoints written before latches were saved
-        for name in STEP_DETECTORS:
-            self.fired[name] = name in latched
-            self.first_step[name], self.value[name] = (
-                (int(latched[name][0]), float(latched[name][1])) if name in latched else (-1, 0.0)
-            )
-        self.layer_values = {
-            layer: LayerStats.from_flat({k: torch.tensor(float(v), device=self.device) for k, v in stats.items()})
-            for layer, stats in state.get("layer_values", {}).items()
-        }
+        _load_monitor_state(self, state)
+
+
+def _monitor_state(mon: HealthMonitor) -> dict[str, Any]:
+    """:meth:`HealthMonitor.state_dict`."""
+    mon.sync()
+    return {
+        "version": 1,
+        "step": mon.step,
+        **{key: list(getattr(mon, key).vals) for key in _HISTORIES},
+        "consecutive": mon.consecutive,
+        "prev_scale": mon.prev_scale,
+        "skipped_total": mon.skipped_total,
+        # latched since the last check: a resumed run turns them into the same events at the same check
+        "latched": {n: [mon.first_step[n], mon.value[n]] for n in STEP_DETECTORS if mon.fired[n]},
+        "layer_values": {layer: {k: float(v) for k, v in stats.items()} for layer, stats in mon.layer_values.items()},
+    }
+
+
+def _load_monitor_state(mon: HealthMonitor, state: dict[str, Any]) -> None:
+    """:meth:`HealthMonitor.load_state_dict`."""
+    if state.get("version") != 1:
+        raise ValueError(f"health monitor state version {state.get('version')!r} (expected 1)")
+    mon._cur, mon._rows, mon._chunks = {}, [], []
+    mon.step = int(state["step"])
+    for key in _HISTORIES:
+        hist = getattr(mon, key)
+        data = [float(x) for x in state[key]]
+        if len(data) != len(hist.vals):
+            raise ValueError(f"health state {key} has {len(data)} entries, the recipe's window is {len(hist.vals)}")
+        hist.load(data)
+    for name, ring in mon._dev_rings.items():
+        src = mon.loss_hist if name == "loss_spike" else mon.grad_hist
+        ring.buf = torch.tensor(src.vals, dtype=torch.float32, device=mon.device)
+    mon.consecutive = float(state["consecutive"])
+    mon.prev_scale = float(state["prev_scale"])
+    mon.skipped_total = float(state["skipped_total"])
+    latched = state.get("latched", {})  # absent in checkpoints written before latches were saved
+    for name in STEP_DETECTORS:
+        mon.fired[name] = name in latched
+        mon.first_step[name], mon.value[name] = (
+            (int(latched[name][0]), float(latched[name][1])) if name in latched else (-1, 0.0)
+        )
+    mon.layer_values = {
+        layer: LayerStats.from_flat({k: torch.tensor(float(v), device=mon.device) for k, v in stats.items()})
+        for layer, stats in state.get("layer_values", {}).items()
+    }
 
 
 _HISTORIES = ("loss_hist", "grad_hist", "skip_hist", "backoff_hist", "growth_hist")

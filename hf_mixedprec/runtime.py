@@ -26,6 +26,7 @@ import logging
 import os
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_cl
 from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated, monitored_layers
 from hf_mixedprec.health import HealthEvent, HealthMonitor
 from hf_mixedprec.reactions import Reactions
+from hf_mixedprec.scaling.stats import stack_layer_stats, unstack_layer_stats
 from hf_mixedprec.schema import RecipeSpec
 
 __all__ = [
@@ -127,6 +129,7 @@ class MixedPrecisionRuntime:
         self._recording: tuple[list[Any] | None, bool] = (None, False)  # the layers told to record, and what
         self._fp8_pending = False  # a sampled step's FP8 statistics wait for the next check (a logging step)
         self._fp8_metrics: dict[str, float] = {}
+        self._log_read: _LogRead | None = None  # what check() read for this logging step's metrics()
         self._update_probe = _UpdateProbe()
         self.last_norm: torch.Tensor | None = None  # the unscaled gradient norm of the last step (device)
         self._noted_no_loss = False
@@ -328,27 +331,36 @@ class MixedPrecisionRuntime:
 
     # -- check and reporting (host sync: only when a log is due) ---------------------------------------
     def check(self, model: nn.Module, optimizer: Any = None, scheduler: Any = None) -> list[HealthEvent]:
-        """Turn what the detectors latched into events and apply their reactions (host sync: check steps only)."""
+        """Turn what the detectors latched into events and apply their reactions (host sync: check steps only).
+
+        Everything this logging step reports is read here with one device-to-host copy (:func:`_read_for_log`):
+        the detectors' records, the FP8 layers' statistics and what :meth:`metrics` reports next."""
+        self._log_read = _read_for_log(self, model)
         if self.monitor is None:
             return []
-        if self._fp8_pending:
-            self._fp8_metrics = _fp8_layer_metrics(model)
+        if self._log_read.fp8 is not None:
+            self._fp8_metrics = self._log_read.fp8
             self._fp8_pending = False
-        events = self.monitor.check()
+        events = self.monitor.check(self._log_read.monitor)
         self.reactions.apply(events, model, optimizer, scheduler, step=self.steps)
         return events
 
     def metrics(self) -> dict[str, float]:
-        """The ``mp/`` metrics of the last step; reads device values, so only when a log is due."""
-        out = self.amp.metrics(self.external_scaler() if self.external_scaler is not None else None)
+        """The ``mp/`` metrics of the last step; reads device values (with :meth:`check`'s one copy when it ran at
+        this step), so only when a log is due."""
+        got = self._log_read
+        if got is None or got.step != self.steps:
+            got = _read_for_log(self, None)
+        self._log_read = None
+        out = self.amp.metrics(self.external_scaler() if self.external_scaler is not None else None, host=got.amp)
         if self.monitor is not None:
             out[M.HEALTH_EVENTS] = float(len(self.events))
         out.update(self._fp8_metrics)
         self._fp8_metrics = {}
         if self.clipper is not None:
-            self.clipper.host_sync()
-        if self._last is not None:
-            out.update(_clip_metrics(self._last, self.clipper))
+            self.clipper.host_sync(got.clip_sync)
+        if got.clip is not None:
+            out.update(got.clip)
         return out
 
     # -- state -----------------------------------------------------------------------------------------
@@ -374,28 +386,31 @@ class MixedPrecisionRuntime:
     def load_state_dict(self, state: dict[str, Any], model: nn.Module | None = None) -> None:
         """Restore :meth:`state_dict`; with ``model``, also the decisions made on it (FP8 layers a fallback moved
         to high precision are moved again, so the resumed run has the same module types and state-dict keys)."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"hf_mixedprec runtime state version {state.get('version')!r} (expected {STATE_VERSION})")
-        self.steps = int(state["steps"])
-        self.amp.load_counts(
-            state["skipped"], int(state.get("schedule_rewound", 0)), int(state.get("external_skips", 0))
-        )
-        clip = state.get("clipper")
-        if (clip is None) != (self.clipper is None):
-            raise ValueError("checkpointed clipping state does not match the recipe's clipping.method")
-        if clip is not None and self.clipper is not None:
-            self.clipper.load_state_dict({**clip, "state": {k: _from_json(v) for k, v in clip["state"].items()}})
-        if state.get("monitor") is not None and self.monitor is not None:
-            if state.get("stopped"):
-                # the checkpoint was written by a stop reaction: start the detector windows afresh so the
-                # resumed run (often under a changed recipe, with other windows) is not stopped again by the
-                # same history
-                self.monitor.step = int(state["monitor"]["step"])
-                self.monitor.reset_windows()
-                self.note(f"resumed after a health stop ({state['stopped']}); detector windows start afresh")
-            else:
-                self.monitor.load_state_dict(state["monitor"])
-        self.reactions.load(state.get("events", []), state.get("moved_layers", []), model)
+        _load_runtime_state(self, state, model)
+
+
+def _load_runtime_state(rt: MixedPrecisionRuntime, state: dict[str, Any], model: nn.Module | None) -> None:
+    """:meth:`MixedPrecisionRuntime.load_state_dict`."""
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(f"hf_mixedprec runtime state version {state.get('version')!r} (expected {STATE_VERSION})")
+    rt.steps = int(state["steps"])
+    rt.amp.load_counts(state["skipped"], int(state.get("schedule_rewound", 0)), int(state.get("external_skips", 0)))
+    clip = state.get("clipper")
+    if (clip is None) != (rt.clipper is None):
+        raise ValueError("checkpointed clipping state does not match the recipe's clipping.method")
+    if clip is not None and rt.clipper is not None:
+        rt.clipper.load_state_dict({**clip, "state": {k: _from_json(v) for k, v in clip["state"].items()}})
+    if state.get("monitor") is not None and rt.monitor is not None:
+        if state.get("stopped"):
+            # the checkpoint was written by a stop reaction: start the detector windows afresh so the
+            # resumed run (often under a changed recipe, with other windows) is not stopped again by the
+            # same history
+            rt.monitor.step = int(state["monitor"]["step"])
+            rt.monitor.reset_windows()
+            rt.note(f"resumed after a health stop ({state['stopped']}); detector windows start afresh")
+        else:
+            rt.monitor.load_state_dict(state["monitor"])
+    rt.reactions.load(state.get("events", []), state.get("moved_layers", []), model)
 
 
 # -- FP8 layer state: beside a checkpoint's model, never in a saved model's weights ----------------------------------
@@ -560,27 +575,76 @@ def _tell_fp8_layers(model: nn.Module, on: bool, told: tuple[list[Any] | None, b
     return layers, on
 
 
-def _clip_metrics(last: ClipResult, clipper: Clipper | None) -> dict[str, float]:
-    """``mp/grad_norm``, ``mp/clip_threshold`` (when there is one) and ``mp/clipped`` of the last step (host reads)."""
-    out = {M.GRAD_NORM: float(last.total_norm.item())}
-    thr = float(last.threshold.item())
-    boundary = getattr(clipper, "boundary", None)
-    if thr == float("inf") and boundary is not None:
-        thr = float(boundary().item())  # ZClip on an unclipped step: where clipping would start
+@dataclass
+class _LogRead:
+    """A logging step's host values, read with one device-to-host copy (:func:`_read_for_log`)."""
+
+    step: int
+    monitor: list[float] | None = None  # HealthMonitor.check_request's values
+    fp8: dict[str, float] | None = None  # per-layer FP8 metrics (a sampled step since the last log)
+    amp: dict[str, float] = field(default_factory=dict)  # LossScaling.metric_tensors' values
+    clip_sync: float | None = None  # the clipper's host_request
+    clip: dict[str, float] | None = None  # mp/grad_norm, mp/clip_threshold, mp/clipped
+
+
+def _read_for_log(rt: MixedPrecisionRuntime, model: nn.Module | None) -> _LogRead:
+    """Everything a logging step reports, stacked on the device and read with ONE device-to-host copy: the health
+    monitor's records (with ``model``: what :meth:`MixedPrecisionRuntime.check` needs), the FP8 layers' statistics
+    of a sampled step, the loss scale and skipped steps, the clipper's state and the last clip result."""
+    parts: list[torch.Tensor] = []
+    dev = rt.device
+
+    def add(tensors: list[torch.Tensor]) -> slice:
+        start = sum(p.numel() for p in parts)
+        if tensors:
+            flat = [t.detach().reshape(-1) for t in tensors]
+            flat = [t if t.device == dev else t.to(dev) for t in flat]
+            parts.append(torch.cat(flat).float())
+        return slice(start, start + sum(t.numel() for t in tensors))
+
+    got = _LogRead(rt.steps)
+    request = rt.monitor.check_request() if (model is not None and rt.monitor is not None) else None
+    monitor = add([request] if request is not None else [])
+    layers, layout = (None, [])
+    if model is not None and rt.monitor is not None and rt._fp8_pending:
+        layers, layout = stack_layer_stats({n: m.stats for n, m in monitored_layers(model) if m.stats}, dev)
+    fp8 = add([layers] if layers is not None else [])
+    amp_t = rt.amp.metric_tensors()
+    amp = add(list(amp_t.values()))
+    sync = rt.clipper.host_request() if rt.clipper is not None else None
+    clip_sync = add([sync] if sync is not None else [])
+    last, boundary = rt._last, getattr(rt.clipper, "boundary", None)
+    clip_t = [] if last is None else [last.total_norm, last.threshold, last.clipped]
+    clip_t += [boundary()] if (last is not None and boundary is not None) else []
+    clip = add(clip_t)
+    values = torch.cat(parts).tolist() if parts else []  # the one host read
+    if request is not None:
+        got.monitor = values[monitor]
+    if model is not None and rt.monitor is not None and rt._fp8_pending:
+        got.fp8 = _fp8_layer_metrics(unstack_layer_stats(values[fp8], layout))
+    got.amp = dict(zip(amp_t, values[amp]))
+    got.clip_sync = values[clip_sync][0] if sync is not None else None
+    got.clip = _clip_metrics(values[clip]) if last is not None else None
+    return got
+
+
+def _clip_metrics(values: list[float]) -> dict[str, float]:
+    """``mp/grad_norm``, ``mp/clip_threshold`` (when there is one) and ``mp/clipped`` from the host values of the last
+    clip result's total norm, threshold, clipped flag and (ZClip) boundary."""
+    norm, thr, clipped, *boundary = values
+    out = {M.GRAD_NORM: norm}
+    if thr == float("inf") and boundary:
+        thr = boundary[0]  # ZClip on an unclipped step: where clipping would start
     if thr == thr and thr != float("inf"):  # NaN (AGC) and inf (warm-up) are not thresholds
         out[M.CLIP_THRESHOLD] = thr
-    out[M.CLIPPED] = float(last.clipped.item())
+    out[M.CLIPPED] = clipped
     return out
 
 
-def _fp8_layer_metrics(model: nn.Module) -> dict[str, float]:
-    """Per FP8 layer, the worst saturation, underflow and SQNR over its input, weight and gradient (host reads)."""
+def _fp8_layer_metrics(values: dict[str, dict[str, dict[str, float]]]) -> dict[str, float]:
+    """Per FP8 layer, the worst saturation, underflow and SQNR over its input, weight and gradient."""
     out: dict[str, float] = {}
-    for name, m in monitored_layers(model):
-        st = m.stats
-        if not st:
-            continue
-        vals = st.to_floats()  # one device-to-host copy per layer
+    for name, vals in values.items():
         roles = [vals.get(r, {}) for r in ("input", "weight", "grad")]
         out[M.fp8_layer_key(name, "saturation")] = max(v.get("saturation", 0.0) for v in roles)
         out[M.fp8_layer_key(name, "underflow")] = max(v.get("underflow", 0.0) for v in roles)

@@ -12,7 +12,7 @@ recorded on any step and read only when a log is due.  SQNR is torchao's ``compu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,11 +32,14 @@ __all__ = [
     "ROLES",
     "LayerStats",
     "RoleStats",
+    "StatsLayout",
     "mx_clamp_fraction",
     "operand_stats",
     "saturation_fraction",
     "sqnr_db",
+    "stack_layer_stats",
     "underflow_fraction",
+    "unstack_layer_stats",
 ]
 
 #: The GEMM operands of an FP8 Linear, in TE's order (``fp8_quant_fwd_inp``, ``_fwd_weight``, ``_bwd_grad``).
@@ -293,3 +296,46 @@ def operand_stats(
         sqnr_db=sqnr_db(torch.where(finite, x, 0.0), torch.where(finite, x_hat, 0.0)),
         mx_clamp=mx_clamp,
     )
+
+
+#: Where each layer's values sit in :func:`stack_layer_stats`'s tensor: ``(layer, [(role, metric), ...])``.
+StatsLayout = list[tuple[str, list[tuple[str, str]]]]
+
+
+def stack_layer_stats(
+    layers: Mapping[str, LayerStats], device: torch.device | str | None = None
+) -> tuple[torch.Tensor | None, StatsLayout]:
+    """Every measured statistic of ``layers`` as one flat float32 tensor (on ``device``, default the first
+    value's), and the layout :func:`unstack_layer_stats` reads it back with; ``(None, [])`` when nothing was
+    measured. No host read: the caller reads the tensor (with others) in one copy."""
+    layout: StatsLayout = []
+    values: list[torch.Tensor] = []
+    for layer, stats in layers.items():
+        keys = []
+        for role in ROLES:
+            rs = getattr(stats, role)
+            if rs is not None:
+                for metric, v in rs.items():
+                    keys.append((role, metric))
+                    values.append(v.detach().reshape(()))
+        if keys:
+            layout.append((layer, keys))
+    if not values:
+        return None, []
+    dev = torch.device(device) if device is not None else values[0].device
+    flat = torch.stack([v if v.device == dev else v.to(dev) for v in values])
+    return (flat if flat.dtype == torch.float32 else flat.float()), layout
+
+
+def unstack_layer_stats(values: Sequence[float], layout: StatsLayout) -> dict[str, dict[str, dict[str, float]]]:
+    """``layer -> role -> metric -> value`` from the host values of :func:`stack_layer_stats`'s tensor (as
+    :meth:`LayerStats.to_floats` gives for one layer)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    pos = 0
+    for layer, keys in layout:
+        roles: dict[str, dict[str, float]] = {}
+        for role, metric in keys:
+            roles.setdefault(role, {})[metric] = values[pos]
+            pos += 1
+        out[layer] = roles
+    return out
