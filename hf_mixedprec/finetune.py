@@ -849,6 +849,7 @@ def _summary(
         "tokens_per_s": round(tokens / train_s, 1) if train_s > 0 else None,
         "peak_memory_mib": round(peak_mib, 1),
         "peak_memory_source": peak_source,
+        "estimated_memory_mib": _estimated_memory(trainer, loaded, run, rt),
         "health_events": len(events),
         "fallback": fallback,
         "stopped": stopped,
@@ -859,6 +860,52 @@ def _summary(
         "output_dir": str(run.out),
         "saved_model": bool(save),
     }
+
+
+def _estimated_memory(trainer: Any, recipe: Recipe, run: _RunSettings, rt: Any) -> dict[str, float] | None:
+    """What ``hf-mixedprec estimate`` predicts for this run, in MiB by component (None, said loudly, if it cannot)."""
+    from hf_mixedprec.estimate import estimate_memory
+
+    device = trainer.args.device
+    try:
+        est = estimate_memory(
+            trainer.model.config,
+            [recipe],
+            batch_size=run.batch_size,
+            seq_len=run.seq_len,
+            gradient_checkpointing=bool(trainer.args.gradient_checkpointing),
+            num_gpus=trainer.args.world_size,
+            target="gpu" if device.type == "cuda" else "cpu",
+        )
+    except Exception as exc:  # the estimate is a report: it must not fail a finished run, and it says why
+        note = f"memory estimate unavailable: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if rt is not None:
+            rt.note(note)
+        else:
+            logging.getLogger("hf_mixedprec").warning("hf_mixedprec: %s", note)
+        return None
+    return {k: round(v / 2**20, 1) for k, v in est.recipes[0].memory.to_dict().items()}
+
+
+def _estimate_line(s: dict[str, Any]) -> str | None:
+    est = s.get("estimated_memory_mib")
+    if not est:
+        return None
+    parts = ", ".join(
+        f"{label} {est[key]:,.0f}"
+        for key, label in (
+            ("weights", "weights"),
+            ("master_weights", "master weights"),
+            ("gradients", "grads"),
+            ("ddp_buckets", "DDP buckets"),
+            ("optimizer", "optimizer"),
+            ("activations", "activations"),
+            ("fp8_extras", "FP8"),
+        )
+        if est.get(key)
+    )
+    extra = "temporaries" if s["device"] == "cuda" else "the interpreter, libraries and temporaries"
+    return f"estimated:    {est['total']:,.0f} MiB of training tensors ({parts}); the peak also counts {extra}"
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -880,6 +927,8 @@ def format_summary(s: dict[str, Any]) -> str:
         )
     lines.append(f"throughput:   {s['tokens_per_s']:,.0f} tokens/s ({s['train_seconds']:.1f} s of training)")
     lines.append(f"peak memory:  {s['peak_memory_mib']:,.0f} MiB ({s['peak_memory_source']})")
+    if (est_line := _estimate_line(s)) is not None:
+        lines.append(est_line)
     lines.append(f"health:       {s['health_events']} events, {len(s['notes'])} notes (health.json)")
     if s.get("fallback"):
         fb = s["fallback"]

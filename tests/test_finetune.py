@@ -39,6 +39,15 @@ def test_default_run_learns_and_writes_the_report(default_run):
     assert s["tokens_trained"] == 12 * 4 * 32 and s["tokens_per_s"] > 0 and s["peak_memory_mib"] > 0
     for name in ("health.json", "grad_norm.png", "model.safetensors", "tokenizer.json", "config.json"):
         assert (default_run / name).is_file(), name
+    # the estimate printed beside the peak: its weights are the saved model's float32 parameters
+    from safetensors import safe_open
+
+    with safe_open(str(default_run / "model.safetensors"), "pt") as f:
+        n = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (safe_open is no dict)
+    est = s["estimated_memory_mib"]
+    assert est["weights"] == round(4 * n / 2**20, 1) and est["gradients"] == est["weights"]
+    assert abs(est["optimizer"] - 2 * est["weights"]) <= 0.2 and est["activations"] > 0  # AdamW: exp_avg, exp_avg_sq
+    assert est["total"] < s["peak_memory_mib"]
     health = json.loads((default_run / "health.json").read_text())
     assert health["recipe"] == "cpu-bf16" and health["steps"] == 12
     assert sorted(int(k) for k in health["series"]["loss"]) == [1, 3, 6, 9, 12]
