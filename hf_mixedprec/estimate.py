@@ -366,7 +366,9 @@ def _convert(model: nn.Module, recipe: Recipe, backend: str, step: _Step, tokens
         step.fp8_layers = len(report.converted)
         return
     scaling, history = recipe.fp8.scaling, recipe.fp8.amax_history_len or 1024
-    for d in plan_conversion(model, recipe.fp8, backend=backend):
+    decisions = plan_conversion(model, recipe.fp8, backend=backend)
+    step.notes += [f"{recipe.name}: {n}" for n in fp8._unsupported_kind_notes(decisions, backend)]
+    for d in decisions:
         if d.to_swap:
             replace_module(model, d.name, memory.TEMemoryStandIn(model.get_submodule(d.name), scaling))
             step.fp8_layers += 1
@@ -595,8 +597,8 @@ def _config_of(model: Any) -> tuple[Any, str]:
 # -- output --------------------------------------------------------------------------------------------------
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f}"
+def _in(n: int, unit: int) -> str:
+    return f"{n / unit:,.2f}" if unit == GIB else f"{n / unit:,.1f}"
 
 
 def format_estimate(est: MemoryEstimate) -> str:
@@ -609,13 +611,21 @@ def format_estimate(est: MemoryEstimate) -> str:
     )
     gpus = s["gpus"]
     cols = ["recipe", "strategy", "weights", "master", "grads", "optimizer", "activations", "fp8", "total", "% fp32"]
-    lines = [head, "", "GiB per GPU:", "", "| " + " | ".join(cols + gpus) + " |"]
+    unit = GIB if max((r.memory.total for r in est.recipes), default=0) >= GIB else 2**20
+    lines = [head, "", f"{'GiB' if unit == GIB else 'MiB'} per GPU:", "", "| " + " | ".join(cols + gpus) + " |"]
     lines.append("|" + "---|" * 2 + "---:|" * (len(cols) - 2) + "---|" * len(gpus))
     for r in est.recipes:
         m = r.memory
         parts = [m.weights, m.master_weights, m.gradients + m.ddp_buckets, m.optimizer, m.activations, m.fp8_extras]
         fits = [f"{f.verdict} ({f.headroom / GIB:+.1f})" for f in r.fits]
-        row = [r.recipe, r.strategy, *(_gib(p) for p in parts), _gib(m.total), f"{r.percent_of_fp32:.1f}", *fits]
+        row = [
+            r.recipe,
+            r.strategy,
+            *(_in(p, unit) for p in parts),
+            _in(m.total, unit),
+            f"{r.percent_of_fp32:.1f}",
+            *fits,
+        ]
         lines.append("| " + " | ".join(row) + " |")
     lines += [
         "",
