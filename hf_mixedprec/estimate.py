@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_mixedprec.errors import UsageError
+from hf_mixedprec.errors import MixedPrecisionError, UsageError
 from hf_mixedprec.recipe import Recipe, load_recipe, resolve_recipe
 from hf_mixedprec.runtime import compute_dtype
 
@@ -51,6 +51,7 @@ __all__ = [
     "GPUS",
     "OPTIMIZERS",
     "Components",
+    "EstimateUnsupported",
     "GpuFit",
     "MemoryEstimate",
     "RecipeEstimate",
@@ -448,10 +449,10 @@ def _quiet_logs() -> Iterator[None]:
     """transformers and hf_mixedprec log per model build (config checks, conversion notes): not for an estimate."""
     import logging
 
-    loggers = [logging.getLogger(n) for n in ("transformers", "hf_mixedprec")]
+    loggers = [logging.getLogger(n) for n in ("transformers", "hf_mixedprec", "torch._subclasses.fake_tensor")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
@@ -514,13 +515,33 @@ def _fit(total: int, gpus: Sequence[tuple[str, int]]) -> tuple[GpuFit, ...]:
     return tuple(fits)
 
 
+class EstimateUnsupported(MixedPrecisionError):
+    """The model's training step cannot run on fake tensors (said in one line, with the model type and recipe)."""
+
+
+def _run_fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.dtype | None = None) -> _Step:
+    try:
+        return _fake_step(config, recipe, s, model_dtype=model_dtype)
+    except UsageError:
+        raise
+    except Exception as exc:
+        kind = getattr(config, "model_type", type(config).__name__)
+        hint = ""
+        if "grouped_mm" in str(exc) or "Expected inputs of BF16 type" in str(exc):
+            hint = "; mixture-of-experts layers (torch._grouped_mm) have no fake-tensor kernel for float32 inputs"
+        raise EstimateUnsupported(
+            f"estimate: model type {kind!r} under recipe {recipe.name!r}: its training step cannot run on fake "
+            f"tensors ({type(exc).__name__}: {_first_line(exc)}){hint}"
+        ) from None
+
+
 def _estimate_one(config: Any, recipe: Recipe, s: _Settings) -> tuple[Components, _Step, str]:
     strategy, stage, n = _strategy(recipe, s)
-    step = _fake_step(config, recipe, s)
+    step = _run_fake_step(config, recipe, s)
     half = None
     if strategy == "deepspeed" and recipe.precision in ("bf16", "fp16"):
         dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float16
-        half = _fake_step(config, recipe, replace(s, optimizer="sgd"), model_dtype=dtype).activations
+        half = _run_fake_step(config, recipe, replace(s, optimizer="sgd"), model_dtype=dtype).activations
     label = strategy if strategy != "deepspeed" else f"deepspeed ZeRO-{stage}"
     if n > 1:
         label += f" x{n}"

@@ -310,3 +310,16 @@ def test_config_file_without_model_type_is_refused(tmp_path, capsys):
     bad.write_text(json.dumps({"hidden_size": 8}))
     assert main(["estimate", "--config", str(bad), "--recipes", "cpu-bf16"]) == 2
     assert "model_type" in capsys.readouterr().err
+
+
+def test_a_model_whose_step_cannot_run_on_fake_tensors_is_one_line_and_exit_2(tmp_path, capsys):
+    from transformers import AutoConfig
+
+    from hf_mixedprec.cli import main
+
+    moe = AutoConfig.for_model("mixtral", **{k: v for k, v in TINY_LLAMA.items() if k != "tie_word_embeddings"})
+    moe.num_local_experts = 4
+    moe.save_pretrained(tmp_path)
+    assert main(["estimate", "--model", str(tmp_path), "--recipes", "a100-bf16", "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'mixtral'" in err and "a100-bf16" in err, err
