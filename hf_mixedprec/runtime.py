@@ -38,10 +38,23 @@ from hf_mixedprec import metrics as M
 from hf_mixedprec._device import Constants, is_main_rank
 from hf_mixedprec.amp import GuardScaler, LossScaling
 from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper
-from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated, monitored_layers
+from hf_mixedprec.fp8 import (
+    ConversionReport,
+    EmulatedFP8GEMM,
+    convert,
+    fp8_step,
+    iter_emulated,
+    monitored_layers,
+)
 from hf_mixedprec.health import HealthEvent, HealthMonitor
 from hf_mixedprec.reactions import Reactions
-from hf_mixedprec.scaling.stats import stack_layer_stats, unstack_layer_stats
+from hf_mixedprec.scaling.stats import (
+    LayerStats,
+    finish_operand_stats,
+    layer_stats_of,
+    stack_layer_stats,
+    unstack_layer_stats,
+)
 from hf_mixedprec.schema import RecipeSpec
 
 __all__ = [
@@ -128,6 +141,7 @@ class MixedPrecisionRuntime:
         self._sampling = False
         self._recording: tuple[list[Any] | None, bool] = (None, False)  # the layers told to record, and what
         self._fp8_pending = False  # a sampled step's FP8 statistics wait for the next check (a logging step)
+        self._fp8_samples: list[_FP8Sample] = []  # those samples, not yet handed to the monitor
         self._fp8_metrics: dict[str, float] = {}
         self._log_read: _LogRead | None = None  # what check() read for this logging step's metrics()
         self._update_probe = _UpdateProbe()
@@ -299,7 +313,7 @@ class MixedPrecisionRuntime:
                 self.monitor.observe_update(ratio, self.amp.found_inf)
             self.monitor.post_step(skipped=self.amp.found_inf, scale=self.amp.device_scale())
             if self._sampling and self.recipe.precision == "fp8":
-                self.monitor.observe_fp8({name: m.stats for name, m in monitored_layers(model)})
+                self._fp8_samples.append(_FP8Sample(model))  # finished and observed at the next check
                 self._fp8_pending = True
         self.amp.after_step(optimizer)
         self.steps += 1
@@ -366,6 +380,7 @@ class MixedPrecisionRuntime:
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """JSON-friendly state (lists, not tensors) so it fits Trainer's trainer_state.json exactly."""
+        _observe_fp8_samples(self)  # the monitor's state holds them
         clip = None
         if self.clipper is not None:
             sd = self.clipper.state_dict()
@@ -575,6 +590,35 @@ def _tell_fp8_layers(model: nn.Module, on: bool, told: tuple[list[Any] | None, b
     return layers, on
 
 
+class _FP8Sample:
+    """A sampled step's FP8 statistics, kept as taken: the emulated layers' raw rows stacked (one operation for
+    all layers), the other backends' probes as they are; finished and given to the monitor at the next check."""
+
+    def __init__(self, model: nn.Module) -> None:
+        layers = monitored_layers(model)
+        emulated = [(n, m) for n, m in layers if isinstance(m, EmulatedFP8GEMM) and m.raw_stats is not None]
+        self.names = [n for n, _ in emulated]
+        self.flags = [(m.measured, m.spec.scaling == "mxfp8") for _, m in emulated]
+        self.raw = torch.stack([m.raw_stats for _, m in emulated]) if emulated else None
+        self.others = {n: m.stats for n, m in layers if not isinstance(m, EmulatedFP8GEMM) and m.stats}
+
+    def layer_stats(self) -> dict[str, LayerStats]:
+        out = dict(self.others)
+        if self.raw is not None:
+            tables = finish_operand_stats(self.raw).unbind(0)
+            for name, table, (measured, mx) in zip(self.names, tables, self.flags):
+                out[name] = layer_stats_of(table, measured, mx)
+        return out
+
+
+def _observe_fp8_samples(rt: MixedPrecisionRuntime) -> None:
+    """Hand the FP8 samples taken since the last check to the health monitor (device operations only)."""
+    samples, rt._fp8_samples = rt._fp8_samples, []
+    if rt.monitor is not None:
+        for sample in samples:
+            rt.monitor.observe_fp8(sample.layer_stats())
+
+
 @dataclass
 class _LogRead:
     """A logging step's host values, read with one device-to-host copy (:func:`_read_for_log`)."""
@@ -603,6 +647,8 @@ def _read_for_log(rt: MixedPrecisionRuntime, model: nn.Module | None) -> _LogRea
         return slice(start, start + sum(t.numel() for t in tensors))
 
     got = _LogRead(rt.steps)
+    if model is not None:
+        _observe_fp8_samples(rt)
     request = rt.monitor.check_request() if (model is not None and rt.monitor is not None) else None
     monitor = add([request] if request is not None else [])
     layers, layout = (None, [])

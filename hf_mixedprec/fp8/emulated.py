@@ -26,6 +26,7 @@ that don't log pay nothing and nothing syncs with the host.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,14 +45,13 @@ from hf_mixedprec.scaling import (
     dequantize_blockwise,
     dequantize_fp8,
     dequantize_mxfp8,
-    operand_stats,
     quantize_blockwise,
     quantize_fp8,
     quantize_mxfp8,
     tensor_amax,
 )
 from hf_mixedprec.scaling.fp8 import delayed_scaled_max
-from hf_mixedprec.scaling.stats import ROLES
+from hf_mixedprec.scaling.stats import finish_operand_stats, layer_stats_of, raw_operand_stats
 from hf_mixedprec.schema import FP8Config
 
 __all__ = [
@@ -143,7 +143,10 @@ class EmulatedFP8GEMM(nn.Module):
             self.register_buffer("fp8_scale", torch.ones(3, device=dev))
             self.register_buffer("fp8_amax_pending", torch.zeros(3, device=dev), persistent=False)
         self.record_stats = False
-        self.stats = LayerStats()
+        #: sampled statistics, one :func:`~hf_mixedprec.scaling.stats.raw_operand_stats` row per role (NaN: never
+        #: measured); read as :attr:`stats`
+        self.raw_stats: Tensor | None = None
+        self.measured: tuple[bool, bool, bool] = (False, False, False)  # host-side: which roles have a row
 
     def extra_repr(self) -> str:
         fmt = f"{self.spec.fwd_format}/{self.spec.bwd_format}"
@@ -153,7 +156,7 @@ class EmulatedFP8GEMM(nn.Module):
     def _fmt(self, role: int) -> NumberFormat:
         return self.bwd_fmt if role == 2 else self.fwd_fmt
 
-    def _qdq_tensorwise(self, t: Tensor, role: int) -> _Quantized:
+    def _qdq_tensorwise(self, t: Tensor, role: int) -> tuple[_Quantized, Tensor]:
         fmt = self._fmt(role)
         amax = tensor_amax(t)
         if self.spec.scaling == "delayed":
@@ -164,7 +167,7 @@ class EmulatedFP8GEMM(nn.Module):
         else:
             scale = current_scale(amax, fmt=fmt, epsilon=self.spec.epsilon, power_2=self.spec.power_2_scales)
         q = quantize_fp8(t, scale, fmt)
-        return _Quantized(dequantize_fp8(q, scale), q)
+        return _Quantized(dequantize_fp8(q, scale), q), amax
 
     def _qdq_blocked(
         self, t: Tensor, role: int, dim: int, weight_block: bool = False, src_dtype: torch.dtype | None = None
@@ -193,13 +196,27 @@ class EmulatedFP8GEMM(nn.Module):
             deq, data = deq.transpose(0, 1), data.transpose(0, 1)
         return _Quantized(deq, data)
 
-    def _record(self, role: int, t: Tensor, q: _Quantized) -> None:
-        """Device-side health statistics of one quantization (no host sync).
+    def _record(self, role: int, t: Tensor, q: _Quantized, amax: Tensor | None) -> None:
+        """Device-side health statistics of one quantization (no host sync): the sums behind them, from the tensors
+        the quantization made, into row ``role`` of :attr:`raw_stats`; :attr:`stats` finishes them when read.
 
         MX clamp is measured on the rowwise blocks (along the last dim), the ones recorded here.
         """
-        st = operand_stats(t, q.data, q.deq, self._fmt(role), scale_codes=q.codes, block_size=self.spec.block_size)
-        self.stats = self.stats.with_role(ROLES[role], st)
+        row = raw_operand_stats(
+            t, q.data, q.deq, self._fmt(role), amax=amax, scale_codes=q.codes, block_size=self.spec.block_size
+        )
+        if self.raw_stats is None or self.raw_stats.device != row.device:
+            self.raw_stats = torch.full((3, row.numel()), math.nan, dtype=row.dtype, device=row.device)
+        self.raw_stats[role] = row
+        self.measured = tuple(m or r == role for r, m in enumerate(self.measured))  # type: ignore[assignment]
+
+    @property
+    def stats(self) -> LayerStats:
+        """The latest sampled statistics of each operand (a :class:`~hf_mixedprec.scaling.stats.LayerStats` of
+        device tensors; empty before the first sampled step)."""
+        if self.raw_stats is None:
+            return LayerStats()
+        return layer_stats_of(finish_operand_stats(self.raw_stats), self.measured, self.spec.scaling == "mxfp8")
 
     def quantize_for(self, t: Tensor, role: int, *, gemm: str, src_dtype: torch.dtype | None = None) -> _Quantized:
         """Quantize ``t`` (2-D, float32) for one GEMM operand.
@@ -208,14 +225,15 @@ class EmulatedFP8GEMM(nn.Module):
         the first dim of W) or "wgrad" (over the first, token dim of dy and x). ``src_dtype``: the operand's type
         before it was upcast to float32 (default float32).
         """
+        amax = None
         if self.spec.scaling in ("delayed", "current"):
-            q = self._qdq_tensorwise(t, role)
+            q, amax = self._qdq_tensorwise(t, role)
         else:
             weight_block = role == 1 and self.spec.scaling == "blockwise"
             dim = 0 if (gemm == "wgrad" or (gemm == "dgrad" and role == 1)) else -1
             q = self._qdq_blocked(t, role, dim, weight_block, src_dtype)
         if self.record_stats and gemm != "wgrad" and not (role == 1 and gemm == "dgrad"):
-            self._record(role, t, q)
+            self._record(role, t, q, amax)
         return q
 
     # -- forward -----------------------------------------------------------------------------------

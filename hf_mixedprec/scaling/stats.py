@@ -12,11 +12,13 @@ recorded on any step and read only when a log is due.  SQNR is torchao's ``compu
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from hf_mixedprec._device import Constants
 from hf_mixedprec.scaling.fp8 import (
     FP8Format,
     _exp2_int,
@@ -29,12 +31,16 @@ from hf_mixedprec.scaling.mx import _blocked, _check_block_size, _check_rounding
 
 __all__ = [
     "METRICS",
+    "RAW_COLUMNS",
     "ROLES",
     "LayerStats",
     "RoleStats",
     "StatsLayout",
+    "finish_operand_stats",
+    "layer_stats_of",
     "mx_clamp_fraction",
     "operand_stats",
+    "raw_operand_stats",
     "saturation_fraction",
     "sqnr_db",
     "stack_layer_stats",
@@ -339,3 +345,80 @@ def unstack_layer_stats(values: Sequence[float], layout: StatsLayout) -> dict[st
             pos += 1
         out[layer] = roles
     return out
+
+
+#: The columns of :func:`raw_operand_stats`: what one quantization's statistics are made of, summed on the device.
+RAW_COLUMNS = ("finite", "zero", "underflow", "clipped", "norm", "noise_norm", "amax", "mx_clamp")
+
+
+def raw_operand_stats(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    x_hat: torch.Tensor,
+    fmt: FP8Format,
+    *,
+    amax: torch.Tensor | None = None,
+    saturated: torch.Tensor | None = None,
+    scale_codes: torch.Tensor | None = None,
+    block_size: int = 32,
+) -> torch.Tensor:
+    """The sums behind :func:`operand_stats`, as one float64 vector (:data:`RAW_COLUMNS`), in a few passes over the
+    tensors the quantization already made; :func:`finish_operand_stats` turns rows of it (many layers and roles at
+    once) into the statistics, later and batched.
+
+    ``amax``: :func:`tensor_amax` of ``x`` when the quantization computed it (per-tensor scaling); ``saturated``:
+    the mask ``|data| >= fmt.max`` when the caller has a cheaper way to it. Counts, amax and MX clamp give exactly
+    :func:`operand_stats`'s values; the L2 norms are accumulated in float64 (no overflow, no scaling needed), so the
+    SQNR agrees with :func:`sqnr_db`'s float32 sums to float32 rounding. No host sync.
+    """
+    f = _fp8_format(fmt)
+    zero_t, inf_t = _K(0.0, x.device), _K(math.inf, x.device)
+    ax, ah = x.abs(), x_hat.abs()
+    finite = torch.lt(ax, inf_t)  # NaN and inf compare False
+    zero = torch.eq(ax, zero_t)
+    under = torch.gt(torch.eq(ah, zero_t), zero) & finite  # x finite and non-zero, x_hat zero
+    if saturated is None:
+        saturated = data.float().abs() >= f.max
+    clipped = saturated & torch.gt(ax, ah) & finite
+    counts = torch.stack([finite, zero, under, clipped]).reshape(4, -1).sum(1).to(torch.float64)
+    pair = torch.where(finite, torch.stack([x, x - x_hat]), zero_t)  # the finite values and their noise
+    norms = torch.linalg.vector_norm(pair.reshape(2, -1), dim=1, dtype=torch.float64)
+    a = tensor_amax(x) if amax is None else amax
+    if scale_codes is not None:
+        codes = scale_codes.to(torch.int32)
+        block_amax = torch.where(finite, ax, zero_t).reshape(*x.shape[:-1], -1, block_size).amax(-1)
+        mx = ((codes == 254) | ((codes == 0) & (block_amax > 0))).float().mean()
+    else:
+        mx = _K(math.nan, x.device)
+    return torch.cat([counts, norms, torch.stack([a.reshape(()), mx]).to(torch.float64)])
+
+
+#: cached 0-d float32 constants (no scalar-to-tensor wrap per operation)
+_K = Constants()
+
+
+def finish_operand_stats(raw: torch.Tensor) -> torch.Tensor:
+    """Rows of :func:`raw_operand_stats` (shape ``[..., 8]``) -> ``[..., 5]`` float32 in :data:`METRICS` order
+    (amax, saturation, underflow, sqnr_db, mx_clamp; NaN where not measured). A fixed number of operations for any
+    number of rows."""
+    finite, zero, under, clipped, norm, noise_norm, amax, mx = raw.unbind(-1)
+    one = torch.ones((), dtype=torch.float32, device=raw.device)
+    n_finite = torch.maximum(finite.float(), one)
+    n_nonzero = torch.maximum((finite - zero).float(), one)
+    db = 20.0 * torch.log10(norm / noise_norm)
+    db = torch.where(noise_norm == 0, math.inf, db).float()
+    out = torch.stack([amax.float(), clipped.float() / n_finite, under.float() / n_nonzero, db, mx.float()], -1)
+    return torch.where(torch.isnan(finite).unsqueeze(-1), math.nan, out)
+
+
+def layer_stats_of(table: torch.Tensor, measured: Sequence[bool], mx_clamp: bool) -> LayerStats:
+    """A :class:`LayerStats` of views into one layer's :func:`finish_operand_stats` table (``[3, 5]``, rows in
+    :data:`ROLES` order); ``measured`` says which roles have a row and ``mx_clamp`` whether that metric was
+    measured (both host facts: nothing is read)."""
+    rows = table.unbind(0)
+    roles = {}
+    for role, row, seen in zip(ROLES, rows, measured):
+        if seen:
+            amax, sat, under, db, mx = row.unbind(0)
+            roles[role] = RoleStats(amax, sat, under, db, mx if mx_clamp else None)
+    return LayerStats(**roles)

@@ -1,0 +1,134 @@
+"""What an FP8-sampled step costs against one that does not sample, on the emulated tiny Llama.
+
+A sampled step (every ``health.fp8_sample_every`` optimizer steps) records each FP8 layer's statistics (amax,
+saturation, underflow, SQNR) of its input, weight and output gradient. One training loop driven through
+``MixedPrecisionRuntime`` (the hooks the Trainer callback calls) alternates unsampled and sampled steps, so each
+pair is measured back to back under the same machine load; a pair's ratio is sampled / unsampled step time (process
+CPU time and wall time; forward, backward, clipping, optimizer and every hook).
+
+    python scripts/bench_fp8_sampling.py                        # h100-fp8-delayed, tiny Llama, 60 pairs
+    python scripts/bench_fp8_sampling.py --recipe h100-fp8-current b200-mxfp8 --pairs 100 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+
+import hf_mixedprec
+from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
+from hf_mixedprec.runtime import MixedPrecisionRuntime
+
+
+def _setup(name: str, layers: int, seed: int = 0) -> tuple[MixedPrecisionRuntime, Any, Any, Any]:
+    recipe = hf_mixedprec.load_recipe(name, rehearse=True)
+    rt = MixedPrecisionRuntime(recipe, device="cpu")
+    model = tiny_llama(seed=seed, num_hidden_layers=layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    rt.convert_model(model, opt)
+    scaler = rt.make_grad_scaler() or rt.make_guard_scaler()
+    return rt, model, opt, scaler
+
+
+def _step(rt: MixedPrecisionRuntime, model: Any, opt: Any, scaler: Any, batch: torch.Tensor, sample: bool) -> None:
+    """One optimizer step as the Trainer callback runs it; ``sample`` forces this step to record FP8 statistics."""
+    rt.begin_step(model)
+    if sample != rt._sampling:  # the recipe's interval would sample other steps: this bench picks them
+        rt._sampling = sample
+        rt._recording = hf_mixedprec.runtime._tell_fp8_layers(model, sample, rt._recording)
+    with rt.autocast():
+        loss = model(input_ids=batch, labels=batch).loss
+    rt.record_loss(loss)
+    scaler.scale(loss).backward()
+    rt.before_optimizer_step(model.parameters(), opt)
+    scaler.step(opt)
+    scaler.update()
+    rt.after_optimizer_step(model, opt)
+    rt.rewind_schedule(opt, None)
+    opt.zero_grad(set_to_none=True)
+
+
+def bench(name: str, layers: int, pairs: int, warmup: int, batch_size: int, seq_len: int) -> dict[str, Any]:
+    rt, model, opt, scaler = _setup(name, layers)
+    n = 2 * (pairs + warmup)
+    batches = byte_batches(builtin_text(), seq_len=seq_len, batch_size=batch_size, n_batches=n, seed=0)
+    cpu: dict[bool, list[float]] = {False: [], True: []}
+    wall: dict[bool, list[float]] = {False: [], True: []}
+    for i, batch in enumerate(batches):
+        sample = i % 4 in (1, 2)  # U S S U, U S S U ...: each kind goes first as often as second
+        c0, w0 = time.process_time(), time.perf_counter()
+        _step(rt, model, opt, scaler, batch, sample)
+        c1, w1 = time.process_time(), time.perf_counter()
+        if i >= 2 * warmup:
+            cpu[sample].append(c1 - c0)
+            wall[sample].append(w1 - w0)
+        if sample and i % 4 == 2:
+            rt.check(model)  # what the logging step after a sample does (one read); not timed
+            rt.metrics()
+    ratios = [s / u for s, u in zip(cpu[True], cpu[False])]
+    ratios_wall = [s / u for s, u in zip(wall[True], wall[False])]
+    return {
+        "recipe": name,
+        "layers": layers,
+        "fp8_layers": len(rt.fp8_report.converted) if rt.fp8_report else 0,
+        "pairs": len(ratios),
+        "unsampled_ms_median": statistics.median(cpu[False]) * 1e3,
+        "sampled_ms_median": statistics.median(cpu[True]) * 1e3,
+        "ratio_median": statistics.median(ratios),
+        "ratio_wall_median": statistics.median(ratios_wall),
+        "ratio_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", nargs="+", default=["h100-fp8-delayed"])
+    ap.add_argument("--layers", nargs="+", type=int, default=[2], help="Llama blocks (7 FP8 Linears each)")
+    ap.add_argument("--pairs", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=5, help="pairs discarded first")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    opts = ap.parse_args(argv)
+    torch.set_num_threads(opts.threads)
+    logging.getLogger("hf_mixedprec").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    rows = [
+        bench(r, n, opts.pairs, opts.warmup, opts.batch_size, opts.seq_len) for r in opts.recipe for n in opts.layers
+    ]
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    print(
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (allowed: {cpus}), "
+        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}; batch {opts.batch_size} x "
+        f"{opts.seq_len} tokens; sampled and unsampled steps alternate (U S S U), {opts.pairs} pairs"
+    )
+    print(
+        "| recipe | blocks (FP8 Linears) | unsampled ms (median) | sampled ms (median) | ratio, CPU time (median "
+        "of pairs) | ratio, wall | pair quartiles |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
+    for r in rows:
+        print(
+            f"| {r['recipe']} (rehearsed) | {r['layers']} ({r['fp8_layers']}) | {r['unsampled_ms_median']:.2f} "
+            f"| {r['sampled_ms_median']:.2f} | {r['ratio_median']:.3f} | {r['ratio_wall_median']:.3f} "
+            f"| {r['ratio_quartiles']} |"
+        )
+    if opts.json:
+        with open(opts.json, "w", encoding="utf-8") as f:
+            json.dump({"torch": torch.__version__, "settings": vars(opts), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
