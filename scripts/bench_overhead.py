@@ -43,6 +43,13 @@ threads made steps up to 30x slower at random, on either side (ratios per round 
     python scripts/bench_overhead.py                       # cpu-bf16, tiny Llama
     python scripts/bench_overhead.py --model tiny small --log-every 0 10 --steps 100 --repeats 16 --control
     python scripts/bench_overhead.py --json --out overhead.json
+    python scripts/bench_overhead.py --hooks --recipe cpu-bf16 v100-fp16 h100-fp8-delayed --layers 2 8 16
+
+``--hooks`` measures the hooks directly instead: a loop drives ``MixedPrecisionRuntime`` as the Trainer callback
+does, and each hook (``begin_step``, ``before_optimizer_step``, ``after_optimizer_step``, and ``check`` +
+``metrics`` on a logging step) is timed on its own (median microseconds of process CPU time) and its tensor
+operations counted (a ``TorchDispatchMode``: one per aten call, a foreach op counting once), for a non-logging
+step, a logging step and an FP8-sampled step, on Llamas of ``--layers`` blocks (7 Linears each).
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ import warnings
 from typing import Any
 
 import torch
+import torch.utils._python_dispatch
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -433,6 +441,115 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+HOOKS = ("begin_step", "before_optimizer_step", "after_optimizer_step", "check+metrics")
+
+
+class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _hook_step(rt: Any, model: Any, opt: Any, scaler: Any, batch: torch.Tensor, kind: str, count: bool) -> dict:
+    """One optimizer step driven as the Trainer callback drives it; per hook, CPU microseconds (or op counts)."""
+    from hf_mixedprec.runtime import _tell_fp8_layers
+
+    out: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> None:
+        if count:
+            with _OpCount() as c:
+                fn()
+            out[name] = out.get(name, 0) + c.n
+        else:
+            t0 = time.process_time()
+            fn()
+            out[name] = out.get(name, 0.0) + (time.process_time() - t0) * 1e6
+
+    def begin() -> None:
+        rt.begin_step(model)
+        if rt.recipe.precision == "fp8" and (kind == "fp8-sampled") != rt._sampling:  # this bench picks the steps
+            rt._sampling = kind == "fp8-sampled"
+            rt._recording = _tell_fp8_layers(model, rt._sampling, rt._recording)
+
+    timed("begin_step", begin)
+    with rt.autocast():
+        loss = model(input_ids=batch, labels=batch).loss
+    rt.record_loss(loss)
+    scaler.scale(loss).backward()
+    timed("before_optimizer_step", lambda: rt.before_optimizer_step(model.parameters(), opt))
+    scaler.step(opt)
+    scaler.update()
+    timed("after_optimizer_step", lambda: rt.after_optimizer_step(model, opt))
+    rt.rewind_schedule(opt, None)
+    if kind == "logging":
+        timed("check+metrics", lambda: (rt.check(model, opt), rt.metrics()))
+    opt.zero_grad(set_to_none=True)
+    return out
+
+
+def bench_hooks(name: str, layers: int, opts: argparse.Namespace) -> list[dict]:
+    """Per hook: median CPU microseconds and tensor operations, per step kind, for one recipe and model depth."""
+    from hf_mixedprec.runtime import MixedPrecisionRuntime
+
+    recipe, rehearsed = load(name, opts.rehearse)
+    rt = MixedPrecisionRuntime(recipe, device="cpu", rehearse=rehearsed or recipe.rehearse)
+    model = tiny_llama(seed=0, num_hidden_layers=layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    rt.convert_model(model, opt)
+    scaler = rt.make_grad_scaler() or rt.make_guard_scaler()
+    kinds = ["non-logging", "logging"] + (["fp8-sampled"] if recipe.precision == "fp8" else [])
+    n = opts.steps + opts.warmup
+    batches = byte_batches(builtin_text(), seq_len=opts.seq_len, batch_size=opts.batch_size, n_batches=3 * n, seed=0)
+    rows = []
+    times: dict[str, list[dict]] = {k: [] for k in kinds}
+    for i, batch in enumerate(batches[: len(kinds) * n]):
+        kind = kinds[i % len(kinds)]
+        got = _hook_step(rt, model, opt, scaler, batch, kind, count=False)
+        if i >= len(kinds) * opts.warmup:
+            times[kind].append(got)
+    for kind in kinds:
+        ops = _hook_step(rt, model, opt, scaler, batches[-1], kind, count=True)
+        if kind == "fp8-sampled":  # its statistics are read at the next check: count that too
+            rt.check(model, opt)
+            rt.metrics()
+        us = {h: statistics.median(t.get(h, 0.0) for t in times[kind]) for h in HOOKS}
+        rows.append(
+            {
+                "recipe": name,
+                "rehearsed": rehearsed,
+                "layers": layers,
+                "fp8_layers": len(rt.fp8_report.converted) if rt.fp8_report else 0,
+                "step": kind,
+                "us": us,
+                "us_total": sum(us.values()),
+                "ops": {h: ops.get(h, 0) for h in HOOKS},
+                "ops_total": sum(ops.values()),
+            }
+        )
+    return rows
+
+
+def hooks_table(rows: list[dict]) -> str:
+    head = " | ".join(f"{h} µs / ops" for h in HOOKS)
+    out = [
+        f"| recipe | blocks (FP8 Linears) | step | {head} | total µs / ops |",
+        "| --- | --- | --- |" + " ---: |" * (len(HOOKS) + 1),
+    ]
+    for r in rows:
+        cells = " | ".join(f"{r['us'][h]:.0f} / {r['ops'][h]}" for h in HOOKS)
+        name = r["recipe"] + (" (rehearsed)" if r["rehearsed"] else "")
+        out.append(
+            f"| {name} | {r['layers']} ({r['fp8_layers']}) | {r['step']} | {cells} "
+            f"| {r['us_total']:.0f} / {r['ops_total']} |"
+        )
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -468,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-rehearse", dest="rehearse", action="store_false", help="refuse recipes this machine can't run"
     )
+    ap.add_argument("--hooks", action="store_true", help="measure each hook's CPU time and tensor ops (see above)")
+    ap.add_argument("--layers", nargs="+", type=int, default=[2, 8, 16], help="--hooks: Llama blocks (default 2 8 16)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON on stdout instead of the table")
     ap.add_argument("--out", metavar="FILE", help="also write the results as JSON to FILE")
     opts = ap.parse_args(argv)
@@ -486,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("hf_mixedprec").setLevel(logging.ERROR)  # notes would be repeated every repetition
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
+    if opts.hooks:
+        return main_hooks(opts)
     data = Bytes(n=opts.batch_size * (opts.warmup + opts.steps + 2), seq_len=opts.seq_len)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, stdout_to_stderr():
@@ -514,6 +635,25 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows))
     bad = [r for r in rows if not math.isfinite(r["ratio_median"])]
     return 1 if bad else 0
+
+
+def main_hooks(opts: argparse.Namespace) -> int:
+    with stdout_to_stderr():
+        rows = [r for name in opts.recipe for n in opts.layers for r in bench_hooks(name, n, opts)]
+    doc = {"machine": machine(), "settings": {k: v for k, v in vars(opts).items()}, "hook_rows": rows}
+    if opts.out:
+        with open(opts.out, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2)
+    if opts.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        m = doc["machine"]
+        print(
+            f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}; batch "
+            f"{opts.batch_size} x {opts.seq_len} tokens; {opts.steps} steps of each kind after {opts.warmup} warm-up"
+        )
+        print(hooks_table(rows))
+    return 0
 
 
 if __name__ == "__main__":

@@ -116,3 +116,36 @@ def test_bench_overhead_tiny(tmp_path, interleave):
         )
     assert doc["machine"]["torch_threads"] == 1
     assert doc["settings"]["interleave"] == interleave
+
+
+def test_bench_overhead_hooks_reports_us_and_ops_per_hook():
+    doc = _run(
+        [
+            "scripts/bench_overhead.py",
+            "--hooks",
+            "--recipe",
+            "cpu-bf16",
+            "h100-fp8-delayed",
+            "--layers",
+            "2",
+            "4",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--cpu",
+            "-2",
+            "--json",
+        ]
+    )
+    rows = {(r["recipe"], r["layers"], r["step"]): r for r in doc["hook_rows"]}
+    assert set(rows) == {
+        *(("cpu-bf16", n, k) for n in (2, 4) for k in ("non-logging", "logging")),
+        *(("h100-fp8-delayed", n, k) for n in (2, 4) for k in ("non-logging", "logging", "fp8-sampled")),
+    }
+    for r in rows.values():
+        assert all(v >= 0 for v in r["us"].values()) and r["us_total"] > 0
+        assert r["ops_total"] == sum(r["ops"].values()) > 0
+    for kind in ("non-logging", "fp8-sampled"):  # FP8 state and hooks: as many operations for 14 as for 28 Linears
+        assert rows[("h100-fp8-delayed", 2, kind)]["ops"] == rows[("h100-fp8-delayed", 4, kind)]["ops"]
+    assert rows[("h100-fp8-delayed", 4, "non-logging")]["fp8_layers"] == 28
