@@ -380,11 +380,28 @@ def _convert(model: nn.Module, recipe: Recipe, backend: str, step: _Step, tokens
     )
 
 
+@contextlib.contextmanager
+def _accelerate_state_kept() -> Iterator[None]:
+    """Building ``TrainingArguments`` resets Accelerate's process-wide state (``AcceleratorState._reset_state``),
+    which breaks an ``Accelerator`` or ``Trainer`` the caller already has: put it back afterwards."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    saved = [(cls, dict(cls._shared_state)) for cls in (PartialState, AcceleratorState, GradientState)]
+    try:
+        yield
+    finally:
+        for cls, state in saved:
+            cls._shared_state.clear()
+            cls._shared_state.update(state)
+
+
 def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    """The optimizer Trainer builds for ``TrainingArguments(optim=...)``, from Trainer's own mapping."""
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(output_dir=os.devnull, optim=OPTIMIZERS[name], report_to=[], use_cpu=True)
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    with _accelerate_state_kept():
+        args = TrainingArguments(output_dir=os.devnull, optim=OPTIMIZERS[name], report_to=[], use_cpu=True)
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
 
 

@@ -323,3 +323,14 @@ def test_a_model_whose_step_cannot_run_on_fake_tensors_is_one_line_and_exit_2(tm
     assert main(["estimate", "--model", str(tmp_path), "--recipes", "a100-bf16", "--seq-len", "64"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "'mixtral'" in err and "a100-bf16" in err, err
+
+
+def test_estimating_leaves_a_live_accelerator_working():
+    # TrainingArguments (built to find Trainer's optimizer) resets Accelerate's shared state; finetune estimates
+    # after training, before it saves the model through that same Accelerator
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    acc = Accelerator(cpu=True)
+    estimate_memory(tiny_llama_cfg(), ["cpu-bf16"], batch_size=1, seq_len=16, target="cpu")
+    assert acc.distributed_type == DistributedType.NO and acc.state.initialized
