@@ -169,7 +169,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not args.lr > 0:
         raise UsageError(f"--lr: {args.lr} is out of range (allowed: > 0)")
     if args.model is not None:
-        _check_model_dir(args.model)
+        from hf_mixedprec.model_dir import check_model_dir
+
+        check_model_dir(args.model)
     result = simulate(
         recipe,
         model_dir=args.model,
@@ -181,14 +183,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
     return 0
-
-
-def _check_model_dir(path: str) -> None:
-    p = Path(path)
-    if not p.is_dir():
-        raise UsageError(f"--model: {path!r} is not a directory (allowed: a local save_pretrained folder)")
-    if not (p / "config.json").is_file():
-        raise UsageError(f"--model: {path!r} has no config.json (allowed: a local save_pretrained folder)")
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from hf_mixedprec.errors import HardwareRefusal, UsageError
-from hf_mixedprec.recipe import Recipe, load_recipe, resolve_recipe
+from hf_mixedprec.recipe import Recipe, fp32_recipe, load_recipe
 
 __all__ = [
     "EXIT_FAILED",
@@ -547,7 +547,7 @@ def _load(name: str) -> tuple[Recipe, bool]:
     """The recipe ``name`` (``fp32`` as a baseline is plain FP32 training), rehearsed where this machine cannot
     run it; and whether it is rehearsed."""
     if name == "fp32":
-        return resolve_recipe({"name": "fp32", "precision": "fp32"}), False
+        return fp32_recipe(), False
     try:
         return load_recipe(name), False
     except HardwareRefusal:
@@ -565,7 +565,8 @@ def _check_args(
     model: str | None,
     data: str | None,
 ) -> None:
-    from hf_mixedprec.finetune import _check_numbers, check_data_path, check_eval_split, check_model_dir
+    from hf_mixedprec.finetune import _check_numbers, check_data_path, check_eval_split
+    from hf_mixedprec.model_dir import check_model_dir
 
     if not recipes or any(not r.strip() for r in recipes):
         raise UsageError(

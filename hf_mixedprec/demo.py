@@ -16,8 +16,10 @@ import torch
 __all__ = [
     "SMALL_LLAMA",
     "TINY_LLAMA",
+    "TRAINED_VOCAB",
     "builtin_text",
     "byte_batches",
+    "default_model_config",
     "small_llama",
     "tiny_llama",
     "tiny_llama_config",
@@ -104,6 +106,18 @@ SMALL_LLAMA: dict[str, Any] = {
     "num_attention_heads": 8,
     "num_key_value_heads": 4,
 }
+
+
+#: Vocabulary of a tokenizer ``finetune`` trains on the spot (capped by the model's vocab_size with --model).
+TRAINED_VOCAB = 2048
+
+
+def default_model_config(*, vocab_size: int = TRAINED_VOCAB, seq_len: int = 512, **token_ids: Any) -> Any:
+    """The config of the model ``finetune`` builds without ``--model`` (and ``estimate`` sizes without one):
+    :data:`SMALL_LLAMA` dims, the tokenizer's vocabulary, positions for ``seq_len``."""
+    return tiny_llama_config(
+        **SMALL_LLAMA, vocab_size=vocab_size, max_position_embeddings=max(512, seq_len), **token_ids
+    )
 
 
 def small_llama(seed: int = 0, **overrides: Any) -> Any:

@@ -43,8 +43,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_mixedprec._text import root_cause
 from hf_mixedprec.errors import MixedPrecisionError, UsageError
-from hf_mixedprec.recipe import Recipe, load_recipe, resolve_recipe
+from hf_mixedprec.recipe import Recipe, fp32_recipe, load_recipe
 from hf_mixedprec.runtime import compute_dtype
 
 __all__ = [
@@ -253,44 +254,38 @@ class _Step:
 
 
 def load_model_config(
-    model: str | os.PathLike[str] | None = None, *, config: str | os.PathLike[str] | None = None
+    model: str | os.PathLike[str] | None = None,
+    *,
+    config: str | os.PathLike[str] | None = None,
+    seq_len: int = 512,
 ) -> Any:
     """The ``PretrainedConfig`` of a model folder (its ``config.json``; no weights needed) or of a config file;
-    neither: ``finetune``'s embedded default model."""
+    neither: the model ``finetune`` builds without ``--model`` (positions for ``seq_len``)."""
     from transformers import AutoConfig
+
+    from hf_mixedprec.demo import default_model_config
+    from hf_mixedprec.model_dir import check_model_dir, read_model_config
 
     if model is not None and config is not None:
         raise UsageError("--model and --config: give one of them (both name the model)")
     if model is None and config is None:
-        from hf_mixedprec.demo import SMALL_LLAMA, tiny_llama_config
-
-        return tiny_llama_config(**SMALL_LLAMA, vocab_size=512, attn_implementation="sdpa")
-    flag, path = ("--model", Path(model)) if model is not None else ("--config", Path(config or ""))
-    if flag == "--model" and not (path / "config.json").is_file():
-        raise UsageError(f"--model: {str(path)!r} has no config.json (allowed: a model folder with a config.json)")
-    if flag == "--config" and not path.is_file():
-        raise UsageError(f"--config: {str(path)!r} is not a file (allowed: a model's config.json)")
-    try:
-        if flag == "--config":
+        return default_model_config(seq_len=seq_len)
+    if model is not None:
+        check_model_dir(str(model))
+        cfg = read_model_config(str(model))
+    else:
+        path = Path(config or "")
+        if not path.is_file():
+            raise UsageError(f"--config: {str(path)!r} is not a file (allowed: a model's config.json)")
+        try:
             data = json.loads(path.read_text())
-            cfg = AutoConfig.for_model(**data) if "model_type" in data else _no_type(path)
-        else:
-            cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except UsageError:
-        raise
-    except Exception as exc:
-        raise UsageError(f"{flag}: cannot read a model config from {str(path)!r} ({_first_line(exc)})") from None
-    cfg.name_or_path = str(path)
+            cfg = AutoConfig.for_model(**data) if "model_type" in data else None
+        except Exception as exc:
+            raise UsageError(f"--config: cannot read a model config from {str(path)!r} ({root_cause(exc)})") from None
+        if cfg is None:
+            raise UsageError(f"--config: {str(path)!r} has no 'model_type' (allowed: a transformers config.json)")
+    cfg.name_or_path = str(model if model is not None else config)
     return cfg
-
-
-def _no_type(path: Path) -> Any:
-    raise UsageError(f"--config: {str(path)!r} has no 'model_type' (allowed: a transformers config.json)")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text[:200]
 
 
 def parse_gpu(spec: str) -> tuple[str, int]:
@@ -316,11 +311,11 @@ def _recipe(spec: str | Recipe) -> Recipe:
     if isinstance(spec, Recipe):
         return spec
     if spec == "fp32":
-        return resolve_recipe({"name": "fp32", "precision": "fp32"})
+        return fp32_recipe()
     return load_recipe(spec, check_hardware=False)
 
 
-def _check(settings: _Settings, config: Any) -> None:
+def _check(settings: _Settings) -> None:
     for flag, value in (("--batch-size", settings.batch_size), ("--seq-len", settings.seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"{flag}: {value!r} is not allowed (allowed: an integer >= 1)")
@@ -332,11 +327,13 @@ def _check(settings: _Settings, config: Any) -> None:
         raise UsageError(f"--optimizer: {settings.optimizer!r} is not allowed (allowed: {', '.join(OPTIMIZERS)})")
     if settings.target not in ("gpu", "cpu"):
         raise UsageError(f"--target: {settings.target!r} is not allowed (allowed: gpu, cpu)")
+
+
+def _check_positions(seq_len: int, config: Any) -> None:
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if isinstance(limit, int) and settings.seq_len > limit:
+    if isinstance(limit, int) and seq_len > limit:
         raise UsageError(
-            f"--seq-len: {settings.seq_len} is more than the model's max_position_embeddings {limit} "
-            f"(allowed: 1..{limit})"
+            f"--seq-len: {seq_len} is more than the model's max_position_embeddings {limit} (allowed: 1..{limit})"
         )
 
 
@@ -548,7 +545,7 @@ def _run_fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: to
             hint = "; mixture-of-experts layers (torch._grouped_mm) have no fake-tensor kernel for float32 inputs"
         raise EstimateUnsupported(
             f"estimate: model type {kind!r} under recipe {recipe.name!r}: its training step cannot run on fake "
-            f"tensors ({type(exc).__name__}: {_first_line(exc)}){hint}"
+            f"tensors ({root_cause(exc)}){hint}"
         ) from None
 
 
@@ -585,20 +582,22 @@ def estimate_memory(
     Engine for ``auto``) or ``cpu`` (what runs on this machine: rehearsed FP8 layers). ``zero`` and
     ``num_gpus`` override the recipes' ``distributed`` section. Raises :class:`UsageError` for bad input.
     """
-    config, label = _config_of(model)
     s = _Settings(batch_size, seq_len, bool(gradient_checkpointing), optimizer, zero, num_gpus, target)
-    _check(s, config)
+    _check(s)
+    config, label = _config_of(model, seq_len)
+    _check_positions(seq_len, config)
     gpu_list = [parse_gpu(g) for g in gpus]
     loaded = [_recipe(r) for r in recipes]
-    fp32 = resolve_recipe({"name": "fp32", "precision": "fp32"})
+    fp32 = fp32_recipe()
     results, params = [], 0
     baselines: dict[tuple[str, int, int], Components] = {}
     for rec in loaded:
         mem, step, strategy = _estimate_one(config, rec, s)
         params = step.params
         key = _strategy(rec, s)
-        if key not in baselines:
-            baselines[key] = _estimate_one(config, _with_distributed(fp32, rec), s)[0]
+        if key not in baselines:  # an FP32 recipe is its own reference
+            same = rec.precision == "fp32"
+            baselines[key] = mem if same else _estimate_one(config, _with_distributed(fp32, rec), s)[0]
         base = baselines[key]
         results.append(
             RecipeEstimate(
@@ -614,7 +613,7 @@ def estimate_memory(
             )
         )
     fp32_mem = next(iter(baselines.values()), None) or _estimate_one(config, fp32, s)[0]
-    settings = {k: v for k, v in asdict(s).items()}
+    settings = asdict(s)
     settings["gpus"] = [name for name, _ in gpu_list]
     return MemoryEstimate(label, params, settings, fp32_mem, tuple(results))
 
@@ -624,9 +623,9 @@ def _with_distributed(fp32: Recipe, rec: Recipe) -> Recipe:
     return fp32.model_copy(update={"distributed": rec.distributed})
 
 
-def _config_of(model: Any) -> tuple[Any, str]:
+def _config_of(model: Any, seq_len: int) -> tuple[Any, str]:
     if model is None:
-        return load_model_config(), "finetune's default model (small Llama built from a config)"
+        return load_model_config(seq_len=seq_len), "finetune's default model (small Llama built from a config)"
     if isinstance(model, (str, os.PathLike)):
         model = load_model_config(model) if Path(model).is_dir() else load_model_config(config=model)
     return model, getattr(model, "name_or_path", "") or type(model).__name__

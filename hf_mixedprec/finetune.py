@@ -47,7 +47,10 @@ import numpy as np
 import torch
 
 from hf_mixedprec import metrics as M
+from hf_mixedprec._text import root_cause
+from hf_mixedprec.demo import TRAINED_VOCAB, default_model_config
 from hf_mixedprec.errors import UsageError
+from hf_mixedprec.model_dir import check_model_dir, read_model_config
 from hf_mixedprec.recipe import RECIPE_ENV, Recipe, builtin_recipe_names, load_recipe, load_recipe_file
 
 __all__ = [
@@ -75,8 +78,6 @@ DEFAULTS: dict[str, Any] = {
     "text_field": "text",
     "eval_split": 0.05,  # with the built-in data
 }
-#: Vocabulary of a tokenizer trained on the spot (capped by the model's vocab_size with --model).
-TRAINED_VOCAB = 2048
 #: At most this many characters of the data are used to train a tokenizer (BPE training is then ~1 s).
 TOKENIZER_TRAIN_CHARS = 4_000_000
 TEXT_SUFFIXES = (".txt", ".text", ".md")
@@ -101,13 +102,6 @@ class TextData:
     @property
     def skipped(self) -> int:
         return self.rows - len(self.texts)
-
-
-def _root_cause(exc: BaseException) -> str:
-    while exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__):
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def _data_kind(path: Path) -> str:
@@ -171,7 +165,7 @@ def load_texts(data: str | None = None, text_field: str | None = None) -> TextDa
         else:
             ds = datasets.load_from_disk(data)
     except Exception as exc:
-        raise UsageError(f"--data: cannot read {data!r} as {kind} data ({_root_cause(exc)})") from None
+        raise UsageError(f"--data: cannot read {data!r} as {kind} data ({root_cause(exc)})") from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
             raise UsageError(
@@ -200,23 +194,6 @@ def load_texts(data: str | None = None, text_field: str | None = None) -> TextDa
 # -- tokenizer and model ------------------------------------------------------------------------------
 
 
-def check_model_dir(model_dir: str) -> None:
-    p = Path(model_dir)
-    if not p.is_dir():
-        raise UsageError(f"--model: {model_dir!r} is not a directory (allowed: a local save_pretrained folder)")
-    if not (p / "config.json").is_file():
-        raise UsageError(f"--model: {model_dir!r} has no config.json (allowed: a local save_pretrained folder)")
-
-
-def _model_config(model_dir: str) -> Any:
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except Exception as exc:
-        raise UsageError(f"--model: cannot read the config in {model_dir!r} ({_root_cause(exc)})") from None
-
-
 def _vocab_size(config: Any) -> int | None:
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     v = getattr(cfg, "vocab_size", None)
@@ -231,7 +208,7 @@ def build_tokenizer(model_dir: str | None, data: TextData, model_config: Any = N
         try:
             tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         except Exception as exc:
-            raise UsageError(f"--model: cannot load the tokenizer in {model_dir!r} ({_root_cause(exc)})") from None
+            raise UsageError(f"--model: cannot load the tokenizer in {model_dir!r} ({root_cause(exc)})") from None
         how = f"the tokenizer in {model_dir} ({len(tok)} tokens)"
     else:
         from hf_mixedprec.demo import train_tokenizer
@@ -261,15 +238,19 @@ def build_tokenizer(model_dir: str | None, data: TextData, model_config: Any = N
 def build_model(model_dir: str | None, tokenizer: Any, *, seq_len: int, seed: int) -> tuple[Any, str]:
     """The model to train (float32 weights) and a one-line description."""
     if model_dir is None:
-        from hf_mixedprec.demo import SMALL_LLAMA, small_llama
+        from transformers import LlamaForCausalLM
 
-        model = small_llama(
-            seed=seed,
-            vocab_size=len(tokenizer),
-            max_position_embeddings=max(512, seq_len),
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
+        from hf_mixedprec.demo import SMALL_LLAMA
+
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(
+            default_model_config(
+                vocab_size=len(tokenizer),
+                seq_len=seq_len,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         )
         dims = ", ".join(f"{k.removesuffix('_size').replace('num_', '')} {v}" for k, v in SMALL_LLAMA.items())
         name = f"small Llama built from a config ({dims})"
@@ -280,7 +261,7 @@ def build_model(model_dir: str | None, tokenizer: Any, *, seq_len: int, seed: in
         try:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
         except Exception as exc:
-            raise UsageError(f"--model: cannot load a causal LM from {model_dir!r} ({_root_cause(exc)})") from None
+            raise UsageError(f"--model: cannot load a causal LM from {model_dir!r} ({root_cause(exc)})") from None
         name = model_dir
     n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 partitioned: full size
     return model, f"{name}, {n / 1e6:.2f}M parameters"
@@ -623,7 +604,7 @@ def _prepare_data(
 ) -> _Prepared:
     """Text, tokenizer and blocks: every remaining user mistake shows up here, before the model is built."""
     texts = load_texts(data, text_field)
-    model_config = _model_config(model) if model is not None else None
+    model_config = read_model_config(model) if model is not None else None
     if model_config is not None:
         max_pos = getattr(model_config, "max_position_embeddings", None)
         if max_pos and seq_len > max_pos:
@@ -878,7 +859,7 @@ def _estimated_memory(trainer: Any, recipe: Recipe, run: _RunSettings, rt: Any) 
             target="gpu" if device.type == "cuda" else "cpu",
         )
     except Exception as exc:  # the estimate is a report: it must not fail a finished run, and it says why
-        note = f"memory estimate unavailable: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        note = f"memory estimate unavailable: {root_cause(exc)}"
         if rt is not None:
             rt.note(note)
         else:

@@ -50,6 +50,7 @@ __all__ = [
     "RecipeSpec",
     "builtin_recipe_names",
     "builtin_recipe_path",
+    "fp32_recipe",
     "load_recipe",
     "load_recipe_file",
     "resolve_recipe",
@@ -88,6 +89,11 @@ def resolve_recipe(
 ) -> Recipe:
     """Validate a raw mapping (following ``extends``) into a :class:`Recipe`, or raise :class:`RecipeError`."""
     return _resolve(data, source=source, base_dir=base_dir, _ident=_ident, cls=Recipe)
+
+
+def fp32_recipe() -> Recipe:
+    """Plain FP32 training (no autocast, no loss scaling): the baseline ``compare`` and ``estimate`` measure against."""
+    return resolve_recipe({"name": "fp32", "precision": "fp32"})
 
 
 def load_recipe_file(name_or_path: str | os.PathLike[str]) -> Recipe:

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from hf_mixedprec.demo import SMALL_LLAMA, TINY_LLAMA
 from hf_mixedprec.estimate import GIB, estimate_memory, format_estimate
 
 SEQ, BATCH = 64, 2
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def tiny_llama_cfg() -> LlamaConfig:
@@ -283,7 +285,7 @@ def test_fit_verdicts_and_table(tmp_path):
     [
         (["--batch-size", "0"], "--batch-size"),
         (["--seq-len", "-3"], "--seq-len"),
-        (["--seq-len", "100000"], "--seq-len"),
+        (["--model", str(ROOT / "examples" / "model_configs" / "gpt2"), "--seq-len", "100000"], "--seq-len"),
         (["--zero", "4"], "--zero"),
         (["--num-gpus", "0"], "--num-gpus"),
         (["--optimizer", "lion"], "--optimizer"),
@@ -334,3 +336,14 @@ def test_estimating_leaves_a_live_accelerator_working():
     acc = Accelerator(cpu=True)
     estimate_memory(tiny_llama_cfg(), ["cpu-bf16"], batch_size=1, seq_len=16, target="cpu")
     assert acc.distributed_type == DistributedType.NO and acc.state.initialized
+
+
+def test_the_default_model_is_the_one_finetune_builds():
+    from hf_mixedprec.demo import TRAINED_VOCAB
+
+    est = estimate_memory(None, ["cpu-bf16"], batch_size=1, seq_len=1024, target="cpu")
+    from hf_mixedprec.demo import small_llama
+
+    model = small_llama(vocab_size=TRAINED_VOCAB, max_position_embeddings=1024)
+    assert est.parameters == sum(p.numel() for p in model.parameters())
+    assert est.recipes[0].memory.weights == 4 * est.parameters  # a seq_len above 512 grows the positions, as finetune
