@@ -619,20 +619,11 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(bench(recipe, rehearsed, kind, every, opts, data, control=True))
                     rows.append(bench(recipe, rehearsed, kind, every, opts, data))
     settings = {k: v for k, v in vars(opts).items() if k != "workdir"}
-    doc = {"machine": machine(), "settings": settings, "rows": rows}
-    if opts.out:
-        with open(opts.out, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
-    if opts.json:
-        print(json.dumps(doc, indent=2))
-    else:
-        m = doc["machine"]
-        print(
-            f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}; "
-            f"batch {opts.batch_size} x {opts.seq_len} tokens, {opts.steps} measured steps after {opts.warmup} "
-            f"warm-up, {opts.repeats} repetitions per side, interleaved by {opts.interleave}"
-        )
-        print(table(rows))
+    what = (
+        f"{opts.steps} measured steps after {opts.warmup} warm-up, {opts.repeats} repetitions per side, "
+        f"interleaved by {opts.interleave}"
+    )
+    _report({"machine": machine(), "settings": settings, "rows": rows}, opts, what, lambda: table(rows))
     bad = [r for r in rows if not math.isfinite(r["ratio_median"])]
     return 1 if bad else 0
 
@@ -640,20 +631,25 @@ def main(argv: list[str] | None = None) -> int:
 def main_hooks(opts: argparse.Namespace) -> int:
     with stdout_to_stderr():
         rows = [r for name in opts.recipe for n in opts.layers for r in bench_hooks(name, n, opts)]
-    doc = {"machine": machine(), "settings": {k: v for k, v in vars(opts).items()}, "hook_rows": rows}
+    doc = {"machine": machine(), "settings": dict(vars(opts)), "hook_rows": rows}
+    _report(doc, opts, f"{opts.steps} steps of each kind after {opts.warmup} warm-up", lambda: hooks_table(rows))
+    return 0
+
+
+def _report(doc: dict, opts: argparse.Namespace, what: str, render: Any) -> None:
+    """Write ``doc`` to ``--out``; print it as JSON (``--json``) or as the machine line and ``render()``'s table."""
     if opts.out:
         with open(opts.out, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=2)
     if opts.json:
         print(json.dumps(doc, indent=2))
-    else:
-        m = doc["machine"]
-        print(
-            f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}; batch "
-            f"{opts.batch_size} x {opts.seq_len} tokens; {opts.steps} steps of each kind after {opts.warmup} warm-up"
-        )
-        print(hooks_table(rows))
-    return 0
+        return
+    m = doc["machine"]
+    print(
+        f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}; "
+        f"batch {opts.batch_size} x {opts.seq_len} tokens; {what}"
+    )
+    print(render())
 
 
 if __name__ == "__main__":
