@@ -62,6 +62,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
             {
                 "name": r.name,
                 "precision": r.precision,
+                "phases": list(r.precisions()) if r.phases is not None else None,
                 "fp8_scaling": scaling or None,
                 "hardware": list(r.hardware),
                 "description": r.description,
@@ -74,7 +75,8 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     print(f"{'name':<{width}}  {'precision':<9}  {'fp8':<9}  {'hardware':<28}  description")
     for r in rows:
         hw = ",".join(r["hardware"])
-        print(f"{r['name']:<{width}}  {r['precision']:<9}  {r['fp8_scaling'] or '-':<9}  {hw:<28}  {r['description']}")
+        precision = "->".join(r["phases"]) if r["phases"] else r["precision"]
+        print(f"{r['name']:<{width}}  {precision:<9}  {r['fp8_scaling'] or '-':<9}  {hw:<28}  {r['description']}")
     return 0
 
 
@@ -97,7 +99,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 print(p if p.source == path else f"{path}: {p}", file=sys.stderr)
         else:
             if not args.quiet:
-                print(f"{path}: ok ({recipe.name}, {recipe.precision})")
+                print(f"{path}: ok ({recipe.name}, {'->'.join(recipe.precisions())})")
     return 2 if bad else 0
 
 

@@ -371,7 +371,7 @@ def _training_args(rec: Recipe, setup: _Setup) -> Any:
 
 def _cost_note(rec: Recipe, device: torch.device, rehearsed: bool) -> str:
     if device.type != "cuda":
-        emulated = rehearsed or rec.precision == "fp8"
+        emulated = rehearsed or "fp8" in rec.precisions()
         return "CPU: timings compare nothing (no tensor cores" + ("; FP8/FP16 emulated)" if emulated else ")")
     return "GPU" + (" (rehearsed: emulation, not the recipe's speed)" if rehearsed else "")
 
@@ -425,7 +425,7 @@ def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = T
     cost = _cost_note(rec, device, rehearsed)
     return RunResult(
         recipe=rec.name,
-        precision=rec.precision,
+        precision="->".join(rec.precisions()),  # a phased recipe: each phase's, in order
         rehearsed=rehearsed,
         init_digest=init_digest,
         batch_digests=batches,
@@ -514,7 +514,7 @@ def _suggestions(run: RunResult) -> list[str]:
                 "use the default loss_scale (init_scale 65536, growth_interval 2000)"
             )
     worst = run.worst_fidelity()
-    if run.precision == "fp8":
+    if "fp8" in run.precision.split("->"):
         weak = sorted(run.fidelity[max(run.fidelity)].items(), key=lambda kv: kv[1].sqnr_db)[:3] if worst else []
         if weak:
             patterns = ", ".join(f"'{name}'" for name, _ in weak)

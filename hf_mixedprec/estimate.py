@@ -591,8 +591,11 @@ def estimate_memory(
     fp32 = fp32_recipe()
     results, params = [], 0
     baselines: dict[tuple[str, int, int], Components] = {}
-    for rec in loaded:
-        mem, step, strategy = _estimate_one(config, rec, s)
+    measured: dict[Recipe, Any] = {}  # a phase that repeats another (a BF16 warm-up and anneal) is measured once
+    for name, rec in _phases_of(loaded):
+        if rec not in measured:
+            measured[rec] = _estimate_one(config, rec, s)
+        mem, step, strategy = measured[rec]
         params = step.params
         key = _strategy(rec, s)
         if key not in baselines:  # an FP32 recipe is its own reference
@@ -601,7 +604,7 @@ def estimate_memory(
         base = baselines[key]
         results.append(
             RecipeEstimate(
-                recipe=rec.name,
+                recipe=name,
                 precision=rec.precision,
                 fp8_backend=step.backend,
                 fp8_layers=step.fp8_layers,
@@ -616,6 +619,19 @@ def estimate_memory(
     settings = asdict(s)
     settings["gpus"] = [name for name, _ in gpu_list]
     return MemoryEstimate(label, params, settings, fp32_mem, tuple(results))
+
+
+def _phases_of(recipes: list[Recipe]) -> list[tuple[str, Recipe]]:
+    """Each recipe by name, a phased one as one entry per phase (``name [phase label]``): its memory changes at
+    every boundary (FP8 weight copies and histories come and go)."""
+    out: list[tuple[str, Recipe]] = []
+    for rec in recipes:
+        if rec.phases is None:
+            out.append((rec.name, rec))
+            continue
+        for i, (phase, spec) in enumerate(zip(rec.phases, rec.phase_specs())):
+            out.append((f"{rec.name} [{phase.label(i)}]", spec))
+    return out
 
 
 def _with_distributed(fp32: Recipe, rec: Recipe) -> Recipe:

@@ -362,6 +362,11 @@ def _check_deepspeed(recipe: Recipe) -> None:
 
 
 def _precision_used(recipe: Recipe, rt: Any, device: str) -> str:
+    if recipe.phases is not None:
+        changes = getattr(getattr(rt, "phases", None), "changes", [])
+        after = "".join(f", then {c['name']} ({c['precision']}) after step {c['step']}" for c in changes)
+        text = f"phases {'->'.join(recipe.precisions())}: {recipe.phases[0].label(0)} ({recipe.precisions()[0]}){after}"
+        return f"{text} on {device}" + (" (REHEARSED)" if rt is not None and rt.rehearse else "")
     if recipe.precision == "fp16":
         scaler = getattr(rt, "scaler", None)
         text = "fp16 autocast + GradScaler"
@@ -492,7 +497,7 @@ def sample_fp8_at_least_every(recipe: Recipe, every: int) -> Recipe:
     recipe's interval is meant for long runs; it is never raised, only lowered); ``recipe`` itself when it already
     samples that often or is not FP8. The caller says so when it changed."""
     cur = recipe.health.fp8_sample_every
-    if recipe.precision != "fp8" or not cur or cur <= every:
+    if "fp8" not in recipe.precisions() or not cur or cur <= every:
         return recipe
     return recipe.model_copy(update={"health": recipe.health.model_copy(update={"fp8_sample_every": every})})
 
@@ -710,7 +715,7 @@ def _train(run: _RunSettings, prepared: _Prepared, loaded: Recipe, resume: str |
     if trainer.is_world_process_zero():
         texts = prepared.texts
         print(
-            f"finetune: recipe {loaded.name} ({loaded.precision}{', rehearsed' if loaded.rehearse else ''}) on "
+            f"finetune: recipe {loaded.name} ({'->'.join(loaded.precisions())}{', rehearsed' if loaded.rehearse else ''}) on "
             f"{device.type}; model: {model_desc}; tokenizer: {prepared.tokenizer_how}; data: {texts.source} "
             f"({len(texts.texts)} examples, {prepared.n_tokens} tokens -> {len(prepared.train_ds)} blocks of "
             f"{run.seq_len}); {run.max_steps} steps x {run.batch_size} x {trainer.args.world_size} process(es), "
@@ -797,7 +802,7 @@ def _summary(
         )
     return {
         "recipe": loaded.name,
-        "precision": loaded.precision,
+        "precision": "->".join(loaded.precisions()),
         "precision_used": used,
         "rehearsed": bool(loaded.rehearse),
         "device": device.type,
@@ -865,7 +870,8 @@ def _estimated_memory(trainer: Any, recipe: Recipe, run: _RunSettings, rt: Any) 
         else:
             logging.getLogger("hf_mixedprec").warning("hf_mixedprec: %s", note)
         return None
-    return {k: round(v / 2**20, 1) for k, v in est.recipes[0].memory.to_dict().items()}
+    top = max(est.recipes, key=lambda r: r.memory.total)  # a phased recipe: its largest phase sets the peak
+    return {k: round(v / 2**20, 1) for k, v in top.memory.to_dict().items()}
 
 
 def _estimate_line(s: dict[str, Any]) -> str | None:

@@ -213,7 +213,12 @@ def auto_recipe_name(
 
 
 def check_recipe(recipe: RecipeSpec, info: HardwareInfo) -> None:
-    """Refuse, with one clear message, a recipe that this hardware cannot run natively."""
+    """Refuse, with one clear message, a recipe that this hardware cannot run natively (every phase of a phased
+    recipe)."""
+    if recipe.phases is not None:
+        for spec in dict.fromkeys(recipe.phase_specs()):
+            check_recipe(spec, info)
+        return
     sup = support_for(info.device_type, info.capability, info.cuda_version)
     missing: str | None = None
     if recipe.precision not in sup.precisions:

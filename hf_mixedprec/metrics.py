@@ -15,6 +15,7 @@ __all__ = [
     "LOSS_SCALE",
     "METRICS",
     "OVERFLOW",
+    "PHASE",
     "PREFIX",
     "SKIPPED_STEPS",
     "fp8_layer_key",
@@ -28,6 +29,7 @@ CLIP_THRESHOLD = "mp/clip_threshold"
 CLIPPED = "mp/clipped"
 HEALTH_EVENTS = "mp/health_events"
 OVERFLOW = "mp/overflow"
+PHASE = "mp/phase"
 FP8_PREFIX = "mp/fp8/"
 #: Per-layer FP8 statistics: ``mp/fp8/<layer>/<stat>``.
 FP8_LAYER_STATS = ("saturation", "underflow", "sqnr_db", "input_amax")
@@ -42,6 +44,7 @@ METRICS: dict[str, str] = {
     CLIPPED: "1 if the last step was clipped, else 0",
     HEALTH_EVENTS: "events so far",
     OVERFLOW: "DeepSpeed only: its overflow flag",
+    PHASE: "phased recipes only: the index of the phase in force (0 = the first phase)",
     "mp/fp8/<layer>/saturation, /underflow": "from the last FP8 sampled step: the largest fraction over the "
     "layer's input, weight and gradient (0.0625 = 6.25%)",
     "mp/fp8/<layer>/sqnr_db": "the smallest SQNR over input, weight and gradient, in dB",

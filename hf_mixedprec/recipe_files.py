@@ -33,33 +33,49 @@ def _describe_input(value: Any) -> str:
     return shown(value)
 
 
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (``X``, ``X | None``, ``tuple[X, ...]``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    model: Any = RecipeSpec
+    model: type[BaseModel] | None = RecipeSpec
     for part in loc:
-        if not (isinstance(model, type) and issubclass(model, BaseModel)):
-            return None
-        field = model.model_fields.get(str(part))
+        if isinstance(part, int):  # an index into a list of sections (phases)
+            continue
+        field = model.model_fields.get(str(part)) if model is not None else None
         if field is None:
             return None
-        ann = field.annotation
-        args = getattr(ann, "__args__", ())
-        candidates = [ann, *args]
-        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+        model = _model_in(field.annotation)
+    return model
 
 
 def _problems_from(err: ValidationError, source: str) -> list[Problem]:
+    return _problems_in(err.errors(), source, ())
+
+
+def _problems_in(errors: list[Any], source: str, prefix: tuple[Any, ...]) -> list[Problem]:
     problems = []
-    for e in err.errors():
-        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    for e in errors:
+        own = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        loc = prefix + own
         etype = e["type"]
         ctx = e.get("ctx") or {}
         key = ".".join(str(p) for p in loc)
+        if etype == "recipe_phase":  # one phase, validated as a recipe of its own
+            problems += _problems_in(ctx["errors"], source, ("phases", ctx["index"]))
+            continue
         if etype == "recipe_rule":
             key = ".".join(x for x in (key, ctx["key"]) if x)
             msg = ctx["message"]
         elif etype == "extra_forbidden":
-            parent = _model_at(loc[:-1])
+            parent = _model_at(own[:-1])  # a phase's own errors are located in a recipe of its own
             allowed = ", ".join(parent.model_fields) if parent else "see `hf-mixedprec schema`"
             msg = f"unknown key (allowed: {allowed})"
         elif etype in ("literal_error", "enum"):

@@ -30,6 +30,7 @@ SERIES_KEYS = (
     M.CLIP_THRESHOLD,
     M.CLIPPED,
     M.OVERFLOW,
+    M.PHASE,
 )
 
 
@@ -59,12 +60,15 @@ def health_document(
         recipe = runtime.recipe
         doc.update(
             recipe=recipe.name,
-            precision=recipe.precision,
+            precision="->".join(recipe.precisions()),
             rehearsed=bool(runtime.rehearse),
             notes=list(runtime.notes),
             events=[{k: _clean(v) for k, v in e.items()} for e in getattr(runtime, "events", [])],
             steps=runtime.steps,
         )
+        phases = getattr(runtime, "phases", None)
+        if phases is not None:  # each switch: the step after which it happened, the phase's name and precision
+            doc["phases"] = [dict(c) for c in phases.changes]
         if getattr(runtime, "fp8_report", None) is not None:
             doc["fp8_conversion"] = runtime.fp8_report.to_dict()
     if extra:
@@ -90,6 +94,9 @@ def check_document(doc: Any) -> str | None:
     notes = doc.get("notes", [])
     if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
         return "field 'notes' is not a list of strings"
+    phases = doc.get("phases", [])
+    if not isinstance(phases, list) or not all(isinstance(c, dict) for c in phases):
+        return "field 'phases' is not a list of mappings"
     for name in ("recipe", "precision"):
         if name in doc and not isinstance(doc[name], str):
             return f"field {name!r} is a {type(doc[name]).__name__} (allowed: a string)"
@@ -130,6 +137,9 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         f"health events: {len(events)}"
         + (" (" + ", ".join(f"{k} x{v}" for k, v in sorted(by_detector.items())) + ")" if events else "")
     )
+    switches = _phase_switches(doc)
+    if switches:
+        lines.append("phases: " + ", ".join(f"{name} ({prec}) after step {step}" for step, name, prec in switches))
     for e in events:
         where = f" [{e['layer']}]" if e.get("layer") else ""
         lines.append(f"  step {e.get('step')}: {e.get('detector')}{where}: {e.get('message')} -> {e.get('reaction')}")
@@ -157,6 +167,7 @@ def build_plots(run_dir: str | Path, doc: dict[str, Any] | None = None) -> list[
     for name, draw in _PLOTS:
         fig, ax = plt.subplots(figsize=(7, 3.5))
         if draw(ax, doc):
+            _mark_phases(ax, doc)
             ax.set_xlabel("optimizer step")
             ax.grid(alpha=0.3)
             fig.tight_layout()
@@ -164,6 +175,31 @@ def build_plots(run_dir: str | Path, doc: dict[str, Any] | None = None) -> list[
             written.append(run_dir / name)
         plt.close(fig)
     return written
+
+
+def _phase_switches(doc: dict[str, Any]) -> list[tuple[int, str, str]]:
+    """A phased run's switches as (step, phase name, precision); malformed entries are left out."""
+    out = []
+    for c in doc.get("phases", []) or []:
+        if isinstance(c, dict) and isinstance(c.get("step"), int):
+            out.append((c["step"], str(c.get("name", "?")), str(c.get("precision", "?"))))
+    return out
+
+
+def _mark_phases(ax: Any, doc: dict[str, Any]) -> None:
+    """A dotted line at every phase switch, labelled with the phase that begins there."""
+    for step, name, precision in _phase_switches(doc):
+        ax.axvline(step + 0.5, color="tab:purple", ls=":", lw=1.2)
+        ax.annotate(
+            f"{name} ({precision})",
+            (step + 0.5, 1.0),
+            xycoords=("data", "axes fraction"),
+            fontsize=7,
+            color="tab:purple",
+            rotation=90,
+            ha="right",
+            va="top",
+        )
 
 
 def _plot_loss(ax: Any, doc: dict[str, Any]) -> bool:

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
-import os
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -43,10 +41,18 @@ from hf_mixedprec.fp8 import (
     EmulatedFP8GEMM,
     convert,
     fp8_step,
-    iter_emulated,
     monitored_layers,
 )
-from hf_mixedprec.health import HealthEvent, HealthMonitor
+from hf_mixedprec.fp8.state import (
+    FP8_STATE_FILE,
+    exclude_fp8_state_from_saves,
+    fp8_state_dict,
+    load_fp8_state,
+    load_fp8_state_dict,
+    save_fp8_state,
+)
+from hf_mixedprec.health import HealthEvent, HealthMonitor, layers_to_bf16
+from hf_mixedprec.phases import PhaseRunner
 from hf_mixedprec.reactions import Reactions
 from hf_mixedprec.scaling.stats import (
     LayerStats,
@@ -73,8 +79,6 @@ __all__ = [
 log = logging.getLogger("hf_mixedprec")
 
 STATE_VERSION = 1
-#: The file beside a Trainer checkpoint's model that holds the FP8 layers' state (:func:`save_fp8_state`).
-FP8_STATE_FILE = "hf_mixedprec_fp8.safetensors"
 #: Elements per parameter tensor sampled (strided) to measure the update size on sampled steps.
 UPDATE_PROBE = 4096
 
@@ -120,6 +124,8 @@ class MixedPrecisionRuntime:
         self.device = torch.device(device)
         self.rehearse = bool(recipe.rehearse if rehearse is None else rehearse)
         self.notes: list[str] = []
+        #: a phased recipe's schedule and the phase in force (None without ``phases:``)
+        self.phases: PhaseRunner | None = PhaseRunner(recipe, self.note) if recipe.phases is not None else None
         self.clipper: Clipper | None = make_clipper(recipe.clipping.method, **recipe.clipping.params())
         if self.clipper is not None:  # its state is made on the device now, not copied there during a step
             self.clipper.to(self.device)
@@ -150,7 +156,13 @@ class MixedPrecisionRuntime:
         #: ``mp/`` metrics computed at a logging step, waiting to be merged into the trainer's own log row
         self.pending_log: dict[str, float] | None = None
         if self.rehearse:
-            self.note(f"REHEARSAL: recipe {recipe.name!r} on {self.device.type}: {_rehearsed_what(recipe)}")
+            for spec in dict.fromkeys(recipe.phase_specs()):
+                self.note(f"REHEARSAL: recipe {recipe.name!r} on {self.device.type}: {_rehearsed_what(spec)}")
+
+    @property
+    def active(self) -> RecipeSpec:
+        """The recipe the current step trains with: the recipe itself, or the phase in force."""
+        return self.recipe if self.phases is None else self.phases.active
 
     def note(self, text: str) -> None:
         """Record a decision or fallback (also logged loudly); they all end up in the run report."""
@@ -184,14 +196,17 @@ class MixedPrecisionRuntime:
         return self.amp.make_grad_scaler()
 
     def convert_model(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, spec: RecipeSpec | None = None
     ) -> ConversionReport | None:
-        """Convert ``model`` to FP8 as the recipe says; None for other precisions. A rehearsal runs the emulated
-        backend, except for ``backend: torchao``, which emulates itself (``emulate=True`` off FP8 hardware)."""
-        if self.recipe.precision != "fp8" or self.recipe.fp8 is None:
+        """Convert ``model`` to FP8 as the recipe (the phase in force) says; None for other precisions. A rehearsal
+        runs the emulated backend, except for ``backend: torchao``, which emulates itself (``emulate=True`` off FP8
+        hardware). The FP8 layers' state is kept out of ``save_pretrained``. ``spec``: a phase's recipe instead."""
+        spec = spec or self.active
+        if spec.precision != "fp8" or spec.fp8 is None:
             return None
-        backend = "emulated" if self.rehearse and self.recipe.fp8.backend != "torchao" else None
-        self.fp8_report = convert(model, self.recipe, backend=backend, optimizer=optimizer)
+        backend = "emulated" if self.rehearse and spec.fp8.backend != "torchao" else None
+        self.fp8_report = convert(model, spec, backend=backend, optimizer=optimizer)
+        exclude_fp8_state_from_saves(model)
         warning = [self.fp8_report.warning] if self.fp8_report.warning else []  # converting nothing: run report too
         self.notes += [*self.fp8_report.notes, *warning]
         if is_main_rank():  # which layers run in FP8 is a decision the user must see, once; loud if it is none
@@ -199,20 +214,22 @@ class MixedPrecisionRuntime:
         return self.fp8_report
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        dtype = compute_dtype(self.recipe)
+        """The autocast of the step in force; a phased run's FP32 phase turns off any autocast around it."""
+        dtype = compute_dtype(self.active)
         if dtype is None:
-            return contextlib.nullcontext()
+            return contextlib.nullcontext() if self.phases is None else torch.autocast(self.device.type, enabled=False)
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def wrap_forward_with_autocast(self, model: nn.Module) -> None:
-        """Run ``model.forward`` under the recipe's autocast (where the framework would not)."""
-        if compute_dtype(self.recipe) is None or model in _AUTOCAST_WRAPPED:
+        """Run ``model.forward`` under the recipe's autocast (where the framework would not; always for a phased
+        recipe, whose autocast changes at its boundaries: the wrapper reads it at every forward)."""
+        if (compute_dtype(self.recipe) is None and self.phases is None) or model in _AUTOCAST_WRAPPED:
             return
-        inner = model.forward
+        inner, autocast = model.forward, self.autocast
 
         @functools.wraps(inner)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            with self.autocast():
+            with autocast():
                 return inner(*args, **kwargs)
 
         model.forward = forward  # type: ignore[method-assign]
@@ -241,20 +258,24 @@ class MixedPrecisionRuntime:
         self._loss_sum = value if self._loss_n == 0 else self._loss_sum + value
         self._loss_n += 1
 
-    def begin_step(self, model: nn.Module) -> None:
-        """Before the step's forward passes: turn FP8 statistics on for sampled steps only."""
+    def set_max_steps(self, max_steps: int) -> None:
+        """The run's length in optimizer steps, for phases that start at fractions of it."""
+        if self.phases is not None:
+            self.phases.set_max_steps(max_steps)
+
+    def begin_step(self, model: nn.Module, optimizer: Any = None) -> None:
+        """Before the step's forward passes: enter the next phase at a boundary (``optimizer``: the one a backend
+        that replaces Parameters must update), and turn FP8 statistics on for sampled steps only."""
+        if self.phases is not None and self.phases.due(self.steps):
+            self._switch_phase(model, optimizer)
         every = self.recipe.health.fp8_sample_every
         self._sampling = self.monitor is not None and (self.steps + 1) % every == 0
-        if self.recipe.precision == "fp8":
+        if self.active.precision == "fp8":
             self._recording = _tell_fp8_layers(model, self._sampling, self._recording)
 
     def ensure_unscaled(self, optimizer: torch.optim.Optimizer | None) -> None:
         """FP16: unscale the gradients once (the GradScaler refuses a second unscale_ before update())."""
         self.amp.ensure_unscaled(optimizer)
-
-    def _mark_skip(self, optimizer: torch.optim.Optimizer | None, found: torch.Tensor) -> None:
-        """Hand a skip flag to the GradScaler (see :meth:`hf_mixedprec.amp.LossScaling.mark_skip`)."""
-        self.amp.mark_skip(optimizer, found)
 
     def before_optimizer_step(
         self,
@@ -298,6 +319,24 @@ class MixedPrecisionRuntime:
             self._update_probe.clear()
         return self._last
 
+    def _switch_phase(self, model: nn.Module, optimizer: Any, *, resume: bool = False) -> None:
+        """Enter the phase of the coming step, or with ``resume`` put the model back in the checkpoint's phase (see
+        :class:`hf_mixedprec.phases.PhaseRunner`)."""
+        assert self.phases is not None
+        inner = getattr(optimizer, "optimizer", optimizer)
+
+        def to_fp8(spec: RecipeSpec) -> int:
+            self.convert_model(model, inner, spec)
+            layers_to_bf16(model, self.moved_layers)  # layers a health fallback moved stay in high precision
+            return len(monitored_layers(model))
+
+        if resume:
+            self.phases.restore(model, to_fp8)
+        else:
+            self.phases.switch(model, self.steps, to_fp8)
+        self.reactions.recipe = self.active  # a whole-model fallback acts on the phase's precision
+        self._recording = (None, False)
+
     def _step_loss(self) -> torch.Tensor | None:
         """The loss this optimizer step back-propagated (the sum of its micro-batches' :meth:`record_loss`), the
         mean over ranks; None when no backward recorded one (nothing is guessed)."""
@@ -305,35 +344,23 @@ class MixedPrecisionRuntime:
 
     def after_optimizer_step(self, model: nn.Module, optimizer: Any = None) -> None:
         """Advance FP8 delayed scaling, update the monitor and count skipped steps (device only)."""
-        if self.recipe.precision == "fp8":
+        if self.active.precision == "fp8":
             fp8_step(model)
         if self.monitor is not None:
             ratio = self._update_probe.ratio(self.amp.found_inf.device)
             if ratio is not None:
                 self.monitor.observe_update(ratio, self.amp.found_inf)
             self.monitor.post_step(skipped=self.amp.found_inf, scale=self.amp.device_scale())
-            if self._sampling and self.recipe.precision == "fp8":
+            if self._sampling and self.active.precision == "fp8":
                 self._fp8_samples.append(_FP8Sample(model))  # finished and observed at the next check
                 self._fp8_pending = True
         self.amp.after_step(optimizer)
         self.steps += 1
 
     def after_external_step(self) -> None:
-        """Under DeepSpeed, after the engine's step: feed its skip, loss scale and the step's loss to the monitor.
-
-        DeepSpeed checks every step's gradients for inf/NaN itself and skips such a step, under FP16 and under
-        BF16 alike (``OVERFLOW! Skipping step``, counted in ``engine.skipped_steps``), so a non-finite step never
-        reaches its weights. It decides that on the host inside ``engine.step()``: reading the count, the scale
-        (Python values) and the loss it has already waited for adds no stall; the monitor lives on the CPU.
-        """
-        if self.monitor is not None and self.external_scaler is not None:
-            ds = self.external_scaler()
-            if ds is not None:
-                grad, skipped, scale = self.amp.external_step(ds)
-                d = self.recipe.health.detectors
-                loss = self._step_loss() if (d.loss_spike.enabled or d.nonfinite_loss.enabled) else None
-                self.monitor.pre_step(loss=loss, grad_norm=grad)
-                self.monitor.post_step(skipped=skipped, scale=scale)
+        """Under DeepSpeed, after the engine's step: feed its skip, loss scale and the step's loss to the monitor
+        (see :func:`_feed_external_step`)."""
+        _feed_external_step(self)
         self._loss_n = 0
         self.steps += 1
 
@@ -369,6 +396,8 @@ class MixedPrecisionRuntime:
         out = self.amp.metrics(self.external_scaler() if self.external_scaler is not None else None, host=got.amp)
         if self.monitor is not None:
             out[M.HEALTH_EVENTS] = float(len(self.events))
+        if self.phases is not None:
+            out[M.PHASE] = float(self.phases.index)
         out.update(self._fp8_metrics)
         self._fp8_metrics = {}
         if self.clipper is not None:
@@ -380,28 +409,50 @@ class MixedPrecisionRuntime:
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """JSON-friendly state (lists, not tensors) so it fits Trainer's trainer_state.json exactly."""
-        _observe_fp8_samples(self)  # the monitor's state holds them
-        clip = None
-        if self.clipper is not None:
-            sd = self.clipper.state_dict()
-            clip = {**sd, "state": {k: _to_json(v) for k, v in sd["state"].items()}}
-        return {
-            "version": STATE_VERSION,
-            "steps": self.steps,
-            "skipped": self.amp.skipped_count(),
-            "schedule_rewound": self.amp.schedule_rewound,
-            "external_skips": self.amp.external_skips,
-            "clipper": clip,
-            "monitor": self.monitor.state_dict() if self.monitor is not None else None,
-            "events": list(self.events),
-            "stopped": self.stop_requested,
-            "moved_layers": list(self.moved_layers),
-        }
+        return _runtime_state(self)
 
     def load_state_dict(self, state: dict[str, Any], model: nn.Module | None = None) -> None:
         """Restore :meth:`state_dict`; with ``model``, also the decisions made on it (FP8 layers a fallback moved
         to high precision are moved again, so the resumed run has the same module types and state-dict keys)."""
         _load_runtime_state(self, state, model)
+
+
+def _runtime_state(rt: MixedPrecisionRuntime) -> dict[str, Any]:
+    """:meth:`MixedPrecisionRuntime.state_dict`."""
+    _observe_fp8_samples(rt)  # the monitor's state holds them
+    clip = None
+    if rt.clipper is not None:
+        sd = rt.clipper.state_dict()
+        clip = {**sd, "state": {k: _to_json(v) for k, v in sd["state"].items()}}
+    return {
+        "version": STATE_VERSION,
+        "steps": rt.steps,
+        "skipped": rt.amp.skipped_count(),
+        "schedule_rewound": rt.amp.schedule_rewound,
+        "external_skips": rt.amp.external_skips,
+        "clipper": clip,
+        "monitor": rt.monitor.state_dict() if rt.monitor is not None else None,
+        "events": list(rt.events),
+        "stopped": rt.stop_requested,
+        "moved_layers": list(rt.moved_layers),
+        "phases": rt.phases.state_dict() if rt.phases is not None else None,
+    }
+
+
+def _feed_external_step(rt: MixedPrecisionRuntime) -> None:
+    """DeepSpeed checks every step's gradients for inf/NaN itself and skips such a step, under FP16 and under
+    BF16 alike (``OVERFLOW! Skipping step``, counted in ``engine.skipped_steps``), so a non-finite step never
+    reaches its weights. It decides that on the host inside ``engine.step()``: reading the count, the scale
+    (Python values) and the loss it has already waited for adds no stall; the monitor lives on the CPU."""
+    if rt.monitor is None or rt.external_scaler is None:
+        return
+    ds = rt.external_scaler()
+    if ds is not None:
+        grad, skipped, scale = rt.amp.external_step(ds)
+        d = rt.recipe.health.detectors
+        loss = rt._step_loss() if (d.loss_spike.enabled or d.nonfinite_loss.enabled) else None
+        rt.monitor.pre_step(loss=loss, grad_norm=grad)
+        rt.monitor.post_step(skipped=skipped, scale=scale)
 
 
 def _load_runtime_state(rt: MixedPrecisionRuntime, state: dict[str, Any], model: nn.Module | None) -> None:
@@ -425,118 +476,11 @@ def _load_runtime_state(rt: MixedPrecisionRuntime, state: dict[str, Any], model:
             rt.note(f"resumed after a health stop ({state['stopped']}); detector windows start afresh")
         else:
             rt.monitor.load_state_dict(state["monitor"])
+    if rt.phases is not None and state.get("phases") is not None:
+        rt.phases.load_state_dict(state["phases"])
+        if model is not None:  # the checkpoint's phase first, so its layers and FP8 state fit
+            rt._switch_phase(model, None, resume=True)
     rt.reactions.load(state.get("events", []), state.get("moved_layers", []), model)
-
-
-# -- FP8 layer state: beside a checkpoint's model, never in a saved model's weights ----------------------------------
-def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What the emulated FP8 layers keep across optimizer steps (their persistent buffers: delayed scaling's amax
-    histories and scales), by ``model.state_dict()`` key, copied to the CPU (a host read: checkpoint steps only).
-    Under DDP every rank holds the same values (:func:`~hf_mixedprec.fp8.fp8_step` reduces the amaxes with MAX over
-    the ranks before the update)."""
-    return {k: t.detach().to("cpu", copy=True) for k, t in _fp8_state_tensors(model).items()}
-
-
-def load_fp8_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
-    """Copy :func:`fp8_state_dict` into ``model``'s FP8 layers in place; returns the keys left as they were
-    (absent from ``state`` or of another shape, e.g. after a changed ``amax_history_len``)."""
-    live = _fp8_state_tensors(model)
-    restarted = [k for k, t in live.items() if k not in state or state[k].shape != t.shape]
-    with torch.no_grad():
-        for k in live.keys() - set(restarted):
-            live[k].copy_(state[k])
-    return restarted
-
-
-def exclude_fp8_state_from_saves(model: nn.Module) -> None:
-    """Keep the FP8 layers' state out of ``save_pretrained`` so a saved model is a plain Hugging Face checkpoint.
-
-    Their keys join ``_keys_to_ignore_on_save`` of every ``PreTrainedModel`` in ``model`` (relative to it), which
-    ``PreTrainedModel.save_pretrained`` drops and ``Trainer._issue_warnings_after_load`` expects missing when a
-    Trainer resumes. The state stays in ``model.state_dict()``; a Trainer checkpoint keeps it beside the model
-    (:func:`save_fp8_state`).
-    """
-    keys = list(_fp8_state_tensors(model))
-    for prefix, sub in model.named_modules():
-        if not hasattr(type(sub), "_keys_to_ignore_on_save"):  # a transformers PreTrainedModel
-            continue
-        cut = f"{prefix}." if prefix else ""
-        mine = {k[len(cut) :] for k in keys if k.startswith(cut)}
-        if mine:
-            sub._keys_to_ignore_on_save = set(sub._keys_to_ignore_on_save or ()) | mine
-
-
-def save_fp8_state(model: nn.Module, folder: str | os.PathLike[str]) -> str | None:
-    """Write :func:`fp8_state_dict` to ``folder``/:data:`FP8_STATE_FILE` (an existing folder); returns its path, or
-    None when the model has no FP8 state (e.g. current or MX scaling). A host read: checkpoint steps only."""
-    state = fp8_state_dict(model)
-    if not state:
-        return None
-    from safetensors.torch import save_file
-
-    path = os.path.join(folder, FP8_STATE_FILE)
-    save_file(state, path, metadata={"format": "pt", "hf_mixedprec_fp8": str(STATE_VERSION)})
-    return path
-
-
-def load_fp8_state(model: nn.Module, folder: str | os.PathLike[str] | None) -> str | None:
-    """Restore the FP8 layers' state from the checkpoint ``folder`` a run resumes from (:func:`save_fp8_state`, or
-    ``model.safetensors`` of a checkpoint written before that file existed). Returns what restarts from scratch,
-    as a sentence to say loudly (None when everything was restored or the model has no FP8 state)."""
-    live = _fp8_state_tensors(model)
-    if not live:
-        return None
-    state: dict[str, torch.Tensor] = {}
-    path = None if folder is None else os.path.join(folder, FP8_STATE_FILE)
-    if path is not None and os.path.isfile(path):
-        from safetensors.torch import load_file
-
-        state = load_file(path)
-    elif folder is not None:
-        state = _fp8_state_in_weights(folder, set(live))
-        path = os.path.join(folder, "model.safetensors") if state else path
-    if not state:
-        where = f"{path} is missing" if path is not None else "the checkpoint folder is not known"
-        return (
-            f"FP8 state: {where}, so the amax histories and scales of {len(live)} FP8 buffers restart from scratch "
-            "(the resumed run will not match an uninterrupted one bit for bit)"
-        )
-    restarted = load_fp8_state_dict(model, state)
-    if not restarted:
-        return None
-    more = ", ..." if len(restarted) > 3 else ""
-    return (
-        f"FP8 state: {len(restarted)} of {len(live)} buffers were not in {path} or had another shape and "
-        f"restart from scratch ({', '.join(restarted[:3])}{more})"
-    )
-
-
-def _fp8_state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The live persistent buffers of every emulated FP8 layer in ``model``, by ``model.state_dict()`` key."""
-    out: dict[str, torch.Tensor] = {}
-    for name, m in iter_emulated(model):
-        params = {n for n, _ in m.named_parameters()}
-        for k, t in m.state_dict(keep_vars=True).items():
-            if k not in params and isinstance(t, torch.Tensor):
-                out[f"{name}.{k}" if name else k] = t
-    return out
-
-
-def _fp8_state_in_weights(folder: str | os.PathLike[str], keys: set[str]) -> dict[str, torch.Tensor]:
-    """FP8 state from the ``model.safetensors`` (or its shards) of a checkpoint that kept it there."""
-    from safetensors import safe_open
-
-    files = [os.path.join(folder, "model.safetensors")]
-    index = files[0] + ".index.json"
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted({os.path.join(folder, v) for v in json.load(f).get("weight_map", {}).values()})
-    out: dict[str, torch.Tensor] = {}
-    for file in files:
-        if os.path.isfile(file):
-            with safe_open(file, framework="pt") as sf:
-                out.update({k: sf.get_tensor(k) for k in keys.intersection(sf.keys())})
-    return out
 
 
 def _mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from hf_mixedprec.formats import FP8_SCALING_DEFAULTS
@@ -32,6 +32,7 @@ __all__ = [
     "FP8Config",
     "HealthConfig",
     "LossScaleConfig",
+    "PhaseConfig",
     "RecipeSpec",
 ]
 
@@ -463,6 +464,146 @@ class DistributedConfig(_Section):
         return self
 
 
+#: What a phased recipe may schedule: FP16 is not (its loss scaler would have to start mid-run; see PhaseConfig).
+PHASE_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp8")
+#: At most this many phases (each is validated as a recipe of its own).
+MAX_PHASES = 32
+#: ``distributed.strategy`` values under which layers can be swapped in place at a phase boundary.
+PHASE_STRATEGIES: tuple[str, ...] = ("none", "ddp")
+
+
+def _step_or_fraction(value: Any) -> Any:
+    """A phase start is an integer step count or a fraction; a string or a bool is neither (strict mode would
+    report it twice, once per type of the union)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _rule(
+            "", f"{value!r} is not a step count or a fraction (allowed: an integer >= 0, or a number in [0, 1))"
+        )
+    return value
+
+
+class PhaseConfig(_Section):
+    """One precision phase of a run, from its ``start`` until the next phase's start.
+
+    ``start`` counts optimizer steps done, or is a fraction of ``max_steps``. Everything not named here (clipping,
+    health, tf32, distribution) is the recipe's own, so the clipper's statistics and the detectors' windows run on
+    across boundaries."""
+
+    name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="A label for reports (default: 'phase <index>')."
+    )
+    start: Annotated[int | float, BeforeValidator(_step_or_fraction)] = Field(
+        ...,
+        description="Where the phase begins: optimizer steps already done (an integer), or a fraction of max_steps "
+        "in [0, 1) (resolved as round(fraction * max_steps)). The first phase starts at 0.",
+    )
+    precision: Precision = Field(..., description="The phase's precision: fp32, bf16 or fp8 (fp16 is not scheduled).")
+    fp8: dict[str, Any] | None = Field(
+        None,
+        description="fp8 phases: keys of the fp8 section that differ from the recipe's own fp8 section (or from the "
+        "fp8 defaults when the recipe's precision is not fp8).",
+    )
+    fp8_history: Literal["fresh", "restore"] | None = Field(
+        None,
+        description="fp8 phases (default fresh): start the FP8 layers' amax histories and scales afresh, or restore those the last "
+        "FP8 phase ended with (restore suits a short BF16 interlude; layers whose state no longer fits restart).",
+    )
+
+    @model_validator(mode="after")
+    def _start(self) -> PhaseConfig:
+        if isinstance(self.start, float) and not 0.0 <= self.start < 1.0:
+            raise _rule(
+                "start", f"{self.start!r} is out of range (allowed: an integer step >= 0, or a fraction in [0, 1))"
+            )
+        if isinstance(self.start, int) and not 0 <= self.start <= MAX_STEPS:
+            raise _rule("start", f"{self.start!r} is out of range (allowed: 0 to {MAX_STEPS:,} steps)")
+        if self.precision != "fp8":
+            for key in ("fp8", "fp8_history"):
+                if getattr(self, key) is not None:
+                    raise _rule(key, f"only applies to an fp8 phase (precision is {self.precision}); remove it")
+        if self.precision not in PHASE_PRECISIONS:
+            raise _rule(
+                "precision",
+                f"{self.precision} cannot be scheduled in a phase (allowed: {', '.join(PHASE_PRECISIONS)}): FP16 needs "
+                "its loss scaler from the first step; train the whole run with an fp16 recipe instead",
+            )
+        return self
+
+    def label(self, index: int) -> str:
+        """The phase's name in reports."""
+        return self.name or f"phase {index}"
+
+
+def _phase_data(base: dict[str, Any], phase: PhaseConfig) -> dict[str, Any]:
+    """The plain recipe data one phase trains with: ``base`` (the recipe's data without ``phases``) with the phase's
+    precision and fp8 keys. Options that belong to the recipe's own FP8 scaling (or torchao backend) are dropped when
+    the phase changes the scaling (or backend), as ``extends`` would need them set to null."""
+    data = {k: v for k, v in base.items() if k not in ("fp8", "loss_scale", "phases")}
+    data["precision"] = phase.precision
+    if phase.precision == "fp8":
+        own = dict(base.get("fp8") or {}) if base.get("precision") == "fp8" else {}
+        wanted = dict(phase.fp8 or {})
+        if "scaling" in wanted and wanted["scaling"] != own.get("scaling"):
+            own = {k: v for k, v in own.items() if k not in _FP8_SCALING_ONLY}
+        if "backend" in wanted and wanted["backend"] != own.get("backend"):
+            own.pop("torchao_recipe", None)
+        data["fp8"] = {**own, **wanted}
+    return data
+
+
+def _phase_rules(spec: RecipeSpec) -> tuple[RecipeSpec, ...]:
+    """Check ``spec.phases`` as a whole (starts, strategy) and validate each phase as a recipe of its own; returns
+    those phase recipes. Every problem names its ``phases.<index>.<key>``."""
+    phases = spec.phases or ()
+    if not 2 <= len(phases) <= MAX_PHASES:
+        raise _rule(
+            "phases", f"{len(phases)} phase(s) given (allowed: 2 to {MAX_PHASES}; one phase is the recipe itself)"
+        )
+    if spec.precision == "fp16":
+        raise _rule("phases", "cannot be combined with precision fp16 (allowed: fp32, bf16 or fp8 as the recipe's own)")
+    if spec.distributed.strategy not in PHASE_STRATEGIES:
+        raise _rule(
+            "phases",
+            f"not supported with distributed.strategy {spec.distributed.strategy} (allowed: "
+            f"{', '.join(PHASE_STRATEGIES)}): layers are swapped in place at a boundary, which a sharded model forbids",
+        )
+    if phases[0].start != 0:
+        raise _rule(
+            "phases.0.start",
+            f"{phases[0].start!r}: the first phase must start at 0 (steps before it would have no precision)",
+        )
+    fractions = [i for i, p in enumerate(phases) if isinstance(p.start, float) and p.start != 0]
+    counts = [i for i, p in enumerate(phases) if isinstance(p.start, int) and p.start != 0]
+    if fractions and counts:
+        i, j = fractions[0], counts[0]
+        raise _rule(
+            f"phases.{max(i, j)}.start",
+            f"{phases[max(i, j)].start!r} mixes a {'fraction' if max(i, j) == i else 'step count'} with "
+            f"phases.{min(i, j)}.start {phases[min(i, j)].start!r} (allowed: all steps or all fractions of max_steps; "
+            "0 fits both)",
+        )
+    for i in range(1, len(phases)):
+        if phases[i].start <= phases[i - 1].start:
+            raise _rule(
+                f"phases.{i}.start",
+                f"{phases[i].start!r} is not after phases.{i - 1}.start {phases[i - 1].start!r} (phases overlap; "
+                "allowed: starts in increasing order)",
+            )
+    base = spec.to_dict()
+    out = []
+    for i, phase in enumerate(phases):
+        try:
+            out.append(type(spec).model_validate(_phase_data(base, phase)))
+        except ValidationError as exc:
+            # the phase's own problems, each reported at phases.<i>.<key> (recipe_files formats them)
+            raise PydanticCustomError(
+                "recipe_phase",
+                "phases.{index}: {count} problem(s)",
+                {"index": i, "count": exc.error_count(), "errors": exc.errors(include_url=False)},
+            ) from None
+    return tuple(out)
+
+
 class RecipeSpec(_Section):
     """A complete, validated mixed-precision training recipe (what :class:`hf_mixedprec.recipe.Recipe` adds:
     applying it to a Trainer or an Accelerate loop)."""
@@ -480,6 +621,11 @@ class RecipeSpec(_Section):
     clipping: ClippingConfig = Field(default_factory=ClippingConfig, description="Gradient clipping.")
     health: HealthConfig = Field(default_factory=HealthConfig, description="Scale-health monitoring and reactions.")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="How the job is launched.")
+    phases: Annotated[tuple[PhaseConfig, ...], BeforeValidator(_as_tuple)] | None = Field(
+        None,
+        description="Precision phases over the run (e.g. BF16 warm-up, FP8, BF16 anneal), switched in place at their "
+        "starts; null = the whole run in `precision`. See docs/phases.md.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -521,7 +667,32 @@ class RecipeSpec(_Section):
                     raise _rule("loss_scale.max_scale", "DeepSpeed's scaler has no ceiling; remove it")
         return self
 
+    @model_validator(mode="after")
+    def _phases(self) -> RecipeSpec:
+        if self.phases is not None:
+            _phase_rules(self)
+        return self
+
     _rehearse: bool = PrivateAttr(default=False)
+
+    # -- phases ---------------------------------------------------------------------------------------
+    def phase_specs(self) -> tuple[RecipeSpec, ...]:
+        """The recipe each phase trains with (validated, rehearsed as this recipe is); ``(self,)`` without phases.
+        Made from the recipe as it is now, so a ``model_copy(update=...)`` of its shared sections reaches them."""
+        if self.phases is None:
+            return (self,)
+        return tuple(s.rehearsed(self._rehearse) for s in _phase_rules(self))
+
+    def precisions(self) -> tuple[str, ...]:
+        """Every precision the run trains in, in phase order (one entry without phases)."""
+        return tuple(s.precision for s in self.phase_specs())
+
+    def autocast_precision(self) -> str:
+        """The precision Accelerate is set up with: the recipe's own, or for a phased recipe bf16 when any phase
+        autocasts (FP8 layers sit inside BF16 autocast) and fp32 otherwise; the runtime switches per phase."""
+        if self.phases is None:
+            return self.precision
+        return "bf16" if any(p in ("bf16", "fp8") for p in self.precisions()) else "fp32"
 
     # -- run-time use -----------------------------------------------------------------------------
     @property

@@ -19,6 +19,11 @@ def _type(field: Any) -> str:
     ann = field.annotation
     text = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
     text = text.replace("hf_mixedprec.schema.", "").replace("hf_mixedprec.recipe.", "").replace(" | None", " or null")
+    # a list of sections (phases): tuple[Model, ...] behind a BeforeValidator that turns YAML lists into tuples
+    text = re.sub(
+        r"Optional\[Annotated\[tuple\[(\w+), \.\.\.\], BeforeValidator\([^)]*\)\]\]", r"list of \1 or null", text
+    )
+    text = re.sub(r"^Optional\[(.*)\]$", r"\1 or null", text)
     text = re.sub(r"Literal\[([^\]]*)\]", lambda m: m.group(1).replace("'", "").replace(", ", " / "), text)
     return text.replace("|", "/")
 
@@ -31,6 +36,16 @@ def _default(field: Any) -> str:
     return f"`{field.default!r}`" if field.default is not None else "null"
 
 
+def _models_in(ann: Any) -> list[tuple[type[BaseModel], bool]]:
+    """The pydantic models an annotation holds, each with whether it is a list of them."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return [(ann, False)]
+    found = []
+    for arg in getattr(ann, "__args__", ()):
+        found += [(m, many or getattr(ann, "__origin__", None) is tuple) for m, many in _models_in(arg)]
+    return found
+
+
 def _section(model: type[BaseModel], prefix: str, out: list[str], seen: dict[type, str] | None = None) -> None:
     seen = {} if seen is None else seen
     rows = []
@@ -38,12 +53,12 @@ def _section(model: type[BaseModel], prefix: str, out: list[str], seen: dict[typ
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         ann = field.annotation
-        sub = [a for a in (ann, *getattr(ann, "__args__", ())) if isinstance(a, type) and issubclass(a, BaseModel)]
+        sub = _models_in(ann)
         rows.append(
             f"| `{key}` | `{_type(field)}` | {_default(field)} | {(field.description or '').replace('|', '/')} |"
         )
         if sub:
-            nested.append((sub[0], f"{key}."))
+            nested.append((sub[0][0], f"{key}[]." if sub[0][1] else f"{key}."))
     out.append("| key | type | default | meaning |")
     out.append("| --- | --- | --- | --- |")
     out.extend(rows)
@@ -79,7 +94,8 @@ def render() -> str:
     for name in builtin_recipe_names():
         r = load_recipe_file(name)
         out.append(
-            f"- `{name}` ({r.precision}{', ' + r.fp8.scaling if r.fp8 else ''}; {', '.join(r.hardware)}): {r.description}"
+            f"- `{name}` ({' -> '.join(r.precisions()) + ' phases' if r.phases else r.precision}"
+            f"{', ' + r.fp8.scaling if r.fp8 else ''}; {', '.join(r.hardware)}): {r.description}"
         )
     out.append("")
     return "\n".join(out)

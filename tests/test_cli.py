@@ -21,13 +21,16 @@ def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     )
 
 
-def test_recipes_json_lists_all_nine(capsys):
+def test_recipes_json_lists_all_ten(capsys):
     assert main(["recipes", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert sorted(r["name"] for r in rows) == builtin_recipe_names()
-    assert len(rows) == 9
+    assert len(rows) == 10
     by = {r["name"]: r for r in rows}
     assert by["b200-mxfp8"]["fp8_scaling"] == "mxfp8" and by["v100-fp16"]["precision"] == "fp16"
+    assert by["h100-fp8-anneal-bf16"]["phases"] == ["fp8", "bf16"] and by["v100-fp16"]["phases"] is None
+    assert main(["recipes"]) == 0
+    assert "h100-fp8-anneal-bf16  fp8->bf16" in capsys.readouterr().out
 
 
 def test_show_prints_resolved_recipe(capsys):
@@ -50,7 +53,7 @@ def test_detect_json_here_is_cpu():
 def test_validate_passes_every_shipped_recipe(capsys):
     paths = [str(builtin_recipe_path(n)) for n in builtin_recipe_names()]
     assert main(["validate", *paths]) == 0
-    assert capsys.readouterr().out.count(": ok (") == 9
+    assert capsys.readouterr().out.count(": ok (") == 10
 
 
 BROKEN = {

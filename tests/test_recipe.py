@@ -21,10 +21,11 @@ SHIPPED = {
     "h100-fp8-current",
     "h100-fp8-blockwise",
     "b200-mxfp8",
+    "h100-fp8-anneal-bf16",
 }
 
 
-def test_all_nine_recipes_ship():
+def test_all_ten_recipes_ship():
     assert set(builtin_recipe_names()) == SHIPPED
 
 

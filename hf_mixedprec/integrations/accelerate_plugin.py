@@ -30,7 +30,7 @@ from accelerate.utils import DistributedType, GradScalerKwargs
 from pydantic import ValidationError
 
 from hf_mixedprec.hardware import check_recipe, detect
-from hf_mixedprec.runtime import MixedPrecisionRuntime, exclude_fp8_state_from_saves
+from hf_mixedprec.runtime import MixedPrecisionRuntime
 from hf_mixedprec.schema import ACCELERATE_MIXED_PRECISION, RecipeSpec
 
 __all__ = [
@@ -62,8 +62,9 @@ def grad_scaler_kwargs(recipe: RecipeSpec) -> GradScalerKwargs | None:
 
 
 def accelerate_precision(recipe: RecipeSpec) -> str:
-    """Accelerate's ``mixed_precision`` for a recipe (FP8 layers run inside BF16 autocast, applied by us)."""
-    return ACCELERATE_MIXED_PRECISION[recipe.precision]
+    """Accelerate's ``mixed_precision`` for a recipe (FP8 layers run inside BF16 autocast, applied by us; a phased
+    recipe's is bf16 when any phase autocasts, and the runtime sets each phase's own autocast)."""
+    return ACCELERATE_MIXED_PRECISION[recipe.autocast_precision()]
 
 
 def backpropagated_loss(accelerator: Accelerator, loss: torch.Tensor) -> torch.Tensor:
@@ -90,7 +91,9 @@ class MixedPrecisionAccelerator(Accelerator):
     recorded in :attr:`mp` ``.notes``.
     """
 
-    def __init__(self, recipe: RecipeSpec, *, rehearse: bool | None = None, **kwargs: Any):
+    def __init__(
+        self, recipe: RecipeSpec, *, rehearse: bool | None = None, max_steps: int | None = None, **kwargs: Any
+    ):
         rehearse = recipe.rehearse if rehearse is None else rehearse
         if not rehearse:
             check_recipe(recipe, detect())
@@ -117,6 +120,13 @@ class MixedPrecisionAccelerator(Accelerator):
             self.scaler = self.mp.make_guard_scaler()
         self.mp.apply_tf32()
         self._clipped_this_step = False
+        if max_steps is not None:
+            self.set_max_steps(max_steps)
+
+    def set_max_steps(self, max_steps: int) -> None:
+        """The run's length in optimizer steps, for a phased recipe whose phases start at fractions of it (call it
+        before ``prepare``, or pass ``make_accelerator(recipe, max_steps=N)``)."""
+        self.mp.set_max_steps(max_steps)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Accelerate's ``backward``, after recording the loss it back-propagates for the loss detectors."""
@@ -128,9 +138,10 @@ class MixedPrecisionAccelerator(Accelerator):
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ):
-        if self.recipe.precision == "fp8" and not evaluation_mode:
-            self.mp.convert_model(model)
-            exclude_fp8_state_from_saves(model)  # unwrap_model(model).save_pretrained() stays plain
+        if not evaluation_mode:
+            self.mp.convert_model(model)  # FP8 state stays out of unwrap_model(model).save_pretrained()
+            if self.mp.phases is not None:  # each phase's autocast, innermost (Accelerate's is fixed)
+                self.mp.wrap_forward_with_autocast(model)
         self._mp_model = model
         if not evaluation_mode:
             self.mp.begin_step(model)
@@ -150,7 +161,7 @@ class MixedPrecisionAccelerator(Accelerator):
                     self.mp.before_optimizer_step(self._params(), opt.optimizer)
                 out = inner_step(*args, **kwargs)
                 self.mp.after_optimizer_step(self._mp_model, opt)
-                self.mp.begin_step(self._mp_model)
+                self.mp.begin_step(self._mp_model, opt.optimizer)
                 self._clipped_this_step = False
                 return out
             return inner_step(*args, **kwargs)
@@ -192,7 +203,7 @@ def _mixed_precision_decision(recipe: RecipeSpec, argument: Any) -> str | None:
     ``ValueError``."""
     wanted = accelerate_precision(recipe)
     # an FP8 recipe trains under BF16 autocast with its FP8 layers applied by hf_mixedprec
-    allowed = (wanted, "fp8") if recipe.precision == "fp8" else (wanted,)
+    allowed = (wanted, "fp8") if "fp8" in recipe.precisions() else (wanted,)
     env = os.environ.get(MIXED_PRECISION_ENV)
     if argument is not None:
         source, value = "mixed_precision", str(argument).lower()

@@ -50,10 +50,12 @@ LAUNCHER = (sys.executable, "-m", "hf_mixedprec._launcher")
 
 
 def fp8_via_accelerate(recipe: RecipeSpec) -> bool:
-    """True when Accelerate's own FP8 path (TE) builds exactly this recipe's scaling."""
+    """True when Accelerate's own FP8 path (TE) builds exactly this recipe's scaling (never for a phased recipe:
+    Accelerate's FP8 would hold for the whole run, and the phases switch it in the training process)."""
     fp8 = recipe.fp8
     return (
-        recipe.precision == "fp8"
+        recipe.phases is None
+        and recipe.precision == "fp8"
         and fp8 is not None
         and fp8.backend in ("auto", "transformer_engine")
         and fp8.scaling in ("delayed", "mxfp8")
@@ -85,7 +87,7 @@ def accelerate_config(
     if strategy == "none" and nproc > 1:
         dist_type = "MULTI_GPU"
         notes.append(f"{nproc} processes with distributed.strategy none: plain data parallel (DDP), no sharding")
-    mixed = "fp8" if fp8_via_accelerate(recipe) else ACCELERATE_MIXED_PRECISION[recipe.precision]
+    mixed = "fp8" if fp8_via_accelerate(recipe) else ACCELERATE_MIXED_PRECISION[recipe.autocast_precision()]
     cfg: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,

@@ -40,17 +40,12 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from hf_mixedprec.fp8.state import read_fp8_state_file
 from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.health import HealthMonitor
 from hf_mixedprec.integrations.accelerate_plugin import accelerate_precision, backpropagated_loss, enable_native_fp16
 from hf_mixedprec.recipe_files import resolve_recipe
-from hf_mixedprec.runtime import (
-    MixedPrecisionRuntime,
-    exclude_fp8_state_from_saves,
-    fp8_state_dict,
-    load_fp8_state,
-    save_fp8_state,
-)
+from hf_mixedprec.runtime import MixedPrecisionRuntime, fp8_state_dict, load_fp8_state, save_fp8_state
 from hf_mixedprec.schema import RecipeSpec
 
 __all__ = ["MixedPrecisionCallback", "attach", "recipe_callbacks", "runtime_of", "training_args"]
@@ -83,7 +78,7 @@ def training_args(recipe: RecipeSpec, *, args_class: type | None = None, **overr
     Rehearsed FP16 on CPU keeps ``fp16=False`` (Accelerate would silently ignore it there); the callback
     supplies autocast and the GradScaler. A conflicting override is an error that names the key.
     """
-    wanted: dict[str, Any] = {"bf16": recipe.precision in ("bf16", "fp8"), "fp16": False}
+    wanted: dict[str, Any] = {"bf16": recipe.autocast_precision() in ("bf16", "fp8"), "fp16": False}
     on_cuda = torch.cuda.is_available() and not overrides.get("use_cpu", False)
     if recipe.precision == "fp16":
         wanted["fp16"] = on_cuda
@@ -246,7 +241,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         device = args.device
         if not self.rehearse:
             check_recipe(recipe, detect())
-        notes = self._check_args(args)
+        notes = _check_args(recipe, args)
         rt = MixedPrecisionRuntime(recipe, device=device, rehearse=self.rehearse)
         self.runtime = rt
         for text in notes:
@@ -261,7 +256,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             self._route_backward_and_log(trainer, rt)
             return
         autocast_by_accelerate = acc.native_amp and acc.mixed_precision == accelerate_precision(recipe)
-        if recipe.precision == "fp32" and acc.mixed_precision != "no":
+        if recipe.autocast_precision() == "fp32" and acc.mixed_precision != "no":
             acc.state._mixed_precision = "no"
             acc.native_amp = False
             autocast_by_accelerate = True
@@ -283,9 +278,16 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             )
         if late and scaler is not None:
             _give_scaler(trainer.optimizer, scaler)
+        if rt.phases is not None:
+            _phased_autocast(rt, model, acc, late)
         # Accelerate autocasts at prepare time: fp16 switched on above is its own path unless the model was
         # already prepared without it
-        if recipe.precision != "fp32" and not autocast_by_accelerate and (late or recipe.precision != "fp16"):
+        if (
+            recipe.autocast_precision() != "fp32"
+            and rt.phases is None
+            and not autocast_by_accelerate
+            and (late or recipe.precision != "fp16")
+        ):
             rt.wrap_forward_with_autocast(model)
             rt.note(
                 f"{recipe.precision if recipe.precision == 'fp16' else 'bf16'} autocast installed by hf_mixedprec "
@@ -294,9 +296,8 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             )
         self._route_backward_and_log(trainer, rt)
         self._route_clip_grad_norm(trainer, rt)
-        if recipe.precision == "fp8":
-            rt.convert_model(model, getattr(trainer.optimizer, "optimizer", trainer.optimizer) if late else None)
-            exclude_fp8_state_from_saves(model)  # saved beside each checkpoint instead (on_save)
+        # FP8 state is kept out of saved models and written beside each checkpoint instead (on_save)
+        rt.convert_model(model, getattr(trainer.optimizer, "optimizer", trainer.optimizer) if late else None)
         if rt.clipper is not None and args.max_grad_norm:
             rt.note(
                 f"clipping.method {recipe.clipping.method!r} replaces Trainer's max_grad_norm="
@@ -373,35 +374,6 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             )
             rt.clipper = None
 
-    def _check_args(self, args: TrainingArguments) -> list[str]:
-        """Refuse arguments that contradict the recipe; fix library defaults that do (returned as notes)."""
-        p = self.recipe.precision
-        notes: list[str] = []
-        if args.fp16 and p != "fp16":
-            raise ValueError(
-                f"TrainingArguments.fp16=True contradicts recipe {self.recipe.name!r} (precision {p}); "
-                "remove fp16=True or build the arguments with recipe.training_args(...)"
-            )
-        if args.bf16 and p in ("fp16", "fp32") and _defaults_to_none(args, "bf16"):
-            # TRL's configs leave bf16=None and turn it into True when fp16 is not set: a library default, not
-            # the user's choice (an explicit bf16=True cannot be told apart there and is treated the same)
-            args.bf16 = False
-            notes.append(
-                f"{type(args).__name__}.bf16 was True by its library's default (bf16=None becomes True); set to "
-                f"False for recipe {self.recipe.name!r} (precision {p})"
-            )
-        if args.bf16 and p in ("fp16", "fp32"):
-            raise ValueError(
-                f"TrainingArguments.bf16=True contradicts recipe {self.recipe.name!r} (precision {p}); "
-                "remove bf16=True or build the arguments with recipe.training_args(...)"
-            )
-        if getattr(args, "deepspeed", None) and p not in ("fp16", "bf16"):
-            raise ValueError(
-                f"recipe {self.recipe.name!r} (precision {p}) cannot run under DeepSpeed here "
-                "(allowed: fp16 or bf16 recipes; build the config with deepspeed_config(recipe))"
-            )
-        return notes
-
     def _runtime(self, model: Any) -> MixedPrecisionRuntime:
         if self.runtime is None:  # a fresh instance made by Trainer when restoring callback state
             self.runtime, trainer_ref = _ATTACHED[model]
@@ -415,6 +387,8 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             # else (set up already) this checks that no second callback or second Trainer appeared since
             self.setup(self._calling_trainer("on_train_begin"), late=True)
         rt = self._runtime(model)
+        if rt.phases is not None:
+            rt.set_max_steps(state.max_steps)
         payload = self.restored
         if payload is None and state.global_step > 0:
             # Trainer restores callback objects only with restore_callback_states_from_checkpoint=True, but
@@ -433,7 +407,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
 
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         if not self.deepspeed:
-            self._runtime(kw["model"]).begin_step(kw["model"])
+            self._runtime(kw["model"]).begin_step(kw["model"], kw.get("optimizer"))
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         if self.deepspeed:
@@ -479,6 +453,51 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             rt.note(f"STOPPED: {rt.stop_requested}. Resume with {how}")
 
 
+def _check_args(recipe: RecipeSpec, args: TrainingArguments) -> list[str]:
+    """Refuse arguments that contradict the recipe; fix library defaults that do (returned as notes)."""
+    p = recipe.precision
+    notes: list[str] = []
+    if args.fp16 and p != "fp16":
+        raise ValueError(
+            f"TrainingArguments.fp16=True contradicts recipe {recipe.name!r} (precision {p}); "
+            "remove fp16=True or build the arguments with recipe.training_args(...)"
+        )
+    p = recipe.autocast_precision()  # a phased recipe: bf16 when any phase autocasts
+    if args.bf16 and p in ("fp16", "fp32") and _defaults_to_none(args, "bf16"):
+        # TRL's configs leave bf16=None and turn it into True when fp16 is not set: a library default, not
+        # the user's choice (an explicit bf16=True cannot be told apart there and is treated the same)
+        args.bf16 = False
+        notes.append(
+            f"{type(args).__name__}.bf16 was True by its library's default (bf16=None becomes True); set to "
+            f"False for recipe {recipe.name!r} (precision {p})"
+        )
+    if args.bf16 and p in ("fp16", "fp32"):
+        raise ValueError(
+            f"TrainingArguments.bf16=True contradicts recipe {recipe.name!r} (precision {p}); "
+            "remove bf16=True or build the arguments with recipe.training_args(...)"
+        )
+    if getattr(args, "deepspeed", None) and p not in ("fp16", "bf16"):
+        raise ValueError(
+            f"recipe {recipe.name!r} (precision {p}) cannot run under DeepSpeed here "
+            "(allowed: fp16 or bf16 recipes; build the config with deepspeed_config(recipe))"
+        )
+    return notes
+
+
+def _phased_autocast(rt: MixedPrecisionRuntime, model: Any, acc: Any, late: bool) -> None:
+    """A phased recipe's autocast changes at its boundaries, so the runtime's wrapper, which reads the phase at every
+    forward, runs innermost and wins over Accelerate's fixed one. A callback added after the model was prepared
+    sits outside Accelerate's autocast and cannot turn it off for an FP32 phase: refused."""
+    if late and acc.native_amp and "fp32" in rt.recipe.precisions():
+        raise ValueError(
+            f"recipe {rt.recipe.name!r} has an fp32 phase, and this callback was added after the Trainer prepared the "
+            f"model under mixed_precision={acc.mixed_precision!r}, whose autocast cannot be turned off then; pass "
+            "recipe.callbacks() to Trainer(callbacks=...) or use attach(trainer, recipe) before train()"
+        )
+    rt.wrap_forward_with_autocast(model)
+    rt.note(f"phased recipe: hf_mixedprec sets the autocast of each phase ({' -> '.join(rt.recipe.precisions())})")
+
+
 def _save_fp8_state(rt: MixedPrecisionRuntime, model: Any, args: TrainingArguments, state: Any) -> None:
     """At ``on_save`` (``TrainerCallback.on_save`` runs right after ``Trainer._save_checkpoint`` wrote
     ``<output_dir>/checkpoint-<global_step>``): the FP8 layers' state beside that checkpoint's model, written by the
@@ -487,7 +506,7 @@ def _save_fp8_state(rt: MixedPrecisionRuntime, model: Any, args: TrainingArgumen
         return
     folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
     if os.path.isdir(folder):
-        save_fp8_state(model, folder)
+        save_fp8_state(model, folder, extra=rt.phases.kept_fp8 if rt.phases is not None else None)
     elif fp8_state_dict(model):  # e.g. a hyperparameter-search trial's run folder
         rt.note(f"FP8 state not saved: no checkpoint folder {folder}; a resume from it restarts the amax histories")
 
@@ -496,6 +515,8 @@ def _restore_fp8_state(rt: MixedPrecisionRuntime, model: Any, state: Any) -> Non
     """At ``on_train_begin``, after the runtime's own state (so FP8 layers a fallback moved are moved again): the FP8
     layers' state from the checkpoint the Trainer resumes from; a missing file is said loudly (histories restart)."""
     folder = _resumed_from()
+    if rt.phases is not None and folder is not None:  # a later phase's fp8_history: restore
+        rt.phases.kept_fp8 = {k: t.to(rt.device) for k, t in read_fp8_state_file(folder)[1].items()}
     if folder is not None or state.global_step > 0:
         problem = load_fp8_state(model, folder)
         if problem is not None:
