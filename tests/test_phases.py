@@ -349,7 +349,11 @@ def test_estimate_lists_each_phase_with_its_own_memory():
     assert names == ["phased [warmup]", "phased [phase 1]", "phased [anneal]"]
     fp8 = [r.memory.fp8_extras for r in est.recipes]
     assert fp8[0] == fp8[2] == 0 and fp8[1] > 0  # delayed scaling's histories exist only in the FP8 phase
-    assert est.recipes[0].memory == est.recipes[2].memory and [r.precision for r in est.recipes] == ["bf16", "fp8", "bf16"]
+    assert est.recipes[0].memory == est.recipes[2].memory and [r.precision for r in est.recipes] == [
+        "bf16",
+        "fp8",
+        "bf16",
+    ]
 
 
 def test_launch_never_hands_a_phased_recipe_to_accelerates_own_fp8():
