@@ -36,9 +36,7 @@ class PhaseSchedule:
         self.recipe = recipe
         self.phases = recipe.phases
         self.specs = recipe.phase_specs()
-        self.max_steps: int | None = None
-        fractions = any(isinstance(p.start, float) and p.start for p in self.phases)
-        self.starts: list[int] | None = None if fractions else [int(p.start) for p in self.phases]
+        self.starts: list[int] | None = None if self.by_fraction else [int(p.start) for p in self.phases]
 
     @property
     def by_fraction(self) -> bool:
@@ -52,7 +50,6 @@ class PhaseSchedule:
         leaves empty or never reaches (said loudly by the runtime, never silent)."""
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
             raise MixedPrecisionError(f"max_steps: {max_steps!r} is not a run length (allowed: an integer >= 1)")
-        self.max_steps = max_steps
         if self.by_fraction:
             self.starts = [0 if p.start == 0 else round(float(p.start) * max_steps) for p in self.phases]
         assert self.starts is not None
@@ -110,16 +107,16 @@ def switch_layers(
     model: nn.Module,
     old: RecipeSpec,
     new: RecipeSpec,
-    convert: Callable[[nn.Module], int],
+    convert: Callable[[RecipeSpec], int],
 ) -> tuple[int, int]:
     """Change ``model``'s FP8 layers from phase recipe ``old`` to ``new`` in place: every FP8 layer back to high
-    precision when ``old`` is FP8, then ``convert(model)`` (the runtime's conversion, returning how many layers went
+    precision when ``old`` is FP8, then ``convert(new)`` (the runtime's conversion, returning how many layers went
     FP8) when ``new`` is. Parameters stay the same objects. Returns (layers moved back, layers converted)."""
     back = 0
     if old.precision == "fp8":
         with torch.no_grad():
             back = len(layers_to_bf16(model, [name for name, _ in iter_monitored(model)]))
-    return back, convert(model) if new.precision == "fp8" else 0
+    return back, convert(new) if new.precision == "fp8" else 0
 
 
 class PhaseRunner:
@@ -135,11 +132,12 @@ class PhaseRunner:
         self.changes: list[dict[str, object]] = []
         #: device copies of the FP8 layers' state when the last FP8 phase ended (for ``fp8_history: restore``)
         self.kept_fp8: dict[str, torch.Tensor] = {}
-        self._restores = any(p.fp8_history == "restore" for p in self.schedule.phases)
+        #: whether a phase restores an earlier FP8 phase's state (only then is it kept and checkpointed)
+        self.restores = any(p.fp8_history == "restore" for p in self.schedule.phases)
         self._resumed_index: int | None = None
-        self._next: int | None = None if self.schedule.starts is None else self.schedule.next_start(0)
-        if self.schedule.starts is None:
-            self._next = 0  # the first check asks for the run length (fractions wait for it)
+        #: the step at which :meth:`due` next asks; 0 makes the first step resolve it (and, with fractional starts,
+        #: ask for the run length)
+        self._next: int | None = 0
 
     def set_max_steps(self, max_steps: int) -> None:
         for text in self.schedule.set_max_steps(max_steps):
@@ -161,9 +159,9 @@ class PhaseRunner:
         if target == self.index:
             return None
         old, new = self.active, self.schedule.specs[target]
-        if old.precision == "fp8" and self._restores:
+        if old.precision == "fp8" and self.restores:
             self.kept_fp8 = {k: t.detach().clone() for k, t in fp8_state_tensors(model).items()}
-        back, fp8 = switch_layers(model, old, new, lambda m: convert(new))
+        back, fp8 = switch_layers(model, old, new, convert)
         self.index, self.active = target, new
         change = PhaseSwitch(steps, target, self.label(), new.precision, back, fp8)
         self.changes.append(change.to_dict())
@@ -195,7 +193,7 @@ class PhaseRunner:
         return {"index": self.index, "changes": list(self.changes)}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore the switches recorded so far; the model is put in its phase by the next :meth:`switch`."""
+        """Restore the switches recorded so far and remember the checkpoint's phase for :meth:`restore`."""
         self.changes = list(state.get("changes", []))  # type: ignore[call-overload]
         self._resumed_index = int(state.get("index", 0))  # type: ignore[call-overload]
 
@@ -209,6 +207,6 @@ class PhaseRunner:
         self._next = 0
         if target != self.index:
             new = self.schedule.specs[target]
-            switch_layers(model, self.active, new, lambda m: convert(new))
+            switch_layers(model, self.active, new, convert)
             self.index, self.active = target, new
             self._note(f"resume: the model is put back in phase {self.label()!r} ({new.precision}), as checkpointed")

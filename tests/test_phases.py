@@ -11,7 +11,7 @@ import torch
 import yaml
 from accelerate.state import AcceleratorState
 from torch import nn
-from transformers import Trainer, TrainerCallback
+from transformers import TrainerCallback
 
 from hf_mixedprec import metrics as M
 from hf_mixedprec.demo import tiny_llama
@@ -22,6 +22,7 @@ from hf_mixedprec.integrations.trainer import runtime_of
 from hf_mixedprec.phases import PhaseSchedule
 from hf_mixedprec.recipe import load_recipe_file, resolve_recipe
 from tests.test_integration import Bytes
+from tests.test_resume_decisions import _trainer
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
@@ -80,20 +81,6 @@ class Watch(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kw):
         self.before[state.global_step] = {n: p.detach().clone() for n, p in model.named_parameters()}
         self.ptrs.setdefault(state.global_step, {})["before"] = {n: p.data_ptr() for n, p in model.named_parameters()}
-
-
-def _trainer(recipe, out, *, steps, callbacks=(), **targs):
-    args = recipe.training_args(
-        output_dir=str(out),
-        max_steps=steps,
-        per_device_train_batch_size=4,
-        learning_rate=2e-3,
-        report_to=[],
-        disable_tqdm=True,
-        seed=0,
-        **targs,
-    )
-    return Trainer(model=tiny_llama(), args=args, train_dataset=Bytes(), callbacks=[*recipe.callbacks(), *callbacks])
 
 
 # -- validation -----------------------------------------------------------------------------------------------------
@@ -193,7 +180,7 @@ def test_the_cli_refuses_an_invalid_phase_list_with_exit_2_and_one_line(tmp_path
 # -- the Trainer callback -------------------------------------------------------------------------------------------
 def test_bf16_fp8_bf16_switches_at_the_exact_steps_with_weights_untouched(tmp_path):
     watch = Watch()
-    trainer = _trainer(_recipe(BF16_FP8_BF16), tmp_path, steps=8, callbacks=[watch], logging_steps=1)
+    trainer = _trainer(_recipe(BF16_FP8_BF16), tmp_path, steps=8, after=[watch], logging_steps=1)
     trainer.train()
     assert watch.types == {
         **dict.fromkeys((1, 2, 3), "Linear"),
@@ -245,7 +232,7 @@ phases:
 def test_fp8_history_restore_brings_back_the_last_fp8_phase_state(tmp_path):
     recipe = _recipe(FOUR_PHASES)
     cap, watch = Capture(4), Watch()
-    trainer = _trainer(recipe, tmp_path, steps=6, callbacks=[cap, watch], logging_steps=3)
+    trainer = _trainer(recipe, tmp_path, steps=6, after=[cap, watch], logging_steps=3)
     trainer.train()  # ends when the restoring phase would start: run one more step by hand below
     assert watch.autocast[5] == "off" and watch.out_dtype[5] == torch.float32  # the FP32 phase
     rt = runtime_of(trainer)
@@ -289,7 +276,7 @@ def test_a_run_resumed_in_any_phase_ends_as_the_straight_run(tmp_path):
 def test_phases_by_fraction_take_the_trainers_max_steps(tmp_path):
     watch = Watch()
     recipe = _recipe("phases: [{start: 0, precision: fp32}, {start: 0.5, precision: bf16}]", base="cpu-bf16")
-    _trainer(recipe, tmp_path, steps=4, callbacks=[watch]).train()
+    _trainer(recipe, tmp_path, steps=4, after=[watch]).train()
     assert watch.autocast == {1: "off", 2: "off", 3: "bfloat16", 4: "bfloat16"}
     assert watch.out_dtype == {1: torch.float32, 2: torch.float32, 3: torch.bfloat16, 4: torch.bfloat16}
 

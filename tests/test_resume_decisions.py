@@ -22,7 +22,9 @@ def _recipe(base: str, extra: str):
     return resolve_recipe({"name": "resume", "extends": base, **yaml.safe_load(extra)}).rehearsed()
 
 
-def _trainer(recipe, out, *, steps, callbacks=(), **targs):
+def _trainer(recipe, out, *, steps, callbacks=(), after=(), **targs):
+    """A Trainer of the tiny Llama on bytes; ``callbacks`` run before the recipe's callback, ``after`` after it (they
+    see what it did at the same event)."""
     args = recipe.training_args(
         output_dir=str(out),
         max_steps=steps,
@@ -33,7 +35,9 @@ def _trainer(recipe, out, *, steps, callbacks=(), **targs):
         seed=0,
         **targs,
     )
-    return Trainer(model=tiny_llama(), args=args, train_dataset=Bytes(), callbacks=[*callbacks, *recipe.callbacks()])
+    return Trainer(
+        model=tiny_llama(), args=args, train_dataset=Bytes(), callbacks=[*callbacks, *recipe.callbacks(), *after]
+    )
 
 
 class InfGradAt(TrainerCallback):

@@ -114,7 +114,7 @@ def load_fp8_state(model: nn.Module, folder: str | os.PathLike[str] | None) -> s
         return None
     path = None if folder is None else os.path.join(folder, FP8_STATE_FILE)
     state, _ = read_fp8_state_file(folder)
-    if not state and folder is not None and not os.path.isfile(os.path.join(folder, FP8_STATE_FILE)):
+    if not state and path is not None and not os.path.isfile(path):
         state = _fp8_state_in_weights(folder, set(live))
         path = os.path.join(folder, "model.safetensors") if state else path
     if not state:

@@ -515,7 +515,7 @@ def _restore_fp8_state(rt: MixedPrecisionRuntime, model: Any, state: Any) -> Non
     """At ``on_train_begin``, after the runtime's own state (so FP8 layers a fallback moved are moved again): the FP8
     layers' state from the checkpoint the Trainer resumes from; a missing file is said loudly (histories restart)."""
     folder = _resumed_from()
-    if rt.phases is not None and folder is not None:  # a later phase's fp8_history: restore
+    if rt.phases is not None and rt.phases.restores and folder is not None:  # a later phase's fp8_history: restore
         rt.phases.kept_fp8 = {k: t.to(rt.device) for k, t in read_fp8_state_file(folder)[1].items()}
     if folder is not None or state.global_step > 0:
         problem = load_fp8_state(model, folder)
