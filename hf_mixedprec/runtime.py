@@ -43,6 +43,7 @@ from hf_mixedprec.fp8 import (
     fp8_step,
     monitored_layers,
 )
+from hf_mixedprec.fp8.emulated import raw_stats_table
 from hf_mixedprec.fp8.state import (
     FP8_STATE_FILE,
     exclude_fp8_state_from_saves,
@@ -535,21 +536,22 @@ def _tell_fp8_layers(model: nn.Module, on: bool, told: tuple[list[Any] | None, b
 
 
 class _FP8Sample:
-    """A sampled step's FP8 statistics, kept as taken: the emulated layers' raw rows stacked (one operation for
-    all layers), the other backends' probes as they are; finished and given to the monitor at the next check."""
+    """A sampled step's FP8 statistics, kept as taken (references, no tensor operation): the emulated layers'
+    records, the other backends' probes; stacked, finished and given to the monitor at the next check."""
 
     def __init__(self, model: nn.Module) -> None:
         layers = monitored_layers(model)
-        emulated = [(n, m) for n, m in layers if isinstance(m, EmulatedFP8GEMM) and m.raw_stats is not None]
+        emulated = [(n, m) for n, m in layers if isinstance(m, EmulatedFP8GEMM) and any(m.measured)]
         self.names = [n for n, _ in emulated]
         self.flags = [(m.measured, m.spec.scaling == "mxfp8") for _, m in emulated]
-        self.raw = torch.stack([m.raw_stats for _, m in emulated]) if emulated else None
+        self.records = [list(m.records) for _, m in emulated]  # a later sampled step replaces the layers' lists
         self.others = {n: m.stats for n, m in layers if not isinstance(m, EmulatedFP8GEMM) and m.stats}
 
     def layer_stats(self) -> dict[str, LayerStats]:
         out = dict(self.others)
-        if self.raw is not None:
-            tables = finish_operand_stats(self.raw).unbind(0)
+        raw = raw_stats_table(self.records)
+        if raw is not None:
+            tables = finish_operand_stats(raw).unbind(0)
             for name, table, (measured, mx) in zip(self.names, tables, self.flags):
                 out[name] = layer_stats_of(table, measured, mx)
         return out

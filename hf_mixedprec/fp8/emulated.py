@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hf_mixedprec._device import Constants
 from hf_mixedprec.formats import FP8_SCALING_DEFAULTS, NumberFormat, get_format
 from hf_mixedprec.fp8.swap import linear_holding
 from hf_mixedprec.scaling import (
@@ -48,10 +49,16 @@ from hf_mixedprec.scaling import (
     quantize_blockwise,
     quantize_fp8,
     quantize_mxfp8,
-    tensor_amax,
 )
-from hf_mixedprec.scaling.fp8 import delayed_scaled_max
-from hf_mixedprec.scaling.stats import finish_operand_stats, layer_stats_of, raw_operand_stats
+from hf_mixedprec.scaling.fp8 import abs_and_amax, delayed_scaled_max
+from hf_mixedprec.scaling.stats import (
+    RAW_COLUMNS,
+    finish_operand_stats,
+    layer_stats_of,
+    raw_from_tensorwise,
+    raw_operand_stats,
+    tensorwise_operand_stats,
+)
 from hf_mixedprec.schema import FP8Config
 
 __all__ = [
@@ -65,9 +72,14 @@ __all__ = [
     "invalidate_layer_cache",
     "iter_emulated",
     "layer_cache",
+    "raw_stats_table",
 ]
 
 _DELAYED, _CURRENT, _MX = (FP8_SCALING_DEFAULTS[s] for s in ("delayed", "current", "mxfp8"))
+_K = Constants()
+
+#: What an emulated layer keeps of one role's sampled statistics (see :attr:`EmulatedFP8GEMM.records`).
+StatsRecord = list[Tensor] | Tensor | None
 
 
 @dataclass(frozen=True)
@@ -112,10 +124,12 @@ def _pad_to(t: Tensor, dim: int, multiple: int) -> tuple[Tensor, int]:
 class _Quantized:
     """A quantize-dequantize result with what the health statistics need."""
 
-    __slots__ = ("codes", "data", "deq")
+    __slots__ = ("codes", "data", "deq", "magnitude", "scale")
 
-    def __init__(self, deq: Tensor, data: Tensor, codes: Tensor | None = None):
+    def __init__(self, deq: Tensor, data: Tensor, codes: Tensor | None = None) -> None:
         self.deq, self.data, self.codes = deq, data, codes
+        self.scale: Tensor | None = None  # per-tensor scalings: the scale, and |x| as the amax saw it
+        self.magnitude: Tensor | None = None
 
 
 class EmulatedFP8GEMM(nn.Module):
@@ -143,10 +157,14 @@ class EmulatedFP8GEMM(nn.Module):
             self.register_buffer("fp8_scale", torch.ones(3, device=dev))
             self.register_buffer("fp8_amax_pending", torch.zeros(3, device=dev), persistent=False)
         self.record_stats = False
-        #: sampled statistics, one :func:`~hf_mixedprec.scaling.stats.raw_operand_stats` row per role (NaN: never
-        #: measured); read as :attr:`stats`
-        self.raw_stats: Tensor | None = None
-        self.measured: tuple[bool, bool, bool] = (False, False, False)  # host-side: which roles have a row
+        #: the latest sampled statistics of each role, as taken (None: never measured): a
+        #: :func:`~hf_mixedprec.scaling.stats.tensorwise_operand_stats` record for per-tensor scales, a
+        #: :func:`~hf_mixedprec.scaling.stats.raw_operand_stats` row for block scales; read as :attr:`stats`, or for
+        #: many layers at once with :func:`raw_stats_table`
+        self.records: list[StatsRecord] = [None, None, None]
+        # per-tensor scales with a finite reciprocal take the cheap statistics (tensorwise_operand_stats): current
+        # scales are at least fmt.max / FLT_MAX, delayed ones fmt.max * 2**-margin / FLT_MAX, above 2**-128 up to 8
+        self._tensorwise_stats = spec.scaling == "current" or (spec.scaling == "delayed" and spec.margin <= 8)
 
     def extra_repr(self) -> str:
         fmt = f"{self.spec.fwd_format}/{self.spec.bwd_format}"
@@ -158,7 +176,7 @@ class EmulatedFP8GEMM(nn.Module):
 
     def _qdq_tensorwise(self, t: Tensor, role: int) -> tuple[_Quantized, Tensor]:
         fmt = self._fmt(role)
-        amax = tensor_amax(t)
+        mag, amax = abs_and_amax(t)
         if self.spec.scaling == "delayed":
             if self.training:
                 pending = self.fp8_amax_pending
@@ -167,7 +185,9 @@ class EmulatedFP8GEMM(nn.Module):
         else:
             scale = current_scale(amax, fmt=fmt, epsilon=self.spec.epsilon, power_2=self.spec.power_2_scales)
         q = quantize_fp8(t, scale, fmt)
-        return _Quantized(dequantize_fp8(q, scale), q), amax
+        out = _Quantized(dequantize_fp8(q, scale), q)
+        out.scale, out.magnitude = scale, mag
+        return out, amax
 
     def _qdq_blocked(
         self, t: Tensor, role: int, dim: int, weight_block: bool = False, src_dtype: torch.dtype | None = None
@@ -197,26 +217,41 @@ class EmulatedFP8GEMM(nn.Module):
         return _Quantized(deq, data)
 
     def _record(self, role: int, t: Tensor, q: _Quantized, amax: Tensor | None) -> None:
-        """Device-side health statistics of one quantization (no host sync): the sums behind them, from the tensors
-        the quantization made, into row ``role`` of :attr:`raw_stats`; :attr:`stats` finishes them when read.
+        """Device-side health statistics of one quantization (no host sync), from the tensors the quantization
+        made, kept as :attr:`records` ``[role]``; :attr:`stats` (or :func:`raw_stats_table`) finishes them.
 
         MX clamp is measured on the rowwise blocks (along the last dim), the ones recorded here.
         """
-        row = raw_operand_stats(
-            t, q.data, q.deq, self._fmt(role), amax=amax, scale_codes=q.codes, block_size=self.spec.block_size
-        )
-        if self.raw_stats is None or self.raw_stats.device != row.device:
-            self.raw_stats = torch.full((3, row.numel()), math.nan, dtype=row.dtype, device=row.device)
-        self.raw_stats[role] = row
-        self.measured = tuple(m or r == role for r, m in enumerate(self.measured))  # type: ignore[assignment]
+        fmt = self._fmt(role)
+        if self._tensorwise_stats and amax is not None and q.scale is not None:
+            top = _K(fmt.max, t.device) * torch.reciprocal(q.scale)  # what an FP8 value of fmt.max dequantizes to
+            self.records[role] = tensorwise_operand_stats(t, q.deq, amax=amax, top=top, magnitude=q.magnitude)
+        else:
+            self.records[role] = raw_operand_stats(
+                t, q.data, q.deq, fmt, amax=amax, scale_codes=q.codes, block_size=self.spec.block_size
+            )
+
+    @property
+    def measured(self) -> tuple[bool, bool, bool]:
+        """Which roles have statistics (a host fact: nothing is read)."""
+        r = self.records
+        return (r[0] is not None, r[1] is not None, r[2] is not None)
+
+    @property
+    def raw_stats(self) -> Tensor | None:
+        """The latest statistics of each role as ``[3, 8]`` :data:`~hf_mixedprec.scaling.stats.RAW_COLUMNS` rows
+        (NaN: never measured); None before the first sampled step."""
+        table = raw_stats_table([self.records])
+        return None if table is None else table[0]
 
     @property
     def stats(self) -> LayerStats:
         """The latest sampled statistics of each operand (a :class:`~hf_mixedprec.scaling.stats.LayerStats` of
         device tensors; empty before the first sampled step)."""
-        if self.raw_stats is None:
+        raw = self.raw_stats
+        if raw is None:
             return LayerStats()
-        return layer_stats_of(finish_operand_stats(self.raw_stats), self.measured, self.spec.scaling == "mxfp8")
+        return layer_stats_of(finish_operand_stats(raw), self.measured, self.spec.scaling == "mxfp8")
 
     def quantize_for(self, t: Tensor, role: int, *, gemm: str, src_dtype: torch.dtype | None = None) -> _Quantized:
         """Quantize ``t`` (2-D, float32) for one GEMM operand.
@@ -350,6 +385,39 @@ class _EmulatedFP8Fn(torch.autograd.Function):
             gw = mod.weight_grad((g_w.t() @ x_w).to(w_dtype))
         gb = g2.sum(0).to(b_dtype) if has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None
+
+
+def raw_stats_table(layers: Sequence[Sequence[StatsRecord]]) -> Tensor | None:
+    """The sampled statistics of many layers (each its :attr:`EmulatedFP8GEMM.records`, or a copy of that list kept
+    from an earlier step) as one ``[n, 3, 8]`` float64 table of :data:`~hf_mixedprec.scaling.stats.RAW_COLUMNS` rows
+    (NaN where a role was never measured), in a fixed number of tensor operations however many layers: every
+    per-tensor record is stacked once and converted together. None when no layer has any."""
+    fast: list[list[Tensor]] = []  # the per-tensor records
+    rows: list[Tensor] = []  # the block-scaled records' rows
+    order: list[tuple[int, int]] = []  # per (layer, role): (0 fast / 1 row / 2 never, index)
+    for records in layers:
+        for rec in records:
+            if rec is None:
+                order.append((2, 0))
+            elif isinstance(rec, list):
+                order.append((0, len(fast)))
+                fast.append(rec)
+            else:
+                order.append((1, len(rows)))
+                rows.append(rec)
+    if not fast and not rows:
+        return None
+    parts: list[Tensor] = []
+    if fast:
+        parts.append(raw_from_tensorwise(fast))
+    if rows:
+        parts.append(torch.stack(rows))
+    dev = parts[0].device
+    parts.append(torch.full((1, len(RAW_COLUMNS)), math.nan, dtype=torch.float64, device=dev))
+    n_fast = parts[0].shape[0] if fast else 0
+    offsets = (0, n_fast, n_fast + (len(rows)))
+    every = torch.cat(parts).unbind(0)
+    return torch.stack([every[offsets[kind] + i] for kind, i in order]).view(len(layers), 3, len(RAW_COLUMNS))
 
 
 def iter_emulated(model: nn.Module) -> Iterator[tuple[str, EmulatedFP8GEMM]]:

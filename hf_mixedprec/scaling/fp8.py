@@ -138,13 +138,19 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
     Infinite elements count (amax is then inf).  An empty or all-NaN tensor gives 0.
     """
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return abs_and_amax(x)[1]
+
+
+def abs_and_amax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(|x|, tensor_amax(x))``: the magnitudes (NaN kept; float32 for FP8 or integer ``x``) that the amax was taken
+    from, for callers that need them too."""
     if not x.dtype.is_floating_point or x.element_size() == 1:
         x = x.to(torch.float32)
     a = torch.abs(x)
-    a = torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype, device=a.device), a)
-    return torch.amax(a).to(torch.float32)
+    if x.numel() == 0:
+        return a, torch.zeros((), dtype=torch.float32, device=x.device)
+    amax = torch.amax(torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype, device=a.device), a))
+    return a, amax.to(torch.float32)
 
 
 def _check_epsilon(epsilon: float) -> float:

@@ -40,10 +40,12 @@ __all__ = [
     "layer_stats_of",
     "mx_clamp_fraction",
     "operand_stats",
+    "raw_from_tensorwise",
     "raw_operand_stats",
     "saturation_fraction",
     "sqnr_db",
     "stack_layer_stats",
+    "tensorwise_operand_stats",
     "underflow_fraction",
     "unstack_layer_stats",
 ]
@@ -275,31 +277,35 @@ def operand_stats(
     block_size: int = 32,
 ) -> RoleStats:
     """Health statistics of one quantization of ``x`` (float32): ``data`` the FP8 values (scaled, before
-    dequantization), ``x_hat`` the dequantized result, ``fmt`` the FP8 format.
+    dequantization), ``x_hat`` the dequantized result, ``fmt`` the FP8 format. Computed directly, one mask per
+    statistic: the reference that :func:`raw_operand_stats` and :func:`tensorwise_operand_stats` equal.
 
-    Non-finite elements of ``x`` are left out.  Saturation counts elements at the format's max in ``data``
-    whose magnitude quantization reduced; underflow counts non-zero elements that dequantize to 0; SQNR is
-    :func:`sqnr_db` over the finite elements.  With ``scale_codes`` (the E8M0 codes of MXFP8 blocks of
-    ``block_size`` along the last dim), ``mx_clamp`` is the fraction of blocks with code 254 (``2**127``) or
-    with code 0 (``2**-127``) that are not all zero (OCP MX v1.0).  No host sync.
+    - ``saturation``: the fraction of the elements of ``x`` that were clipped: FP8 value ``±fmt.max`` and
+      ``|x| > |x_hat|`` (an infinite input is clipped; a value that merely rounds to the max is not, nor is a NaN);
+    - ``underflow``: the fraction of the non-zero elements of ``x`` (NaN among them) whose FP8 value is ``±0``;
+    - ``sqnr_db``: :func:`sqnr_db` of ``x_hat`` over every element (NaN when ``x`` has a NaN or an inf, -inf when
+      ``x_hat`` overflowed where ``x`` is finite);
+    - ``amax``: :func:`tensor_amax` of ``x``;
+    - ``mx_clamp`` with ``scale_codes`` (the E8M0 codes of MXFP8 blocks of ``block_size`` along the last dim): the
+      fraction of blocks with code 254 (``2**127``) or with code 0 (``2**-127``) that are not all zero (OCP MX v1.0).
+
+    No host sync.
     """
     f = _fp8_format(fmt)
-    finite = torch.isfinite(x)
-    nonzero = (x != 0) & finite
-    mag = data.float().abs()
-    clipped = (mag >= f.max) & (x.abs() > x_hat.abs()) & finite
-    n_finite = finite.sum().clamp_min(1)
+    d = data.float()
+    nonzero = x != 0
+    clipped = (d.abs() == f.max) & (x.abs() > x_hat.abs())
     mx_clamp = None
     if scale_codes is not None:
         codes = scale_codes.to(torch.int32)
-        block_amax = torch.where(finite, x.abs(), 0.0).reshape(*x.shape[:-1], -1, block_size).amax(-1)
+        block_amax = torch.where(torch.isfinite(x), x.abs(), 0.0).reshape(*x.shape[:-1], -1, block_size).amax(-1)
         clamp = (codes == 254) | ((codes == 0) & (block_amax > 0))
         mx_clamp = clamp.float().mean()
     return RoleStats(
         amax=tensor_amax(x),
-        saturation=clipped.sum() / n_finite,
-        underflow=(nonzero & (x_hat == 0)).sum() / nonzero.sum().clamp_min(1),
-        sqnr_db=sqnr_db(torch.where(finite, x, 0.0), torch.where(finite, x_hat, 0.0)),
+        saturation=clipped.sum() / max(x.numel(), 1),
+        underflow=(nonzero & (d == 0)).sum() / nonzero.sum().clamp_min(1),
+        sqnr_db=sqnr_db(x, x_hat),
         mx_clamp=mx_clamp,
     )
 
@@ -347,8 +353,10 @@ def unstack_layer_stats(values: Sequence[float], layout: StatsLayout) -> dict[st
     return out
 
 
-#: The columns of :func:`raw_operand_stats`: what one quantization's statistics are made of, summed on the device.
-RAW_COLUMNS = ("finite", "zero", "underflow", "clipped", "norm", "noise_norm", "amax", "mx_clamp")
+#: The columns of :func:`raw_operand_stats`: the counts and sums one quantization's statistics are made of (elements,
+#: the non-zero ones, those that became ±0, those clipped, the float64 L2 norms of ``x`` and of ``x - x_hat``, amax,
+#: MX clamp).
+RAW_COLUMNS = ("numel", "nonzero", "underflow", "clipped", "norm", "noise_norm", "amax", "mx_clamp")
 
 
 def raw_operand_stats(
@@ -358,57 +366,89 @@ def raw_operand_stats(
     fmt: FP8Format,
     *,
     amax: torch.Tensor | None = None,
-    saturated: torch.Tensor | None = None,
     scale_codes: torch.Tensor | None = None,
     block_size: int = 32,
 ) -> torch.Tensor:
-    """The sums behind :func:`operand_stats`, as one float64 vector (:data:`RAW_COLUMNS`), in a few passes over the
-    tensors the quantization already made; :func:`finish_operand_stats` turns rows of it (many layers and roles at
-    once) into the statistics, later and batched.
+    """The sums behind :func:`operand_stats`, as one float64 vector (:data:`RAW_COLUMNS`), for any scaling (per-tensor
+    scalings have the cheaper :func:`tensorwise_operand_stats`); :func:`finish_operand_stats` turns rows of it (many
+    layers and roles at once) into the statistics, later and batched.
 
-    ``amax``: :func:`tensor_amax` of ``x`` when the quantization computed it (per-tensor scaling); ``saturated``:
-    the mask ``|data| >= fmt.max`` when the caller has a cheaper way to it. Counts, amax and MX clamp give exactly
-    :func:`operand_stats`'s values; the L2 norms are accumulated in float64 (no overflow, no scaling needed), so the
-    SQNR agrees with :func:`sqnr_db`'s float32 sums to float32 rounding. No host sync.
+    ``amax``: :func:`tensor_amax` of ``x`` when the quantization computed it. Counts, amax and MX clamp give exactly
+    :func:`operand_stats`'s values; the L2 norms are float64 sums, so the SQNR agrees with :func:`sqnr_db`'s float32
+    sums to float32 rounding. No host sync.
     """
     f = _fp8_format(fmt)
-    zero_t, inf_t = _K(0.0, x.device), _K(math.inf, x.device)
-    ax, ah = x.abs(), x_hat.abs()
-    finite = torch.lt(ax, inf_t)  # NaN and inf compare False
-    zero = torch.eq(ax, zero_t)
-    under = torch.gt(torch.eq(ah, zero_t), zero) & finite  # x finite and non-zero, x_hat zero
-    if saturated is None:
-        saturated = data.float().abs() >= f.max
-    clipped = saturated & torch.gt(ax, ah) & finite
-    counts = torch.stack([finite, zero, under, clipped]).reshape(4, -1).sum(1).to(torch.float64)
-    pair = torch.where(finite, torch.stack([x, x - x_hat]), zero_t)  # the finite values and their noise
-    norms = torch.linalg.vector_norm(pair.reshape(2, -1), dim=1, dtype=torch.float64)
+    zero_t = _K(0.0, x.device)
+    d = data.float()
+    nonzero = torch.ne(x, zero_t)
+    under = nonzero & torch.eq(d, zero_t)
+    clipped = torch.eq(d.abs(), _K(f.max, x.device)) & torch.gt(x.abs(), x_hat.abs())
+    counts = torch.stack([nonzero, under, clipped]).reshape(3, -1).sum(1).to(torch.float64)
+    norms = torch.linalg.vector_norm(torch.stack([x, x - x_hat]).reshape(2, -1), dim=1, dtype=torch.float64)
     a = tensor_amax(x) if amax is None else amax
     if scale_codes is not None:
         codes = scale_codes.to(torch.int32)
-        block_amax = torch.where(finite, ax, zero_t).reshape(*x.shape[:-1], -1, block_size).amax(-1)
+        block_amax = torch.where(torch.isfinite(x), x.abs(), zero_t).reshape(*x.shape[:-1], -1, block_size).amax(-1)
         mx = ((codes == 254) | ((codes == 0) & (block_amax > 0))).float().mean()
     else:
         mx = _K(math.nan, x.device)
-    return torch.cat([counts, norms, torch.stack([a.reshape(()), mx]).to(torch.float64)])
+    numel = torch.full((1,), x.numel(), dtype=torch.float64, device=x.device)
+    return torch.cat([numel, counts, norms, torch.stack([a.reshape(()), mx]).to(torch.float64)])
 
 
 #: cached 0-d float32 constants (no scalar-to-tensor wrap per operation)
 _K = Constants()
 
 
+def tensorwise_operand_stats(
+    x: torch.Tensor,
+    x_hat: torch.Tensor,
+    *,
+    amax: torch.Tensor,
+    top: torch.Tensor,
+    magnitude: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """:func:`raw_operand_stats` for a per-tensor scale, from ``count_nonzero`` and two float64 L2 norms (no boolean
+    mask, no FP8 value read): the 0-d values numel, the non-zero ``x``, the non-zero ``x_hat``, the clipped (``|x| >
+    top``), the L2 norms of ``x`` and of ``x - x_hat``, and ``amax``. Nothing is assembled per operand:
+    :func:`raw_from_tensorwise` stacks many operands' lists and finishes them together.
+
+    ``amax`` is the quantization's :func:`tensor_amax` of ``x``, ``top`` what an FP8 value of ``fmt.max`` dequantizes
+    to (``fmt.max * (1 / scale)``, 0-d), ``magnitude`` ``|x|`` if the caller has it (it is overwritten).
+
+    Exact when ``scale`` and ``1 / scale`` are finite and positive: an FP8 value then dequantizes to 0 exactly when it
+    is ±0, a NaN or infinite ``x`` to a non-zero value, and ``x`` is clipped exactly where ``|x| > top`` (``±max``
+    dequantizes to ``±top``, and ``|x| > top`` makes ``|x| * scale`` round past the last step below the max). That
+    holds for every scale of current scaling, and of delayed scaling with a margin up to 8 (see
+    ``hf_mixedprec.fp8.emulated``). No host sync.
+    """
+    mag = x.abs() if magnitude is None else magnitude
+    over = mag.sub_(top).clamp_min_(0.0).nan_to_num_(nan=0.0)  # > 0 where |x| > top (a NaN x: 0)
+    norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in (x, x - x_hat)]
+    counts = [torch.count_nonzero(t) for t in (x, x_hat, over)]
+    return [_K(float(x.numel()), x.device), *counts, *norms, amax]
+
+
+def raw_from_tensorwise(records: Sequence[list[torch.Tensor]]) -> torch.Tensor:
+    """``[n, 8]`` float64 :data:`RAW_COLUMNS` rows of ``n`` :func:`tensorwise_operand_stats` lists, in a fixed
+    number of tensor operations for any ``n``."""
+    values = torch.stack([t for r in records for t in r]).view(len(records), -1).to(torch.float64)
+    numel, nonzero, nonzero_hat, clipped, norm, noise_norm, amax = values.unbind(-1)
+    mx = torch.full_like(norm, math.nan)
+    return torch.stack([numel, nonzero, nonzero - nonzero_hat, clipped, norm, noise_norm, amax, mx], -1)
+
+
 def finish_operand_stats(raw: torch.Tensor) -> torch.Tensor:
     """Rows of :func:`raw_operand_stats` (shape ``[..., 8]``) -> ``[..., 5]`` float32 in :data:`METRICS` order
     (amax, saturation, underflow, sqnr_db, mx_clamp; NaN where not measured). A fixed number of operations for any
     number of rows."""
-    finite, zero, under, clipped, norm, noise_norm, amax, mx = raw.unbind(-1)
-    one = torch.ones((), dtype=torch.float32, device=raw.device)
-    n_finite = torch.maximum(finite.float(), one)
-    n_nonzero = torch.maximum((finite - zero).float(), one)
+    numel, nonzero, under, clipped, norm, noise_norm, amax, mx = raw.unbind(-1)
+    one = torch.ones((), dtype=raw.dtype, device=raw.device)
     db = 20.0 * torch.log10(norm / noise_norm)
-    db = torch.where(noise_norm == 0, math.inf, db).float()
-    out = torch.stack([amax.float(), clipped.float() / n_finite, under.float() / n_nonzero, db, mx.float()], -1)
-    return torch.where(torch.isnan(finite).unsqueeze(-1), math.nan, out)
+    db = torch.where(noise_norm == 0, math.inf, db)
+    sat = clipped / torch.maximum(numel, one)
+    out = torch.stack([amax, sat, under / torch.maximum(nonzero, one), db, mx], -1).float()
+    return torch.where(torch.isnan(numel).unsqueeze(-1), math.nan, out)
 
 
 def layer_stats_of(table: torch.Tensor, measured: Sequence[bool], mx_clamp: bool) -> LayerStats:
