@@ -45,6 +45,7 @@ __all__ = [
     "ZClip",
     "global_grad_norm",
     "make_clipper",
+    "with_grads",
 ]
 
 STATE_VERSION = 1
@@ -124,6 +125,18 @@ def _norms_f32(tensors: list[Tensor]) -> list[Tensor]:
         return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
     except (TypeError, RuntimeError):  # older torch without the dtype argument, or an unsupported layout
         return [torch.linalg.vector_norm(t, 2, dtype=torch.float32) for t in tensors]
+
+
+def with_grads(parameters: Iterable[Any]) -> tuple[list[Any], list[Tensor]]:
+    """The parameters that have a gradient, and their gradients, in one pass over ``parameters``."""
+    params: list[Any] = []
+    grads: list[Tensor] = []
+    for p in parameters:
+        g = getattr(p, "grad", None)
+        if g is not None:
+            params.append(p)
+            grads.append(g)
+    return params, grads
 
 
 def global_grad_norm(grads: Sequence[Tensor]) -> Tensor:
@@ -216,7 +229,20 @@ class Clipper:
         here in float32. A call with no gradients and no ``total_norm`` changes nothing.
         """
         names, params = _split_params(parameters)
-        grads = [p.grad for p in params if p.grad is not None]
+        return self.clip_grads_(
+            params, [p.grad for p in params if p.grad is not None], total_norm=total_norm, names=names
+        )
+
+    def clip_grads_(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        *,
+        total_norm: Tensor | float | None = None,
+        names: list[str] | None = None,
+    ) -> ClipResult:
+        """:meth:`clip_` for a caller that already holds the parameters and their gradients (``grads``: the
+        gradients that are not None, in order), so the parameters are not walked again."""
         if grads:
             device = grads[0].device
         elif isinstance(total_norm, Tensor):

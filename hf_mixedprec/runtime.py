@@ -35,7 +35,7 @@ from hf_mixedprec import formats
 from hf_mixedprec import metrics as M
 from hf_mixedprec._device import Constants, is_main_rank
 from hf_mixedprec.amp import GuardScaler, LossScaling
-from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper
+from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper, with_grads
 from hf_mixedprec.fp8 import (
     ConversionReport,
     EmulatedFP8GEMM,
@@ -289,11 +289,11 @@ class MixedPrecisionRuntime:
         The gradient norm is computed once and shared by the clipper and the detectors.
         """
         self.ensure_unscaled(optimizer)
-        params = [p for p in parameters if getattr(p, "grad", None) is not None]
-        norm = total_norm if total_norm is not None else global_grad_norm([p.grad for p in params])
+        params, grads = with_grads(parameters)  # the one pass over the parameters this step
+        norm = total_norm if total_norm is not None else global_grad_norm(grads)
         self.last_norm = norm
         if self.clipper is not None:
-            self._last = self.clipper.clip_(params, total_norm=norm)
+            self._last = self.clipper.clip_grads_(params, grads, total_norm=norm)
         loss = self._step_loss()
         if loss is None and not self._noted_no_loss:
             self._noted_no_loss = True

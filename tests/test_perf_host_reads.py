@@ -76,3 +76,38 @@ def test_monitor_check_with_values_read_elsewhere_matches_its_own_read():
             got_b = b.check(request.tolist())
             assert [repr(e) for e in got_a] == [repr(e) for e in got_b]
             assert got_a, step
+
+
+@pytest.mark.parametrize("base", ["cpu-bf16", "h100-fp8-delayed"])
+def test_steps_walk_no_module_tree(monkeypatch, base):
+    """After the first step, the Accelerate plugin's hooks never walk the model's modules or parameters (the lists
+    are collected once per model); only the loop's own calls do."""
+    from torch import nn
+
+    from hf_mixedprec.demo import tiny_llama
+    from hf_mixedprec.integrations.accelerate_plugin import make_accelerator
+    from tests.test_integration import Bytes
+
+    acc = make_accelerator(_recipe("{clipping: {method: zclip, warmup_steps: 2}}", base=base), cpu=True)
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    data = Bytes(n=12)
+    walks = collections.Counter()
+    for method in ("named_modules", "parameters", "named_parameters", "modules"):
+        real = getattr(nn.Module, method)
+
+        def counted(self, *a, _real=real, _name=method, **k):
+            walks[_name] += 1
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(nn.Module, method, counted)
+    for i in range(6):
+        if i == 1:
+            walks.clear()  # the first step collects the lists
+        batch = {k: torch.stack([data[2 * i][k], data[2 * i + 1][k]]) for k in ("input_ids", "labels")}
+        acc.backward(model(**batch).loss)
+        opt.step()
+        opt.zero_grad()
+    assert walks == collections.Counter(), walks
+    assert acc.mp._last is not None and acc.mp.steps == 6  # the clipper and the hooks ran on every step

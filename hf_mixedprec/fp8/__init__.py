@@ -50,6 +50,7 @@ __all__ = [
     "invalidate_layer_cache",
     "iter_emulated",
     "iter_monitored",
+    "model_parameters",
     "monitored_layers",
     "plan_conversion",
     "replace_module",
@@ -86,6 +87,16 @@ def monitored_layers(model: nn.Module) -> list[tuple[str, EmulatedFP8GEMM | Laye
     found = lists.get("monitored")
     if found is None:
         found = lists["monitored"] = list(iter_monitored(model))
+    return found
+
+
+def model_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """``list(model.parameters())`` collected once per model (and again after FP8 conversion or a health fallback
+    swaps layers), so a per-step hook walks no module tree; do not modify it."""
+    lists = layer_cache(model).lists
+    found = lists.get("parameters")
+    if found is None:
+        found = lists["parameters"] = list(model.parameters())
     return found
 
 

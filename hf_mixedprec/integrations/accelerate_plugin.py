@@ -29,6 +29,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, GradScalerKwargs
 from pydantic import ValidationError
 
+from hf_mixedprec.fp8 import model_parameters
 from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.runtime import MixedPrecisionRuntime
 from hf_mixedprec.schema import ACCELERATE_MIXED_PRECISION, RecipeSpec
@@ -158,7 +159,7 @@ class MixedPrecisionAccelerator(Accelerator):
                 self.mp.rewind_schedule(opt, self._schedulers[0] if self._schedulers else None)
                 if not self._clipped_this_step:
                     self.unscale_gradients()
-                    self.mp.before_optimizer_step(self._params(), opt.optimizer)
+                    self.mp.before_optimizer_step(model_parameters(self._mp_model), opt.optimizer)
                 out = inner_step(*args, **kwargs)
                 self.mp.after_optimizer_step(self._mp_model, opt)
                 self.mp.begin_step(self._mp_model, opt.optimizer)
@@ -168,9 +169,6 @@ class MixedPrecisionAccelerator(Accelerator):
 
         opt.step = step  # type: ignore[method-assign]
         return opt
-
-    def _params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self._mp_model.parameters() if p.grad is not None]
 
     # -- clipping --------------------------------------------------------------------------------------
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:

@@ -40,6 +40,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from hf_mixedprec.fp8 import model_parameters
 from hf_mixedprec.fp8.state import read_fp8_state_file
 from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.health import HealthMonitor
@@ -419,7 +420,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             return
         model, optimizer = kw["model"], kw.get("optimizer")
         inner = getattr(optimizer, "optimizer", optimizer)
-        self._runtime(model).before_optimizer_step(model.parameters(), inner)
+        self._runtime(model).before_optimizer_step(model_parameters(model), inner)
 
     def on_optimizer_step(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         if self.deepspeed:
