@@ -149,6 +149,7 @@ class MixedPrecisionRuntime:
         self._recording: tuple[list[Any] | None, bool] = (None, False)  # the layers told to record, and what
         self._fp8_pending = False  # a sampled step's FP8 statistics wait for the next check (a logging step)
         self._fp8_samples: list[_FP8Sample] = []  # those samples, not yet handed to the monitor
+        self._fp8_latest: dict[str, LayerStats] | None = None  # the last one handed over, finished
         self._fp8_metrics: dict[str, float] = {}
         self._log_read: _LogRead | None = None  # what check() read for this logging step's metrics()
         self._update_probe = _UpdateProbe()
@@ -562,7 +563,8 @@ def _observe_fp8_samples(rt: MixedPrecisionRuntime) -> None:
     samples, rt._fp8_samples = rt._fp8_samples, []
     if rt.monitor is not None:
         for sample in samples:
-            rt.monitor.observe_fp8(sample.layer_stats())
+            rt._fp8_latest = sample.layer_stats()
+            rt.monitor.observe_fp8(rt._fp8_latest)
 
 
 @dataclass
@@ -599,7 +601,10 @@ def _read_for_log(rt: MixedPrecisionRuntime, model: nn.Module | None) -> _LogRea
     monitor = add([request] if request is not None else [])
     layers, layout = (None, [])
     if model is not None and rt.monitor is not None and rt._fp8_pending:
-        layers, layout = stack_layer_stats({n: m.stats for n, m in monitored_layers(model) if m.stats}, dev)
+        latest = rt._fp8_latest  # what the layers hold, finished once for the monitor already
+        if latest is None:
+            latest = {n: m.stats for n, m in monitored_layers(model)}
+        layers, layout = stack_layer_stats({n: s for n, s in latest.items() if s}, dev)
     fp8 = add([layers] if layers is not None else [])
     amp_t = rt.amp.metric_tensors()
     amp = add(list(amp_t.values()))
