@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from hf_mixedprec.formats import FLOAT32_MAX
 from hf_mixedprec.scaling.fp8 import FP8Format, _fp8_format, current_scale
+from hf_mixedprec.scaling.mx import _to_float32
 
 __all__ = ["dequantize_blockwise", "quantize_blockwise"]
 
@@ -117,6 +118,6 @@ def dequantize_blockwise(
             f"scales.shape={tuple(scales.shape)} does not match data.shape={tuple(data.shape)} with "
             f"tile={(tm, tn)}; expected {expected}"
         )
-    t = _tiled(data.to(torch.float32), (tm, tn))
+    t = _tiled(_to_float32(data), (tm, tn))  # data.to(torch.float32), faster for E4M3 on the CPU
     inv = torch.reciprocal(scales.to(torch.float32))
     return _untile(t * inv[..., :, None, :, None], m, n).to(dtype)
