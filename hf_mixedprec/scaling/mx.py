@@ -157,11 +157,9 @@ def quantize_mxfp8(
     mult = _exp2_int(_E8M0_BIAS - torch.clamp(c, 0, _E8M0_MAX_FINITE))
     y = blocks * mult.unsqueeze(-1)
     y.clamp_(-f.max, f.max)
-    nan_block = c == E8M0_NAN
-    # a NaN block's elements all become +NaN; on the CPU reading the (small) codes is free and skips a pass
-    # over the data when no block is NaN; elsewhere the fill always runs (no device-to-host sync)
-    if y.device.type != "cpu" or bool(nan_block.any()):
-        y.masked_fill_(nan_block.unsqueeze(-1), float("nan"))
+    # a NaN block's elements all become +NaN (always filled: deciding whether any block is NaN would read the
+    # device on the host, and fake tensors, as `estimate` runs them, cannot answer it)
+    y.masked_fill_((c == E8M0_NAN).unsqueeze(-1), float("nan"))
     data = y.to(f.dtype).view(moved.shape).movedim(-1, d)
     return data, codes.movedim(-1, d)
 
