@@ -126,10 +126,17 @@ class _Quantized:
 
     __slots__ = ("codes", "data", "deq", "magnitude", "scale")
 
-    def __init__(self, deq: Tensor, data: Tensor, codes: Tensor | None = None) -> None:
+    def __init__(
+        self,
+        deq: Tensor,
+        data: Tensor,
+        codes: Tensor | None = None,
+        *,
+        scale: Tensor | None = None,
+        magnitude: Tensor | None = None,
+    ) -> None:
         self.deq, self.data, self.codes = deq, data, codes
-        self.scale: Tensor | None = None  # per-tensor scalings: the scale, and |x| as the amax saw it
-        self.magnitude: Tensor | None = None
+        self.scale, self.magnitude = scale, magnitude  # per-tensor scalings: the scale, and |x| as the amax saw it
 
 
 class EmulatedFP8GEMM(nn.Module):
@@ -185,9 +192,7 @@ class EmulatedFP8GEMM(nn.Module):
         else:
             scale = current_scale(amax, fmt=fmt, epsilon=self.spec.epsilon, power_2=self.spec.power_2_scales)
         q = quantize_fp8(t, scale, fmt)
-        out = _Quantized(dequantize_fp8(q, scale), q)
-        out.scale, out.magnitude = scale, mag
-        return out, amax
+        return _Quantized(dequantize_fp8(q, scale), q, scale=scale, magnitude=mag), amax
 
     def _qdq_blocked(
         self, t: Tensor, role: int, dim: int, weight_block: bool = False, src_dtype: torch.dtype | None = None
@@ -392,32 +397,15 @@ def raw_stats_table(layers: Sequence[Sequence[StatsRecord]]) -> Tensor | None:
     from an earlier step) as one ``[n, 3, 8]`` float64 table of :data:`~hf_mixedprec.scaling.stats.RAW_COLUMNS` rows
     (NaN where a role was never measured), in a fixed number of tensor operations however many layers: every
     per-tensor record is stacked once and converted together. None when no layer has any."""
-    fast: list[list[Tensor]] = []  # the per-tensor records
-    rows: list[Tensor] = []  # the block-scaled records' rows
-    order: list[tuple[int, int]] = []  # per (layer, role): (0 fast / 1 row / 2 never, index)
-    for records in layers:
-        for rec in records:
-            if rec is None:
-                order.append((2, 0))
-            elif isinstance(rec, list):
-                order.append((0, len(fast)))
-                fast.append(rec)
-            else:
-                order.append((1, len(rows)))
-                rows.append(rec)
-    if not fast and not rows:
+    records = [rec for layer in layers for rec in layer]
+    fast = [rec for rec in records if isinstance(rec, list)]  # per-tensor records; the others are rows already
+    first = fast[0][0] if fast else next((rec for rec in records if rec is not None), None)
+    if first is None:
         return None
-    parts: list[Tensor] = []
-    if fast:
-        parts.append(raw_from_tensorwise(fast))
-    if rows:
-        parts.append(torch.stack(rows))
-    dev = parts[0].device
-    parts.append(torch.full((1, len(RAW_COLUMNS)), math.nan, dtype=torch.float64, device=dev))
-    n_fast = parts[0].shape[0] if fast else 0
-    offsets = (0, n_fast, n_fast + (len(rows)))
-    every = torch.cat(parts).unbind(0)
-    return torch.stack([every[offsets[kind] + i] for kind, i in order]).view(len(layers), 3, len(RAW_COLUMNS))
+    converted = iter(raw_from_tensorwise(fast).unbind(0) if fast else ())
+    never = torch.full((len(RAW_COLUMNS),), math.nan, dtype=torch.float64, device=first.device)
+    rows = [never if rec is None else next(converted) if isinstance(rec, list) else rec for rec in records]
+    return torch.stack(rows).view(len(layers), 3, len(RAW_COLUMNS))
 
 
 def iter_emulated(model: nn.Module) -> Iterator[tuple[str, EmulatedFP8GEMM]]:
