@@ -25,7 +25,9 @@ class Constants:
             self._device, self._values = device, {}
         t = self._values.get(value)
         if t is None:
-            t = self._values[value] = torch.full((), value, dtype=torch.float32, device=device)
+            t = torch.full((), value, dtype=torch.float32, device=device)
+            if type(t) is torch.Tensor:  # a fake tensor (estimate's FakeTensorMode) must not outlive its mode
+                self._values[value] = t
         return t
 
     def finite(self, x: Tensor) -> Tensor:

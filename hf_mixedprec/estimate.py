@@ -1,14 +1,21 @@
-"""Memory per GPU for each recipe, by component, from one training step run on fake tensors.
+"""Memory per GPU for each recipe, by component, from the recipe's precision plan and one training step run on
+fake tensors.
 
 ``estimate_memory`` builds the model from its ``config.json`` under PyTorch's ``FakeTensorMode`` (tensors with
-shapes, dtypes and devices but no storage: an 8B-parameter model costs no memory), converts it as the recipe
-would, and runs one real training step on it: the model's own forward and backward under the recipe's
-autocast, the optimizer Trainer would build (``Trainer.get_optimizer_cls_and_kwargs``) and, for delayed FP8
-scaling, the amax-history update. What that step creates is counted by kind:
+shapes, dtypes and devices but no storage: an 8B-parameter model costs no memory), the way ``finetune`` builds it
+(float32), and makes the recipe's precision plan for it (:func:`hf_mixedprec.plan.build_plan`, what a run builds).
+It then prepares the model as the run would (the plan's storage put into effect, FP8 layers converted as the
+plan decided) and runs one real training step on it: the model's own forward and backward under the recipe's
+autocast and, for delayed FP8 scaling, the amax-history update. Counted by kind:
 
-- weights: the Parameters (float32 under autocast mixed precision; 2 bytes under DeepSpeed BF16/FP16, which
-  casts the module), and the float32 master copy DeepSpeed keeps beside them;
-- gradients and optimizer states: the ``.grad`` tensors and ``optimizer.state`` after the step;
+- weights, master, gradients and AdamW's states: the plan's bytes per parameter (its ``storage:`` section:
+  float32 weights for ``master: fp32``, BF16 for the other choices, an int16 remainder or a BF16 Kahan buffer as
+  master, ``exp_avg`` / ``exp_avg_sq`` in fp32, bf16 or torchao's 8bit / 4bit / fp8 layouts, a float32 ``step``
+  per tensor). Under DeepSpeed BF16/FP16 the weights and gradients take 2 bytes (DeepSpeed casts the module) and
+  DeepSpeed keeps its own master copy: 4 bytes, or 2 with ``master: none`` (``bf16_master_weights_and_grads``);
+  ``optimizer_states: bf16`` is its ``bf16_optimizer_states``;
+- other optimizers (``sgd``, ``adafactor``; the plan assumes AdamW): ``optimizer.state`` after a step of the
+  optimizer Trainer would build (``Trainer.get_optimizer_cls_and_kwargs``) on the fake model;
 - activations: the peak of the tensors autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``),
   Parameters excluded, each storage counted once. With gradient checkpointing the recomputation inside
   backward is part of the peak (the step uses reentrant checkpointing, whose recomputed tensors the hook sees;
@@ -16,10 +23,10 @@ scaling, the amax-history update. What that step creates is counted by kind:
 - FP8 extras: the converted layers' buffers (amax histories, scales); for Transformer Engine, its FP8 weight
   copies (row- and column-wise) and delayed-scaling state, from :mod:`hf_mixedprec.fp8.memory`.
 
-Sharding: DeepSpeed ZeRO stage 1 partitions the optimizer states (and the float32 master weights), stage 2 also
-the gradients, stage 3 also the weights, each over the world size (Rajbhandari et al., "ZeRO: Memory
-Optimizations Toward Training Trillion Parameter Models", SC 2020, Sec. 5.1). FSDP2 shards weights, gradients
-and optimizer states like stage 3. Plain data parallel (DDP) keeps a gradient-sized set of buckets
+Sharding: DeepSpeed ZeRO stage 1 partitions the optimizer states (and the master weights), stage 2 also the
+gradients, stage 3 also the weights, each over the world size (Rajbhandari et al., "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", SC 2020, Sec. 5.1). FSDP2 shards weights, master, gradients and
+optimizer states like stage 3. Plain data parallel (DDP) keeps a gradient-sized set of buckets
 (``torch.nn.parallel.DistributedDataParallel``'s ``gradient_as_bucket_view=False``, Trainer's default).
 
 Not counted: the CUDA context, the caching allocator's fragmentation, temporaries that live only within one op,
@@ -45,6 +52,7 @@ from torch import nn
 
 from hf_mixedprec._text import root_cause
 from hf_mixedprec.errors import MixedPrecisionError, UsageError
+from hf_mixedprec.plan import PrecisionPlan, build_plan
 from hf_mixedprec.recipe import Recipe, fp32_recipe, load_recipe
 from hf_mixedprec.runtime import compute_dtype
 
@@ -193,7 +201,10 @@ class GpuFit:
 
 @dataclass(frozen=True)
 class RecipeEstimate:
-    """One recipe's memory per GPU."""
+    """One recipe's memory per GPU. ``components``: the model states by part (weights, master, gradients, then each
+    optimizer state: ``exp_avg``, ``exp_avg_sq``, ``step`` for AdamW), per GPU; ``bytes_per_param``: weights, master,
+    gradients and optimizer per GPU over the model's parameter count; ``storage``: the recipe's ``storage:``
+    choices and the optimizer that keeps them."""
 
     recipe: str
     precision: str
@@ -204,6 +215,9 @@ class RecipeEstimate:
     percent_of_fp32: float
     fits: tuple[GpuFit, ...]
     notes: tuple[str, ...] = ()
+    components: dict[str, int] = field(default_factory=dict)
+    bytes_per_param: float = 0.0
+    storage: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -237,12 +251,14 @@ class _Settings:
 
 @dataclass
 class _Step:
-    """What one fake training step held (single device, nothing sharded)."""
+    """What one fake training step held (single device, nothing sharded), and the plan it was prepared by.
+    ``optimizer`` / ``states``: the measured optimizer state, in all and by state name (only when the plan does not
+    give it: an optimizer other than AdamW)."""
 
     params: int = 0
-    weights: int = 0
-    gradients: int = 0
+    plan: PrecisionPlan | None = None
     optimizer: int = 0
+    states: dict[str, int] | None = None
     activations: int = 0
     fp8_extras: int = 0
     fp8_layers: int = 0
@@ -350,21 +366,20 @@ def _fp8_backend(recipe: Recipe, target: str) -> str:
     return "transformer_engine" if choice == "auto" else choice
 
 
-def _convert(model: nn.Module, recipe: Recipe, backend: str, step: _Step, tokens: int) -> None:
-    """Convert as the recipe would on ``backend``; Transformer Engine is stood in for (:mod:`fp8.memory`)."""
+def _convert(model: nn.Module, recipe: Recipe, backend: str, step: _Step) -> None:
+    """Convert as the plan decided for ``backend``; Transformer Engine is stood in for (:mod:`fp8.memory`)."""
     from hf_mixedprec import fp8
     from hf_mixedprec.fp8 import memory
-    from hf_mixedprec.fp8.policy import plan_conversion
     from hf_mixedprec.fp8.swap import replace_module
 
-    assert recipe.fp8 is not None
+    assert recipe.fp8 is not None and step.plan is not None
     step.backend = backend
+    decisions = list(step.plan.fp8_layers)
     if backend != "transformer_engine":
-        report = fp8.convert(model, recipe, backend=backend)
+        report = fp8.convert(model, recipe, backend=backend, decisions=decisions)
         step.fp8_layers = len(report.converted)
         return
     scaling, history = recipe.fp8.scaling, recipe.fp8.amax_history_len or 1024
-    decisions = plan_conversion(model, recipe.fp8, backend=backend)
     step.notes += [f"{recipe.name}: {n}" for n in fp8._unsupported_kind_notes(decisions, backend)]
     for d in decisions:
         if d.to_swap:
@@ -416,28 +431,50 @@ def _fp8_buffers(model: nn.Module) -> int:
     return storage_bytes(b for _, layer in fp8.iter_monitored(model) for b in layer.buffers())
 
 
-def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.dtype | None = None) -> _Step:
-    """One training step of ``config``'s model under ``recipe`` on fake tensors; what it held, by kind.
+def _apply_storage(model: nn.Module, plan: PrecisionPlan) -> None:
+    """Put ``plan``'s storage into effect on the fake model as ``MixedPrecisionRuntime.prepare_storage`` does (BF16
+    weights change what autograd saves). The remainders / Kahan buffers it hands to the optimizer are not built
+    here (the plan counts them); they go with the fake model."""
+    from hf_mixedprec.storage import apply_storage
 
-    Weights are float32 (what ``finetune`` loads and autocast trains), whatever dtype ``config.json`` names;
-    ``model_dtype``: build in that dtype instead (DeepSpeed's BF16/FP16 module) and train without autocast.
+    apply_storage(model, plan)
+
+
+def _plan_has_states(plan: PrecisionPlan) -> bool:
+    return any(p.states is not None for p in plan.params if p.trainable)
+
+
+def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.dtype | None = None) -> _Step:
+    """One training step of ``config``'s model under ``recipe`` on fake tensors, prepared by the recipe's plan;
+    what it held, by kind.
+
+    The model is built in float32 (what ``finetune`` loads), whatever dtype ``config.json`` names, and its storage
+    made the plan's; ``model_dtype``: build in that dtype instead (DeepSpeed's BF16/FP16 module), leave the storage
+    alone and train without autocast.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from transformers import AutoModelForCausalLM
+
+    from hf_mixedprec.fp8 import converted_types
 
     step = _Step()
     with FakeTensorMode(allow_non_fake_inputs=True), _quiet_logs():
         # a copy: from_config records the dtype in the config it is given
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=model_dtype or torch.float32)
         model.train()
-        if recipe.precision == "fp8":
-            _convert(model, recipe, _fp8_backend(recipe, s.target), step, s.batch_size * s.seq_len)
+        backend = _fp8_backend(recipe, s.target) if recipe.precision == "fp8" else None
+        with unset_fake_temporarily():  # the plan reads shapes only; torchao builds its quantization maps for real
+            step.plan = build_plan(recipe, model, fp8_backend=backend, converted_types=converted_types())
+        if model_dtype is None:
+            _apply_storage(model, step.plan)
+        if backend is not None:
+            _convert(model, recipe, backend, step)
         if s.gradient_checkpointing:
             _enable_checkpointing(model)
         params = list(model.parameters())
         step.params = sum(p.numel() for p in params)
-        step.weights = storage_bytes(params)
-        optimizer = _optimizer(model, s.optimizer)
+        measure = s.optimizer != "adamw" or not _plan_has_states(step.plan)
+        optimizer = _optimizer(model, s.optimizer) if measure else None
         ids = torch.zeros(s.batch_size, s.seq_len, dtype=torch.long)
         meter = SavedTensorMeter(exclude=params)
         dtype = None if model_dtype is not None else compute_dtype(recipe)
@@ -446,9 +483,9 @@ def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.
         with meter.recording():
             loss.backward()
         step.activations = meter.peak
-        step.gradients = storage_bytes(p.grad for p in params if p.grad is not None)
-        optimizer.step()
-        step.optimizer = storage_bytes(v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+        if optimizer is not None:
+            optimizer.step()
+            step.optimizer, step.states = _state_bytes(optimizer)
         if recipe.precision == "fp8" and step.backend == "emulated":
             from hf_mixedprec.fp8.emulated import fp8_step
 
@@ -456,6 +493,17 @@ def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.
         if step.backend != "transformer_engine":
             step.fp8_extras = _fp8_buffers(model)
     return step
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, dict[str, int]]:
+    """Bytes of ``optimizer.state`` after a step: in all (each storage once) and by state name."""
+    tensors: dict[str, list[torch.Tensor]] = {}
+    for st in optimizer.state.values():
+        for key, v in st.items():
+            if torch.is_tensor(v):
+                tensors.setdefault(key, []).append(v)
+    total = storage_bytes(t for ts in tensors.values() for t in ts)
+    return total, {key: storage_bytes(ts) for key, ts in tensors.items()}
 
 
 @contextlib.contextmanager
@@ -494,30 +542,43 @@ def _share(nbytes: int, n: int, sharded: bool) -> int:
     return -(-nbytes // n) if sharded else nbytes
 
 
+def _model_states(step: _Step, recipe: Recipe, strategy: str) -> dict[str, int]:
+    """Unsharded bytes of the model states by part: the plan's weights, master and gradients (DeepSpeed's own under
+    DeepSpeed BF16/FP16), then the optimizer's states (the plan's AdamW states, else the measured ones)."""
+    assert step.plan is not None
+    plan = step.plan.bytes_by_component()
+    parts = {k: plan.get(k, 0) for k in ("weights", "master", "gradients")}
+    if strategy == "deepspeed":  # ZeRO keeps 2-byte module weights and gradients beside its own master partition
+        low = 2 if recipe.precision in ("bf16", "fp16") else 4
+        master = (2 if recipe.storage.master == "none" else 4) if low == 2 else 0  # bf16_master_weights_and_grads
+        parts = {"weights": step.params * low, "master": step.params * master, "gradients": step.params * low}
+    if step.states is not None:
+        return {**parts, **step.states}
+    return {**parts, "exp_avg": plan["exp_avg"], "exp_avg_sq": plan["exp_avg_sq"], "step": plan["optimizer_step"]}
+
+
 def _components(
     step: _Step, recipe: Recipe, strategy: str, stage: int, n: int, half_activations: int | None
-) -> Components:
-    """Per-GPU bytes of ``step`` under ``strategy`` (see the module docs for the ZeRO / FSDP2 / DDP rules)."""
-    if strategy == "deepspeed":
-        low = 2 if recipe.precision in ("bf16", "fp16") else 4
-        return Components(
-            weights=_share(step.params * low, n, stage >= 3),
-            master_weights=_share(step.params * 4, n, stage >= 1) if low == 2 else 0,
-            gradients=_share(step.params * low, n, stage >= 2),
-            optimizer=_share(step.optimizer, n, stage >= 1),
-            activations=half_activations if half_activations is not None else step.activations,
-            fp8_extras=step.fp8_extras,
-        )
-    sharded = strategy == "fsdp2"
-    return Components(
-        weights=_share(step.weights, n, sharded),
-        master_weights=0,
-        gradients=_share(step.gradients, n, sharded),
-        optimizer=_share(step.optimizer, n, sharded),
-        activations=step.activations,
+) -> tuple[Components, dict[str, int]]:
+    """Per-GPU bytes of ``step`` under ``strategy``, and the model states by part (see the module docs for the
+    ZeRO / FSDP2 / DDP rules)."""
+    parts = _model_states(step, recipe, strategy)
+    states = [k for k in parts if k not in ("weights", "master", "gradients")]
+    optimizer = step.optimizer if step.states is not None else sum(parts[k] for k in states)
+    ds, fsdp = strategy == "deepspeed", strategy == "fsdp2"
+    zero1 = fsdp or (ds and stage >= 1)  # the master and the optimizer states
+    sharded = {"weights": fsdp or (ds and stage >= 3), "gradients": fsdp or (ds and stage >= 2)}
+    per_gpu = {k: _share(v, n, sharded.get(k, zero1)) for k, v in parts.items()}
+    mem = Components(
+        weights=per_gpu["weights"],
+        master_weights=per_gpu["master"],
+        gradients=per_gpu["gradients"],
+        optimizer=_share(optimizer, n, zero1),
+        activations=half_activations if half_activations is not None else step.activations,
         fp8_extras=step.fp8_extras,
-        ddp_buckets=step.gradients if strategy == "ddp" else 0,
+        ddp_buckets=parts["gradients"] if strategy == "ddp" else 0,
     )
+    return mem, per_gpu
 
 
 def _fit(total: int, gpus: Sequence[tuple[str, int]]) -> tuple[GpuFit, ...]:
@@ -549,8 +610,40 @@ def _run_fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: to
         ) from None
 
 
-def _estimate_one(config: Any, recipe: Recipe, s: _Settings) -> tuple[Components, _Step, str]:
+@dataclass(frozen=True)
+class _One:
+    """One recipe (or phase) estimated: its memory, its model states by part, the step and the strategy label."""
+
+    memory: Components
+    parts: dict[str, int]
+    step: _Step
+    strategy: str
+
+
+def _check_storage(recipe: Recipe, s: _Settings, strategy: str, stage: int) -> None:
+    """Refuse what the run would refuse: a storage choice beside another optimizer than AdamW, or one DeepSpeed
+    has no equivalent of under ``--zero``."""
+    from pydantic_core import PydanticCustomError
+
+    from hf_mixedprec.storage_config import storage_rules
+
+    st = recipe.storage
+    if not st.is_default and s.optimizer != "adamw":
+        raise UsageError(
+            f"--optimizer {s.optimizer}: recipe {recipe.name!r} keeps storage.master {st.master} with "
+            f"optimizer_states {st.optimizer_states}, which needs AdamW (allowed: --optimizer adamw; or a recipe with "
+            "storage master fp32 and optimizer_states fp32)"
+        )
+    if strategy == "deepspeed":
+        try:
+            storage_rules(st, recipe.precision, strategy, stage)
+        except PydanticCustomError as exc:
+            raise UsageError(f"--zero {stage}: recipe {recipe.name!r}: {exc.message()}") from None
+
+
+def _estimate_one(config: Any, recipe: Recipe, s: _Settings) -> _One:
     strategy, stage, n = _strategy(recipe, s)
+    _check_storage(recipe, s, strategy, stage)
     step = _run_fake_step(config, recipe, s)
     half = None
     if strategy == "deepspeed" and recipe.precision in ("bf16", "fp16"):
@@ -559,7 +652,8 @@ def _estimate_one(config: Any, recipe: Recipe, s: _Settings) -> tuple[Components
     label = strategy if strategy != "deepspeed" else f"deepspeed ZeRO-{stage}"
     if n > 1:
         label += f" x{n}"
-    return _components(step, recipe, strategy, stage, n, half), step, label
+    mem, parts = _components(step, recipe, strategy, stage, n, half)
+    return _One(mem, parts, step, label)
 
 
 def estimate_memory(
@@ -591,34 +685,43 @@ def estimate_memory(
     fp32 = fp32_recipe()
     results, params = [], 0
     baselines: dict[tuple[str, int, int], Components] = {}
-    measured: dict[Recipe, Any] = {}  # a phase that repeats another (a BF16 warm-up and anneal) is measured once
+    measured: dict[Recipe, _One] = {}  # a phase that repeats another (a BF16 warm-up and anneal) is measured once
     for name, rec in _phases_of(loaded):
         if rec not in measured:
             measured[rec] = _estimate_one(config, rec, s)
-        mem, step, strategy = measured[rec]
-        params = step.params
+        one = measured[rec]
+        mem, step, params = one.memory, one.step, one.step.params
         key = _strategy(rec, s)
-        if key not in baselines:  # an FP32 recipe is its own reference
-            same = rec.precision == "fp32"
-            baselines[key] = mem if same else _estimate_one(config, _with_distributed(fp32, rec), s)[0]
-        base = baselines[key]
+        if key not in baselines:  # an FP32 recipe with the default storage is its own reference
+            same = rec.precision == "fp32" and rec.storage.is_default
+            baselines[key] = mem if same else _estimate_one(config, _with_distributed(fp32, rec), s).memory
+        states = mem.weights + mem.master_weights + mem.gradients + mem.optimizer
         results.append(
             RecipeEstimate(
                 recipe=name,
                 precision=rec.precision,
                 fp8_backend=step.backend,
                 fp8_layers=step.fp8_layers,
-                strategy=strategy,
+                strategy=one.strategy,
                 memory=mem,
-                percent_of_fp32=round(100.0 * mem.total / base.total, 1),
+                percent_of_fp32=round(100.0 * mem.total / baselines[key].total, 1),
                 fits=_fit(mem.total, gpu_list),
                 notes=tuple(step.notes),
+                components=dict(one.parts),
+                bytes_per_param=round(states / params, 4) if params else 0.0,
+                storage=_storage_of(rec, step),
             )
         )
-    fp32_mem = next(iter(baselines.values()), None) or _estimate_one(config, fp32, s)[0]
+    fp32_mem = next(iter(baselines.values()), None) or _estimate_one(config, fp32, s).memory
     settings = asdict(s)
     settings["gpus"] = [name for name, _ in gpu_list]
     return MemoryEstimate(label, params, settings, fp32_mem, tuple(results))
+
+
+def _storage_of(rec: Recipe, step: _Step) -> dict[str, Any]:
+    """The recipe's storage choices and the optimizer keeping them (``unchanged``: the one ``--optimizer`` names)."""
+    impl = step.plan.optimizer if step.plan is not None else "unchanged"
+    return {"master": rec.storage.master, "optimizer_states": rec.storage.optimizer_states, "optimizer": impl}
 
 
 def _phases_of(recipes: list[Recipe]) -> list[tuple[str, Recipe]]:
@@ -664,6 +767,7 @@ def format_estimate(est: MemoryEstimate) -> str:
     )
     gpus = s["gpus"]
     cols = ["recipe", "strategy", "weights", "master", "grads", "optimizer", "activations", "fp8", "total", "% fp32"]
+    cols.append("B/param")
     unit = GIB if max((r.memory.total for r in est.recipes), default=0) >= GIB else 2**20
     lines = [head, "", f"{'GiB' if unit == GIB else 'MiB'} per GPU:", "", "| " + " | ".join(cols + gpus) + " |"]
     lines.append("|" + "---|" * 2 + "---:|" * (len(cols) - 2) + "---|" * len(gpus))
@@ -677,13 +781,15 @@ def format_estimate(est: MemoryEstimate) -> str:
             *(_in(p, unit) for p in parts),
             _in(m.total, unit),
             f"{r.percent_of_fp32:.1f}",
+            f"{r.bytes_per_param:.2f}",
             *fits,
         ]
         lines.append("| " + " | ".join(row) + " |")
     lines += [
         "",
-        "Fit: the headroom in GiB after the total; 'tight' = fits but with under 10% free for the CUDA context, "
-        "fragmentation and temporaries (not counted).",
+        "B/param: weights, master, grads and optimizer per GPU over the model's parameters. Fit: the headroom in GiB "
+        "after the total; 'tight' = fits but with under 10% free for the CUDA context, fragmentation and "
+        "temporaries (not counted).",
     ]
     notes = sorted({n for r in est.recipes for n in r.notes})
     lines += [f"note: {n}" for n in notes]

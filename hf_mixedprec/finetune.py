@@ -235,8 +235,12 @@ def build_tokenizer(model_dir: str | None, data: TextData, model_config: Any = N
     return tok, how
 
 
-def build_model(model_dir: str | None, tokenizer: Any, *, seq_len: int, seed: int) -> tuple[Any, str]:
-    """The model to train (float32 weights) and a one-line description."""
+def build_model(
+    model_dir: str | None, tokenizer: Any, *, seq_len: int, seed: int, dtype: Any = torch.float32
+) -> tuple[Any, str]:
+    """The model to train and a one-line description. ``dtype``: what ``--model`` is loaded in (``"auto"``: the dtype
+    its ``config.json`` names, as transformers loads it; the recipe's ``storage:`` then decides what training keeps).
+    The default model is built in float32."""
     if model_dir is None:
         from transformers import LlamaForCausalLM
 
@@ -259,10 +263,10 @@ def build_model(model_dir: str | None, tokenizer: Any, *, seq_len: int, seed: in
 
         torch.manual_seed(seed)
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
         except Exception as exc:
             raise UsageError(f"--model: cannot load a causal LM from {model_dir!r} ({root_cause(exc)})") from None
-        name = model_dir
+        name = f"{model_dir} (loaded in {str(next(model.parameters()).dtype).removeprefix('torch.')})"
     n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 partitioned: full size
     return model, f"{name}, {n / 1e6:.2f}M parameters"
 
@@ -683,7 +687,10 @@ def _make_trainer(run: _RunSettings, prepared: _Prepared, rec: Recipe, interrupt
         eval_steps=run.save_steps,
         per_device_eval_batch_size=run.batch_size,
     )
-    net, desc = build_model(run.model, prepared.tokenizer, seq_len=run.seq_len, seed=run.seed)
+    # loaded as saved (a BF16 checkpoint stays BF16 until the recipe's storage decides); DeepSpeed casts the module
+    # itself and keeps its FP32 master from the loaded weights
+    dtype = torch.float32 if rec.distributed.strategy == "deepspeed" else "auto"
+    net, desc = build_model(run.model, prepared.tokenizer, seq_len=run.seq_len, seed=run.seed, dtype=dtype)
     tr = Trainer(
         model=net,
         args=targs,

@@ -71,6 +71,9 @@ def health_document(
             doc["phases"] = [dict(c) for c in phases.changes]
         if getattr(runtime, "fp8_report", None) is not None:
             doc["fp8_conversion"] = runtime.fp8_report.to_dict()
+        plan = getattr(runtime, "plan", None)
+        if plan is not None:  # what each parameter group was kept in and the bytes it took
+            doc["storage"] = plan.storage_report()
     if extra:
         doc.update(extra)
     return doc
@@ -137,6 +140,10 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         f"health events: {len(events)}"
         + (" (" + ", ".join(f"{k} x{v}" for k, v in sorted(by_detector.items())) + ")" if events else "")
     )
+    storage = doc.get("storage")
+    if isinstance(storage, dict) and isinstance(storage.get("lines"), list):
+        lines.append(f"storage ({storage.get('bytes_per_param', 0):.2f} bytes per trainable parameter):")
+        lines += [f"  {line}" for line in storage["lines"]]
     switches = _phase_switches(doc)
     if switches:
         lines.append("phases: " + ", ".join(f"{name} ({prec}) after step {step}" for step, name, prec in switches))

@@ -54,6 +54,7 @@ from hf_mixedprec.fp8.state import (
 )
 from hf_mixedprec.health import HealthEvent, HealthMonitor, layers_to_bf16
 from hf_mixedprec.phases import PhaseRunner
+from hf_mixedprec.plan import PrecisionPlan, run_plan
 from hf_mixedprec.reactions import Reactions
 from hf_mixedprec.scaling.stats import (
     LayerStats,
@@ -63,6 +64,8 @@ from hf_mixedprec.scaling.stats import (
     unstack_layer_stats,
 )
 from hf_mixedprec.schema import RecipeSpec
+from hf_mixedprec.storage import apply_storage
+from hf_mixedprec.storage.optim import keeps_updates
 
 __all__ = [
     "FP8_STATE_FILE",
@@ -131,6 +134,8 @@ class MixedPrecisionRuntime:
         if self.clipper is not None:  # its state is made on the device now, not copied there during a step
             self.clipper.to(self.device)
         self.fp8_report: ConversionReport | None = None
+        #: the precision plan of the model this runtime prepared (:meth:`prepare_storage`), None before
+        self.plan: PrecisionPlan | None = None
         self.steps = 0  # optimizer steps seen (host-side count, known without looking at tensors)
         #: the GradScaler, the step's skip flag, the skipped-step count and the LR-schedule rewind
         self.amp = LossScaling(recipe, self.device, self.note)
@@ -200,20 +205,18 @@ class MixedPrecisionRuntime:
     def convert_model(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, spec: RecipeSpec | None = None
     ) -> ConversionReport | None:
-        """Convert ``model`` to FP8 as the recipe (the phase in force) says; None for other precisions. A rehearsal
-        runs the emulated backend, except for ``backend: torchao``, which emulates itself (``emulate=True`` off FP8
-        hardware). The FP8 layers' state is kept out of ``save_pretrained``. ``spec``: a phase's recipe instead."""
-        spec = spec or self.active
-        if spec.precision != "fp8" or spec.fp8 is None:
-            return None
-        backend = "emulated" if self.rehearse and spec.fp8.backend != "torchao" else None
-        self.fp8_report = convert(model, spec, backend=backend, optimizer=optimizer)
-        exclude_fp8_state_from_saves(model)
-        warning = [self.fp8_report.warning] if self.fp8_report.warning else []  # converting nothing: run report too
-        self.notes += [*self.fp8_report.notes, *warning]
-        if is_main_rank():  # which layers run in FP8 is a decision the user must see, once; loud if it is none
-            log.warning("hf_mixedprec: %s", self.fp8_report.summary())
-        return self.fp8_report
+        """Convert ``model`` to FP8 as the plan of the recipe (``spec``: a phase's) says; None for other precisions.
+        The FP8 layers' state is kept out of ``save_pretrained``."""
+        return _convert_model(self, model, optimizer, spec or self.active)
+
+    def prepare_storage(self, model: nn.Module) -> PrecisionPlan:
+        """Build the run's precision plan for ``model`` (as loaded) and put its storage into effect (trainable
+        parameters get the dtype ``storage:`` keeps them in; each change said in the notes, frozen ones untouched)."""
+        phases = self.recipe.precisions() if self.phases is not None else ()
+        self.plan = run_plan(self.active, model, rehearse=self.rehearse, phases=phases)
+        for text in apply_storage(model, self.plan):
+            self.note(text)
+        return self.plan
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The autocast of the step in force; a phased run's FP32 phase turns off any autocast around it."""
@@ -316,7 +319,7 @@ class MixedPrecisionRuntime:
         self.amp.set_skip(optimizer, bad)
         self._loss_n = 0
         if self.monitor is not None and self._sampling and self.recipe.health.detectors.tiny_update.enabled:
-            self._update_probe.take(params)
+            self._update_probe.take(params, optimizer)
         else:
             self._update_probe.clear()
         return self._last
@@ -419,6 +422,26 @@ class MixedPrecisionRuntime:
         _load_runtime_state(self, state, model)
 
 
+def _convert_model(
+    rt: MixedPrecisionRuntime, model: nn.Module, optimizer: Any, spec: RecipeSpec
+) -> ConversionReport | None:
+    """:meth:`MixedPrecisionRuntime.convert_model`: with the FP8 decisions of the run's plan when it was made for
+    ``spec``, else of a plan made for it now (a phase's recipe)."""
+    if spec.precision != "fp8" or spec.fp8 is None:
+        return None
+    plan = rt.plan if (rt.plan is not None and rt.plan.recipe_spec is spec) else None
+    plan = plan or run_plan(spec, model, rehearse=rt.rehearse)
+    report = convert(model, spec, backend=plan.fp8_backend, optimizer=optimizer, decisions=plan.fp8_layers)
+    report.notes[:0] = plan.fp8_notes
+    rt.fp8_report = report
+    exclude_fp8_state_from_saves(model)
+    warning = [report.warning] if report.warning else []  # converting nothing: run report too
+    rt.notes += [*report.notes, *warning]
+    if is_main_rank():  # which layers run in FP8 is a decision the user must see, once; loud if it is none
+        log.warning("hf_mixedprec: %s", report.summary())
+    return report
+
+
 def _runtime_state(rt: MixedPrecisionRuntime) -> dict[str, Any]:
     """:meth:`MixedPrecisionRuntime.state_dict`."""
     _observe_fp8_samples(rt)  # the monitor's state holds them
@@ -504,11 +527,12 @@ class _UpdateProbe:
     def clear(self) -> None:
         self._kept = []
 
-    def take(self, params: list[Any]) -> None:
-        """Keep the sample of ``params`` before the optimizer step."""
+    def take(self, params: list[Any], optimizer: Any = None) -> None:
+        """Keep the sample of ``params`` before the optimizer step: the BF16/FP16 parameters whose small updates
+        rounding would lose (not those the storage keeps a remainder, a compensation or stochastic rounding for)."""
         self._kept = []
         for p in params:
-            if p.dtype in (torch.bfloat16, torch.float16) and p.numel() > 0:
+            if p.dtype in (torch.bfloat16, torch.float16) and p.numel() > 0 and not keeps_updates(optimizer, p):
                 stride = max(1, p.numel() // UPDATE_PROBE)
                 self._kept.append((p, stride, p.detach().reshape(-1)[::stride].float().clone()))
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 from pydantic_core import PydanticCustomError
 
 from hf_mixedprec.formats import FP8_SCALING_DEFAULTS
+from hf_mixedprec.storage_config import StorageConfig, storage_rules
 
 __all__ = [
     "ACCELERATE_MIXED_PRECISION",
@@ -34,6 +35,7 @@ __all__ = [
     "LossScaleConfig",
     "PhaseConfig",
     "RecipeSpec",
+    "StorageConfig",
 ]
 
 Generation = Literal["cpu", "mps", "volta", "turing", "ampere", "ada", "hopper", "blackwell"]
@@ -618,6 +620,11 @@ class RecipeSpec(_Section):
     tf32: bool = Field(False, description="Allow TF32 matmuls (Ampere and later).")
     loss_scale: LossScaleConfig | None = Field(None, description="fp16 only: dynamic loss scaling.")
     fp8: FP8Config | None = Field(None, description="fp8 only: FP8 scaling and what stays in BF16.")
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig,
+        description="What weights, master weights and optimizer states are stored in (default: FP32 master and "
+        "FP32 AdamW moments). See docs/storage.md.",
+    )
     clipping: ClippingConfig = Field(default_factory=ClippingConfig, description="Gradient clipping.")
     health: HealthConfig = Field(default_factory=HealthConfig, description="Scale-health monitoring and reactions.")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="How the job is launched.")
@@ -665,6 +672,13 @@ class RecipeSpec(_Section):
                     )
                 if ls.max_scale is not None:
                     raise _rule("loss_scale.max_scale", "DeepSpeed's scaler has no ceiling; remove it")
+        return self
+
+    @model_validator(mode="after")
+    def _storage(self) -> RecipeSpec:
+        if self.phases is None:  # a phased recipe's storage is checked against each phase's precision
+            d = self.distributed
+            storage_rules(self.storage, self.precision, d.strategy, d.zero_stage)
         return self
 
     @model_validator(mode="after")

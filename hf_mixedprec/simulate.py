@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from hf_mixedprec.formats import COMPUTE_FORMATS
-from hf_mixedprec.fp8 import ConversionReport, convert, fp8_step, iter_emulated
+from hf_mixedprec.fp8 import ConversionReport, convert, converted_types, fp8_step, iter_emulated
 from hf_mixedprec.health import LayerBreach, layer_breaches
+from hf_mixedprec.plan import PrecisionPlan, build_plan
 from hf_mixedprec.scaling.stats import ROLES
 from hf_mixedprec.schema import RecipeSpec
 
@@ -65,6 +66,7 @@ class SimulationResult:
     seconds: float
     notes: list[str] = field(default_factory=list)
     keep_in_bf16: list[str] = field(default_factory=list)  # the recipe's own patterns (a YAML list replaces them)
+    plan: PrecisionPlan | None = None  # the precision plan the FP8 conversion read
 
     @property
     def recommended(self) -> list[LayerNumerics]:
@@ -253,7 +255,9 @@ def simulate(
     bf16_losses = _train(ref, batches, lr, set())
     del ref
 
-    report = convert(model, recipe, backend="emulated")
+    # the emulated backend, whatever the recipe names (torchao included): the same numerics, anywhere
+    plan = build_plan(recipe, model, fp8_backend="emulated", converted_types=converted_types()).with_run(recipe, [])
+    report = convert(model, recipe, backend=plan.fp8_backend, decisions=plan.fp8_layers)
     if report.warning is not None:
         notes.append(report.warning)
     agg: dict[str, dict[str, dict[str, float]]] = {}
@@ -292,4 +296,5 @@ def simulate(
         seconds=time.perf_counter() - start,
         notes=notes,
         keep_in_bf16=list(recipe.fp8.keep_in_bf16),
+        plan=plan,
     )

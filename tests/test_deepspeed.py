@@ -120,6 +120,12 @@ def _scenarios() -> dict[str, Any]:  # pragma: no cover - runs in the subprocess
             "base_optimizer": type(engine.optimizer.optimizer).__name__,
             "callback_optimizer": type(trainer.optimizer).__name__,
             "param_dtype": str(next(engine.module.parameters()).dtype),
+            "master_dtype": str(
+                getattr(engine.optimizer, "single_partition_of_fp32_groups", [torch.zeros(())])[0].dtype
+            ),
+            "state_dtypes": sorted(
+                {str(v.dtype) for st in engine.optimizer.optimizer.state.values() for v in st.values() if v.dim()}
+            ),
             "device": str(engine.device),
             "zero_stage": int(engine.zero_optimization_stage()),
             "after_train": read_deepspeed_scaler(trainer.optimizer),
@@ -150,6 +156,21 @@ def _scenarios() -> dict[str, Any]:  # pragma: no cover - runs in the subprocess
     bf16_cfg, _ = deepspeed_config(load_recipe_file("v100-fp16"), zero_stage=1)
     bf16_cfg["fp16"], bf16_cfg["bf16"] = {"enabled": False}, {"enabled": True}
     out["bf16"] = run(bf16_cfg, steps=2, bf16=True)
+    # storage: master none + bf16 optimizer states -> DeepSpeed's bf16 master/optimizer-state keys
+    low = resolve_recipe(
+        {
+            "name": "ds-bf16-storage",
+            "extends": "a100-bf16",
+            "storage": {"master": "none", "optimizer_states": "bf16"},
+            "distributed": {"strategy": "deepspeed", "zero_stage": 1},
+        }
+    )
+    low_cfg, _ = deepspeed_config(low)
+    out["bf16_storage_config"] = low_cfg["bf16"]
+    out["bf16_storage"] = run(low_cfg, steps=2, bf16=True)
+    out["bf16_default_zero1"] = run(
+        deepspeed_config(resolve_recipe({**low.to_dict(), "storage": {}}))[0], steps=2, bf16=True
+    )
 
     # DeepSpeed's scaler on its own (needs the process group the runs above initialised)
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
@@ -313,6 +334,33 @@ def test_bf16_has_no_scaler(runs: dict[str, Any]) -> None:
         "dynamic": False,
     }
     assert all(math.isfinite(x) for x in run["losses"])
+
+
+def test_storage_maps_to_deepspeeds_bf16_master_and_state_keys(runs: dict[str, Any]) -> None:
+    """storage.master none + optimizer_states bf16 is DeepSpeed's bf16_master_weights_and_grads +
+    bf16_optimizer_states: the engine's master partition and Adam moments are BF16 (FP32 with the default)."""
+    assert runs["bf16_storage_config"] == {
+        "enabled": True,
+        "bf16_master_weights_and_grads": True,
+        "bf16_optimizer_states": True,
+    }
+    low, default = runs["bf16_storage"], runs["bf16_default_zero1"]
+    assert low["master_dtype"] == "torch.bfloat16" and low["state_dtypes"] == ["torch.bfloat16"]
+    assert default["master_dtype"] == "torch.float32" and default["state_dtypes"] == ["torch.float32"]
+    assert len(low["losses"]) == 2 and all(math.isfinite(x) for x in low["losses"])
+
+
+def test_storage_without_a_deepspeed_equivalent_is_refused() -> None:
+    from hf_mixedprec.errors import RecipeError
+    from hf_mixedprec.recipe import resolve_recipe
+
+    base = {"name": "x", "extends": "a100-bf16", "distributed": {"strategy": "deepspeed", "zero_stage": 1}}
+    with pytest.raises(RecipeError, match="has no DeepSpeed equivalent"):
+        resolve_recipe({**base, "storage": {"master": "bf16_remainder"}})
+    with pytest.raises(RecipeError, match="needs ZeRO stage 1, 2 or 3"):
+        resolve_recipe(
+            {**base, "distributed": {"strategy": "deepspeed", "zero_stage": 0}, "storage": {"master": "none"}}
+        )
 
 
 def test_non_deepspeed_objects_give_none() -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -44,7 +44,9 @@ __all__ = [
     "EmulatedFP8Linear",
     "FP8BackendUnavailable",
     "LayerDecision",
+    "conversion_backend",
     "convert",
+    "converted_types",
     "emulated_layers",
     "fp8_step",
     "invalidate_layer_cache",
@@ -135,6 +137,28 @@ def resolve_backend(recipe: RecipeSpec, device: torch.device) -> tuple[str, list
     )
 
 
+def converted_types() -> tuple[type, ...]:
+    """The module classes that are FP8 layers already (emulated, and torchao's ``Float8Linear`` when installed)."""
+    found: tuple[type, ...] = (EmulatedFP8GEMM,)
+    if _has("torchao"):
+        try:
+            from torchao.float8.float8_linear import Float8Linear
+
+            found += (Float8Linear,)
+        except ImportError:  # pragma: no cover - torchao layout changed
+            pass
+    return found
+
+
+def conversion_backend(recipe: RecipeSpec, model: nn.Module, *, rehearse: bool) -> tuple[str, list[str]]:
+    """The backend a run converts ``model`` with, and notes: the emulated one when rehearsing (except torchao, which
+    emulates itself off FP8 hardware), else :func:`resolve_backend` on the model's device."""
+    assert recipe.fp8 is not None
+    if rehearse and recipe.fp8.backend != "torchao":
+        return "emulated", []
+    return resolve_backend(recipe, _model_device(model))
+
+
 def _model_device(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
@@ -162,12 +186,15 @@ def convert(
     *,
     backend: str | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    decisions: Iterable[LayerDecision] | None = None,
 ) -> ConversionReport:
     """Convert ``model``'s GEMM layers (Linear, Conv1D) to FP8 in place as ``recipe`` says; return what was done
     and why.
 
     ``backend`` overrides ``recipe.fp8.backend`` (e.g. ``"emulated"`` to rehearse). Layers the recipe keeps in
-    high precision are left untouched; nothing stops at the first layer that cannot be converted.
+    high precision are left untouched; nothing stops at the first layer that cannot be converted. ``decisions``:
+    the FP8 decisions of the run's precision plan (:mod:`hf_mixedprec.plan`), made for this backend; without them
+    they are made here by the same policy.
     """
     if recipe.precision != "fp8" or recipe.fp8 is None:
         raise ValueError(f"recipe {recipe.name!r} has precision {recipe.precision!r}: nothing to convert to FP8")
@@ -176,15 +203,9 @@ def convert(
     notes: list[str] = []
     if backend is None:
         backend, notes = resolve_backend(recipe, _model_device(model))
-    converted_types: tuple[type, ...] = (EmulatedFP8GEMM,)
-    if _has("torchao"):
-        try:
-            from torchao.float8.float8_linear import Float8Linear
-
-            converted_types += (Float8Linear,)
-        except ImportError:  # pragma: no cover - torchao layout changed
-            pass
-    decisions = plan_conversion(model, recipe.fp8, converted_types=converted_types, backend=backend)
+    if decisions is None:
+        decisions = plan_conversion(model, recipe.fp8, converted_types=converted_types(), backend=backend)
+    decisions = list(decisions)
     notes += _unsupported_kind_notes(decisions, backend)
     if backend == "emulated":
         spec = EmulationSpec.from_config(recipe.fp8)

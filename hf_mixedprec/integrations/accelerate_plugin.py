@@ -121,6 +121,7 @@ class MixedPrecisionAccelerator(Accelerator):
             self.scaler = self.mp.make_guard_scaler()
         self.mp.apply_tf32()
         self._clipped_this_step = False
+        self._mp_replaced: dict[int, torch.optim.Optimizer] = {}  # id(user's optimizer) -> the storage optimizer
         if max_steps is not None:
             self.set_max_steps(max_steps)
 
@@ -140,6 +141,7 @@ class MixedPrecisionAccelerator(Accelerator):
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ):
         if not evaluation_mode:
+            self.mp.prepare_storage(model)  # parameter dtypes as the recipe's storage says, then FP8 layers
             self.mp.convert_model(model)  # FP8 state stays out of unwrap_model(model).save_pretrained()
             if self.mp.phases is not None:  # each phase's autocast, innermost (Accelerate's is fixed)
                 self.mp.wrap_forward_with_autocast(model)
@@ -149,6 +151,20 @@ class MixedPrecisionAccelerator(Accelerator):
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
+        plan = self.mp.plan
+        if plan is not None:
+            from hf_mixedprec.storage import replace_optimizer
+
+            built = replace_optimizer(self.recipe.storage, optimizer)
+            if built is not optimizer:
+                self._mp_replaced[id(optimizer)] = built
+                self.mp.note(
+                    f"storage.master {self.recipe.storage.master} with optimizer_states "
+                    f"{self.recipe.storage.optimizer_states}: the {type(optimizer).__name__} passed to prepare() runs "
+                    f"as {type(built).__name__} over the same parameter groups (an LR scheduler made for it still "
+                    "drives it)"
+                )
+                optimizer = built
         opt = super().prepare_optimizer(optimizer, device_placement=device_placement)
         inner_step = opt.step
 
@@ -169,6 +185,14 @@ class MixedPrecisionAccelerator(Accelerator):
 
         opt.step = step  # type: ignore[method-assign]
         return opt
+
+    def prepare_scheduler(self, scheduler: Any):
+        """Accelerate's, after pointing a scheduler made for an optimizer the storage replaced at its replacement
+        (they share the parameter-group dicts, so the learning rates it sets reach the replacement either way)."""
+        built = self._mp_replaced.get(id(getattr(scheduler, "optimizer", None)))
+        if built is not None:
+            scheduler.optimizer = built
+        return super().prepare_scheduler(scheduler)
 
     # -- clipping --------------------------------------------------------------------------------------
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:

@@ -28,8 +28,19 @@ __all__ = [
     "deepspeed_device",
     "deepspeed_fp16_supported",
     "deepspeed_refusal",
+    "deepspeed_storage_keys",
     "read_deepspeed_scaler",
 ]
+
+
+def deepspeed_storage_keys(recipe: RecipeSpec) -> dict[str, bool]:
+    """DeepSpeed's own ``bf16`` keys for the recipe's ``storage:`` (``deepspeed/runtime/constants.py``:
+    ``bf16_master_weights_and_grads``, ``bf16_optimizer_states``; both need ZeRO 1..3). The recipe's validation
+    refuses every storage choice without a DeepSpeed equivalent, so what reaches here maps one to one."""
+    st = recipe.storage
+    if st.master != "none":
+        return {}
+    return {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": st.optimizer_states == "bf16"}
 
 
 def deepspeed_config(recipe: RecipeSpec, *, zero_stage: int | None = None) -> tuple[dict[str, Any], list[str]]:
@@ -63,7 +74,7 @@ def deepspeed_config(recipe: RecipeSpec, *, zero_stage: int | None = None) -> tu
         }
         cfg["bf16"] = {"enabled": False}
     elif recipe.precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
+        cfg["bf16"] = {"enabled": True, **deepspeed_storage_keys(recipe)}
         cfg["fp16"] = {"enabled": False}
     else:
         cfg["bf16"] = {"enabled": False}

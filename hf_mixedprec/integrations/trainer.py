@@ -297,7 +297,9 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             )
         self._route_backward_and_log(trainer, rt)
         self._route_clip_grad_norm(trainer, rt)
-        # FP8 state is kept out of saved models and written beside each checkpoint instead (on_save)
+        # the parameters' storage first (an FP32 master for BF16-loaded weights by default), then FP8 layers that
+        # hold the same Parameters; FP8 state is kept out of saved models and written beside each checkpoint (on_save)
+        _install_storage(trainer, rt, late)
         rt.convert_model(model, getattr(trainer.optimizer, "optimizer", trainer.optimizer) if late else None)
         if rt.clipper is not None and args.max_grad_norm:
             rt.note(
@@ -358,6 +360,13 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         rt.note(
             "DeepSpeed owns loss scaling (its dynamic scaler, with hysteresis), clipping and the skipping of "
             "non-finite steps (FP16 and BF16); hf_mixedprec reads its loss scale, overflow and skipped steps"
+        )
+        st = self.recipe.storage
+        rt.note(
+            f"storage.master {st.master} / optimizer_states {st.optimizer_states}: DeepSpeed keeps the master and "
+            "optimizer states itself ("
+            + ("its FP32 master and FP32 states" if st.master == "fp32" else "bf16.bf16_master_weights_and_grads")
+            + "; hf_mixedprec's deepspeed_config writes the matching keys)"
         )
         if rt.monitor is not None:
             # fed from DeepSpeed's host-side step state (skips, scale, gradient norm) and the loss; skip_step
@@ -452,6 +461,65 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                 else f"trainer.train(resume_from_checkpoint={ckpt!r}) after changing what the message says"
             )
             rt.note(f"STOPPED: {rt.stop_requested}. Resume with {how}")
+
+
+def _install_storage(trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) -> None:
+    """The model's parameters in the dtypes the recipe's ``storage:`` keeps them in, and the optimizer it needs."""
+    plan = rt.prepare_storage(trainer.model)
+    if plan.optimizer != "unchanged":
+        _install_storage_optimizer(trainer, rt, late)
+    elif rt.recipe.storage.optimizer != "auto":
+        _check_trainer_optimizer(trainer, rt.recipe)
+
+
+def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) -> None:
+    """Make the Trainer build the optimizer the recipe's ``storage:`` needs (hf_mixedprec's StorageAdamW or torchao's
+    low-bit AdamW) with the hyperparameters of the AdamW it would have built (``Trainer.get_optimizer_cls_and_kwargs``);
+    an optimizer the user chose, or one already built, is refused with the fix."""
+    from hf_mixedprec.storage import StorageRefusal, trainer_optimizer
+
+    storage = rt.recipe.storage
+    what = f"storage.master {storage.master} with optimizer_states {storage.optimizer_states}"
+    current = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    wanted = rt.plan.optimizer if rt.plan is not None else "?"
+    if current is not None:
+        if type(current).__name__ == wanted:  # e.g. optimizers=(storage_optimizer(recipe.storage, ...), None)
+            return
+        where = "built when train() began (the callback was added after construction)" if late else "passed in"
+        raise StorageRefusal(
+            f"{what} needs hf_mixedprec's optimizer ({wanted}), but the Trainer's "
+            f"optimizer ({type(current).__name__}) was {where}; pass recipe.callbacks() to Trainer(callbacks=...) or "
+            "attach(trainer, recipe) before train(), and no optimizers=(...); or build it with "
+            "hf_mixedprec.storage.storage_optimizer(recipe.storage, params, lr=...)"
+        )
+    if trainer.optimizer_cls_and_kwargs is not None:
+        name = getattr(trainer.optimizer_cls_and_kwargs[0], "__name__", "?")
+        if name == wanted:
+            return
+        raise StorageRefusal(
+            f"{what} needs hf_mixedprec's optimizer, but Trainer(optimizer_cls_and_kwargs=({name}, ...)) chooses "
+            "another; remove optimizer_cls_and_kwargs, or use storage.master fp32 with optimizer_states fp32"
+        )
+    cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
+    trainer.optimizer_cls_and_kwargs = trainer_optimizer(storage, cls, kwargs)
+    rt.note(
+        f"{what}: the Trainer's optimizer {getattr(cls, '__name__', cls)} (optim="
+        f"{getattr(trainer.args.optim, 'value', trainer.args.optim)!r}) is built as "
+        f"{wanted} with the same lr, betas, eps and weight_decay"
+    )
+
+
+def _check_trainer_optimizer(trainer: Trainer, recipe: RecipeSpec) -> None:
+    """The optimizer family ``storage.optimizer`` names must be the Trainer's (the one passed in, or ``optim``'s)."""
+    from hf_mixedprec.storage.setup import check_optimizer_family
+
+    current = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    if current is not None:
+        check_optimizer_family(recipe.storage, type(current), "the Trainer's optimizer")
+    else:
+        cls, _ = trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
+        optim = getattr(trainer.args.optim, "value", trainer.args.optim)
+        check_optimizer_family(recipe.storage, cls, f"TrainingArguments.optim {optim!r}")
 
 
 def _check_args(recipe: RecipeSpec, args: TrainingArguments) -> list[str]:

@@ -217,7 +217,9 @@ def _to_float32(t: torch.Tensor) -> torch.Tensor:
     table = _E4M3_TABLE.get(t.device)
     if table is None:
         codes = torch.arange(256, dtype=torch.int32, device=t.device).to(torch.uint8)
-        table = _E4M3_TABLE[t.device] = codes.view(torch.float8_e4m3fn).to(torch.float32)
+        table = codes.view(torch.float8_e4m3fn).to(torch.float32)
+        if type(table) is torch.Tensor:  # never keep a fake tensor (estimate) beyond its mode
+            _E4M3_TABLE[t.device] = table
     idx = t.view(torch.uint8).reshape(-1).to(torch.int32)
     return torch.index_select(table, 0, idx).view(t.shape)
 

@@ -1,0 +1,336 @@
+"""The precision plan: one immutable answer, built once from (recipe, model), to "what precision does each thing get".
+
+For every GEMM layer and embedding it holds the FP8 decision (:func:`hf_mixedprec.fp8.policy.plan_conversion`, the
+only place that decides it), and for every parameter the dtype it is loaded in, the dtype it is kept in between
+steps, how its master is kept, its gradient's dtype and its optimizer states' dtypes, with the bytes each takes.
+Storage setup (:mod:`hf_mixedprec.storage.setup`), FP8 conversion, ``estimate`` and the run report read it; none
+decides again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_mixedprec.fp8 import conversion_backend, converted_types
+from hf_mixedprec.fp8.policy import LayerDecision, plan_conversion
+from hf_mixedprec.schema import RecipeSpec
+from hf_mixedprec.storage_config import LOW_BIT_STATES
+
+__all__ = [
+    "DTYPE_NAMES",
+    "ParamPlan",
+    "PrecisionPlan",
+    "build_plan",
+    "dtype_name",
+    "low_bit_state_bytes",
+    "run_plan",
+]
+
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float64: "fp64",
+    torch.int16: "int16",
+}
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "int16": 2}
+#: torchao's block sizes for its low-bit AdamW states (``torchao/optim/adam.py``: AdamW8bit / AdamWFp8 256, AdamW4bit
+#: 128); tensors under 4096 elements or not a multiple of the block keep plain states in the parameter's dtype.
+_TORCHAO_BLOCK = {"8bit": 256, "4bit": 128, "fp8": 256}
+#: What keeps a BF16 weight's precision, by ``storage.master``.
+MASTER_TEXT = {
+    "fp32": "fp32 weight",
+    "bf16_remainder": "bf16 + int16 remainder (exact fp32)",
+    "bf16_kahan": "bf16 + bf16 Kahan compensation",
+    "bf16_stochastic": "bf16, stochastic rounding",
+    "none": "none (plain low precision)",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def low_bit_state_bytes(states: str, shape: torch.Size, dtype: torch.dtype) -> int:
+    """Bytes of one torchao low-bit AdamW state for a parameter (built on the meta device: no memory)."""
+    numel = shape.numel()
+    block = _TORCHAO_BLOCK[states]
+    if numel < 4096 or numel % block:
+        return numel * dtype.itemsize
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torchao.optim.subclass_4bit import OptimState4bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+    from torchao.optim.subclass_fp8 import OptimStateFp8
+
+    meta = torch.device("meta")
+    with unset_fake_temporarily():  # torchao reads its quantization map on the host (estimate plans in fake mode)
+        if states == "8bit":
+            t = OptimState8bit.zeros(shape, True, block, meta, dtype=dtype)
+        elif states == "4bit":
+            t = OptimState4bit.zeros(shape, True, block, meta, dtype=dtype)
+        else:
+            t = OptimStateFp8.zeros(shape, block, meta, dtype=dtype)
+    names, _ = t.__tensor_flatten__()
+    return sum(getattr(t, n).numel() * getattr(t, n).element_size() for n in names)
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """One parameter's storage: what it is loaded in, what it is kept in, and what keeps its precision."""
+
+    name: str
+    shape: tuple[int, ...]
+    loaded: str
+    trainable: bool
+    weight: str
+    master: str
+    grad: str | None
+    states: str | None  # optimizer-state dtype ("fp32", "bf16", "8bit", ...) or None for frozen parameters
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def changes_dtype(self) -> bool:
+        return self.loaded != self.weight
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """What each module computes in and what each parameter is stored in, for one recipe and one model."""
+
+    recipe: str
+    precision: str
+    storage: dict[str, Any]
+    optimizer: str
+    fp8_backend: str | None
+    fp8_layers: tuple[LayerDecision, ...]
+    params: tuple[ParamPlan, ...]
+    phases: tuple[str, ...] = ()
+    fp8_notes: tuple[str, ...] = ()
+    recipe_spec: Any = field(default=None, compare=False, repr=False)
+    """The recipe object the plan was built from (the runtime checks a conversion is for the same one)."""
+
+    def with_run(self, spec: RecipeSpec, fp8_notes: list[str], phases: tuple[str, ...] = ()) -> PrecisionPlan:
+        """This plan, tied to the recipe object a run converts with, the notes on its FP8 backend choice and (a
+        phased run, whose plan is its first phase's) the precision of every phase."""
+        return replace(self, recipe_spec=spec, fp8_notes=tuple(fp8_notes), phases=phases or self.phases)
+
+    # -- reading ------------------------------------------------------------------------------------------------
+    def param(self, name: str) -> ParamPlan:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(f"no parameter named {name!r} in the plan")
+
+    def bytes_by_component(self) -> dict[str, int]:
+        """Bytes per component over all parameters: weights, master (remainders, compensation), gradients,
+        each optimizer state and the optimizer's step counters."""
+        out: Counter[str] = Counter()
+        for p in self.params:
+            out.update(p.bytes)
+        return dict(out)
+
+    def trainable_numel(self) -> int:
+        return sum(p.numel for p in self.params if p.trainable)
+
+    def bytes_per_param(self) -> float:
+        """Bytes per trainable parameter for weights, master, gradients and optimizer states together."""
+        n = self.trainable_numel()
+        total = sum(v for p in self.params if p.trainable for v in p.bytes.values())
+        return total / n if n else 0.0
+
+    def groups(self) -> list[dict[str, Any]]:
+        """Parameters grouped by (trainable, loaded, kept, master, grad, states), with counts and bytes: the run
+        report's storage table."""
+        groups: dict[tuple[Any, ...], dict[str, Any]] = {}
+        for p in self.params:
+            key = (p.trainable, p.loaded, p.weight, p.master, p.grad, p.states)
+            g = groups.setdefault(
+                key,
+                {
+                    "trainable": p.trainable,
+                    "loaded": p.loaded,
+                    "weight": p.weight,
+                    "master": p.master,
+                    "grad": p.grad,
+                    "optimizer_states": p.states,
+                    "tensors": 0,
+                    "parameters": 0,
+                    "bytes": Counter(),
+                },
+            )
+            g["tensors"] += 1
+            g["parameters"] += p.numel
+            g["bytes"].update(p.bytes)
+        return [{**g, "bytes": dict(g["bytes"])} for g in groups.values()]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recipe": self.recipe,
+            "precision": self.precision,
+            "storage": dict(self.storage),
+            "optimizer": self.optimizer,
+            "fp8_backend": self.fp8_backend,
+            "phases": list(self.phases),
+            "bytes_per_param": round(self.bytes_per_param(), 4),
+            "bytes": self.bytes_by_component(),
+            "storage_groups": self.groups(),
+            "fp8_layers": [d.to_dict() for d in self.fp8_layers],
+        }
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.to_dict(), indent=kw.pop("indent", 2), **kw)
+
+    def storage_report(self) -> dict[str, Any]:
+        """The run report's ``storage`` section: the choices, bytes per trainable parameter, the groups and lines."""
+        return {
+            "master": self.storage.get("master"),
+            "optimizer_states": self.storage.get("optimizer_states"),
+            "optimizer": self.optimizer,
+            "bytes_per_param": round(self.bytes_per_param(), 4),
+            "bytes": self.bytes_by_component(),
+            "groups": self.groups(),
+            "lines": self.storage_lines(),
+        }
+
+    def storage_lines(self) -> list[str]:
+        """One line per storage group, for the console and the run report."""
+        lines = []
+        for g in self.groups():
+            mib = sum(g["bytes"].values()) / 2**20
+            if not g["trainable"]:
+                lines.append(f"{g['parameters']:,} frozen parameters kept in {g['loaded']} ({mib:.1f} MiB, no master)")
+                continue
+            moved = f"loaded {g['loaded']}, kept {g['weight']}" if g["loaded"] != g["weight"] else f"{g['weight']}"
+            lines.append(
+                f"{g['parameters']:,} trainable parameters: {moved}; master {g['master']}; gradients {g['grad']}; "
+                f"optimizer states {g['optimizer_states']} ({mib:.1f} MiB with gradients and states)"
+            )
+        return lines
+
+
+def _param_bytes(
+    numel: int, shape: torch.Size, weight: str, master: str, trainable: bool, states: str | None
+) -> dict[str, int]:
+    out = {"weights": numel * _BYTES[weight]}
+    if not trainable:
+        return out
+    if master.startswith("bf16 + "):
+        out["master"] = numel * 2  # int16 remainder or bf16 compensation
+    out["gradients"] = numel * _BYTES[weight]
+    dtype = torch.bfloat16 if weight == "bf16" else (torch.float16 if weight == "fp16" else torch.float32)
+    if states in LOW_BIT_STATES:
+        each = low_bit_state_bytes(states, shape, dtype)
+    elif states is not None:
+        each = numel * _BYTES[states]
+    else:
+        each = 0
+    if states is not None:
+        out["exp_avg"] = each
+        out["exp_avg_sq"] = each
+        out["optimizer_step"] = 4  # one float32 step counter per parameter tensor
+    return out
+
+
+def _keep_fp32_names(model: nn.Module, precision: str) -> tuple[str, ...]:
+    """Module names the model declares must stay in FP32: ``_keep_in_fp32_modules_strict`` always, and
+    ``_keep_in_fp32_modules`` under FP16 (transformers' ``modeling_utils.py`` applies them the same way)."""
+    names = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if precision == "fp16":
+        names |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return tuple(sorted(names))
+
+
+def _declared_fp32(name: str, keep: tuple[str, ...]) -> bool:
+    parts = name.split(".")
+    return any(k in parts or name.startswith(k + ".") for k in keep)
+
+
+def _storage_of(
+    spec: RecipeSpec, name: str, p: nn.Parameter, keep: tuple[str, ...]
+) -> tuple[str, str, str | None, str | None]:
+    """(kept dtype, master text, gradient dtype, state dtype) of one parameter under ``spec.storage``."""
+    loaded = dtype_name(p.dtype)
+    if not p.requires_grad:
+        return loaded, "frozen (no master)", None, None
+    if not p.is_floating_point():
+        return loaded, "not a float tensor", None, None
+    st = spec.storage
+    if st.master == "fp32" or (loaded == "fp32" and _declared_fp32(name, keep)):
+        weight = "fp32"  # the master itself; a module the model keeps in FP32 stays there
+    elif loaded in ("fp32", "bf16", "fp16"):
+        weight = st.weight_dtype(spec.precision)
+    else:
+        weight = loaded
+    master = MASTER_TEXT["fp32"] if weight == "fp32" else MASTER_TEXT[st.master]
+    states = st.optimizer_states if st.optimizer in ("auto", "adamw") else None
+    return weight, master, weight, states
+
+
+def build_plan(
+    spec: RecipeSpec, model: nn.Module, *, fp8_backend: str | None = None, converted_types: tuple[type, ...] = ()
+) -> PrecisionPlan:
+    """The plan of ``spec`` for ``model`` as it is now (parameters in the dtypes they were loaded in).
+
+    ``fp8_backend``: the FP8 backend that will convert the model (its layer kinds decide what can be FP8); the FP8
+    decisions are left empty for recipes without FP8."""
+    fp8_layers: tuple[LayerDecision, ...] = ()
+    if spec.precision == "fp8" and spec.fp8 is not None:
+        fp8_layers = tuple(plan_conversion(model, spec.fp8, converted_types=converted_types, backend=fp8_backend))
+    params = []
+    keep = _keep_fp32_names(model, spec.precision)
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:  # tied weights are one tensor
+            continue
+        seen.add(id(p))
+        weight, master, grad, states = _storage_of(spec, name, p, keep)
+        trainable = p.requires_grad and p.is_floating_point()
+        params.append(
+            ParamPlan(
+                name=name,
+                shape=tuple(p.shape),
+                loaded=dtype_name(p.dtype),
+                trainable=trainable,
+                weight=weight,
+                master=master,
+                grad=grad,
+                states=states,
+                bytes=_param_bytes(p.numel(), p.shape, weight, master, trainable, states),
+            )
+        )
+    st = spec.storage
+    return PrecisionPlan(
+        recipe=spec.name,
+        precision=spec.precision,
+        storage=st.model_dump(exclude_none=True),
+        optimizer=st.optimizer_impl(),
+        fp8_backend=fp8_backend,
+        fp8_layers=fp8_layers,
+        params=tuple(params),
+        phases=spec.precisions() if spec.phases is not None else (),
+    )
+
+
+def run_plan(spec: RecipeSpec, model: nn.Module, *, rehearse: bool, phases: tuple[str, ...] = ()) -> PrecisionPlan:
+    """The plan a run trains ``model`` with: FP8 decisions for the backend the run converts with (the emulated one
+    when rehearsing; see :func:`hf_mixedprec.fp8.conversion_backend`), tied to ``spec`` (the phase in force for a
+    phased recipe, whose ``phases`` are the precisions of all its phases)."""
+    backend: str | None = None
+    notes: list[str] = []
+    if spec.precision == "fp8" and spec.fp8 is not None:
+        backend, notes = conversion_backend(spec, model, rehearse=rehearse)
+    plan = build_plan(spec, model, fp8_backend=backend, converted_types=converted_types())
+    return plan.with_run(spec, notes, phases)

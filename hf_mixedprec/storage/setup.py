@@ -1,0 +1,197 @@
+"""Putting a precision plan's storage into effect: parameter dtypes, initial master state, and the optimizer.
+
+:func:`apply_storage` changes each trainable parameter's dtype in place (``param.data``: the same Parameter objects,
+so an optimizer that already holds them keeps working), splitting FP32 weights into BF16 + remainder or compensation
+when the plan keeps a BF16 master. :func:`storage_optimizer` builds the optimizer a storage choice needs
+(hf_mixedprec's :class:`~hf_mixedprec.storage.optim.StorageAdamW`, or torchao's low-bit AdamW), from the
+hyperparameters of the AdamW the user or the Trainer would have used; anything else is refused with the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_mixedprec.errors import MixedPrecisionError
+from hf_mixedprec.storage.bits import kahan_store, split_remainder
+from hf_mixedprec.storage.optim import StorageAdamW, pending_state
+from hf_mixedprec.storage_config import LOW_BIT_STATES, StorageConfig
+
+__all__ = [
+    "StorageRefusal",
+    "apply_storage",
+    "check_optimizer_family",
+    "optimizer_class",
+    "replace_optimizer",
+    "storage_optimizer",
+    "trainer_optimizer",
+]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class StorageRefusal(MixedPrecisionError):
+    """A storage choice that cannot be put into effect on this model or optimizer (the message says the fix)."""
+
+
+def apply_storage(model: nn.Module, plan: Any) -> list[str]:
+    """Make every trainable parameter's dtype the one ``plan`` keeps it in; returns the notes to record (what was
+    cast, and the memory it costs or saves). Frozen parameters are never touched."""
+    by_name = {p.name: p for p in plan.params}
+    seen: set[int] = set()
+    up = down = 0
+    delta = 0
+    pending: list[tuple[nn.Parameter, str, torch.Tensor]] = []
+    for name, p in model.named_parameters():
+        if id(p) in seen or name not in by_name:
+            continue
+        seen.add(id(p))
+        pp = by_name[name]
+        if not pp.trainable or not pp.changes_dtype:
+            continue
+        target = _DTYPES[pp.weight]
+        before = p.element_size()
+        # FP32 and FP16 values are exact in FP32: the remainder or compensation keeps every bit BF16 drops
+        if target == torch.bfloat16 and plan.storage["master"] == "bf16_remainder":
+            upper, rem = split_remainder(p.data.float().contiguous())
+            p.data = upper
+            pending.append((p, "remainder", rem))
+        elif target == torch.bfloat16 and plan.storage["master"] == "bf16_kahan":
+            weight, comp = kahan_store(p.data.float())
+            p.data = weight
+            pending.append((p, "compensation", comp))
+        else:
+            p.data = p.data.to(target)
+        if p.grad is not None:
+            p.grad = p.grad.to(target)
+        delta += p.numel() * (p.element_size() - before)
+        if p.element_size() > before:
+            up += p.numel()
+        else:
+            down += p.numel()
+    pending_state(pending)
+    notes = []
+    master = plan.storage["master"]
+    if up:
+        notes.append(
+            f"storage.master fp32: {up:,} trainable parameters loaded in 16 bits were upcast to FP32 so that updates "
+            f"are not rounded away (weights +{delta / 2**20:.1f} MiB, gradients as much again)"
+        )
+    if down:
+        kept = {
+            "bf16_remainder": "with their 16-bit remainders (the FP32 master, exactly)",
+            "bf16_kahan": "with a BF16 Kahan compensation of what rounding lost",
+            "bf16_stochastic": "updated with stochastic rounding",
+            "none": "with no master: updates under half a BF16 ulp are lost",
+        }.get(master, "")
+        notes.append(
+            f"storage.master {master}: {down:,} trainable 32-bit (or FP16) parameters are kept in BF16 {kept} "
+            f"(weights {delta / 2**20:+.1f} MiB)"
+        )
+    if master == "none":
+        notes.append(
+            "storage.master none: trainable weights are stored in low precision without a master copy (explicitly "
+            "asked for); the tiny_update detector reports updates that round away"
+        )
+    return notes
+
+
+def _family(cls: type) -> str:
+    names = {c.__name__ for c in cls.__mro__}
+    if names & {"AdamW", "Adam", "StorageAdamW", "_AdamBase"}:
+        return "adamw"
+    if "SGD" in names:
+        return "sgd"
+    if "Adafactor" in names:
+        return "adafactor"
+    return cls.__name__
+
+
+def check_optimizer_family(storage: StorageConfig, cls: type, source: str) -> None:
+    """Refuse an optimizer whose family contradicts ``storage.optimizer`` (``auto`` accepts any)."""
+    if storage.optimizer == "auto":
+        return
+    found = _family(cls)
+    if found != storage.optimizer:
+        raise StorageRefusal(
+            f"storage.optimizer is {storage.optimizer!r}, but {source} is {cls.__name__} ({found}) (allowed: an "
+            f"optimizer of the {storage.optimizer} family, or storage.optimizer auto)"
+        )
+
+
+def _adam_hparams(source: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """lr, betas, eps, weight_decay from an AdamW's keyword arguments; refuses what StorageAdamW does not do."""
+    for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+        if kwargs.get(flag):
+            raise StorageRefusal(
+                f"{source} sets {flag}=True, which hf_mixedprec's storage optimizer does not implement (allowed: "
+                "amsgrad/maximize off; or storage.master fp32 with storage.optimizer_states fp32)"
+            )
+    out = {k: kwargs[k] for k in ("lr", "betas", "eps", "weight_decay") if k in kwargs}
+    if "betas" in out:
+        out["betas"] = tuple(float(b) for b in out["betas"])
+    return out
+
+
+def optimizer_class(storage: StorageConfig, **hparams: Any) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The optimizer class ``storage`` needs and its keyword arguments (AdamW's ``hparams``: lr, betas, eps,
+    weight_decay, plus the storage's own)."""
+    if storage.optimizer_states in LOW_BIT_STATES:
+        try:
+            import torchao.optim as ao
+        except ImportError as exc:  # pragma: no cover - torchao is a dependency of the test extra
+            raise StorageRefusal(
+                f"storage.optimizer_states {storage.optimizer_states} needs torchao (pip install torchao)"
+            ) from exc
+        cls = {"8bit": ao.AdamW8bit, "4bit": ao.AdamW4bit, "fp8": ao.AdamWFp8}[storage.optimizer_states]
+        return cls, {**hparams, "bf16_stochastic_round": storage.master == "bf16_stochastic"}
+    state_dtype = torch.bfloat16 if storage.optimizer_states == "bf16" else torch.float32
+    return StorageAdamW, {**hparams, "master": storage.master, "state_dtype": state_dtype, "seed": storage.seed or 0}
+
+
+def storage_optimizer(storage: StorageConfig, params: Any, **hparams: Any) -> torch.optim.Optimizer:
+    """The optimizer ``storage`` needs over ``params`` (a list of tensors or param groups) with AdamW's
+    ``hparams`` (lr, betas, eps, weight_decay)."""
+    cls, kwargs = optimizer_class(storage, **hparams)
+    return cls(params, **kwargs)
+
+
+def trainer_optimizer(storage: StorageConfig, cls: type, kwargs: dict[str, Any]) -> tuple[type, dict[str, Any]]:
+    """For ``Trainer.optimizer_cls_and_kwargs``: the storage optimizer in place of the AdamW Trainer chose
+    (``Trainer.get_optimizer_cls_and_kwargs``), with the same hyperparameters."""
+    if not (isinstance(cls, type) and issubclass(cls, (torch.optim.AdamW, torch.optim.Adam))):
+        raise StorageRefusal(
+            f"storage.master {storage.master} / optimizer_states {storage.optimizer_states} needs AdamW, but the "
+            f"Trainer's optimizer is {getattr(cls, '__name__', cls)} (allowed: TrainingArguments.optim adamw_torch or "
+            "adamw_torch_fused; or storage.master fp32 with optimizer_states fp32)"
+        )
+    hp = _adam_hparams("TrainingArguments.optim", kwargs)
+    if not issubclass(cls, torch.optim.AdamW) and hp.get("weight_decay"):
+        raise StorageRefusal("Adam with L2 weight decay is not AdamW; use an AdamW optimizer with this storage")
+    return optimizer_class(storage, **hp)
+
+
+def replace_optimizer(storage: StorageConfig, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The storage optimizer over ``optimizer``'s parameter groups, with its hyperparameters (an own Accelerate
+    loop hands its AdamW to ``prepare``); refuses an optimizer that is not an empty torch AdamW."""
+    check_optimizer_family(storage, type(optimizer), "the optimizer passed to prepare()")
+    if storage.is_default or isinstance(optimizer, StorageAdamW) or type(optimizer).__module__.startswith("torchao."):
+        return optimizer
+    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+        raise StorageRefusal(
+            f"storage.master {storage.master} / optimizer_states {storage.optimizer_states} needs AdamW, but the "
+            f"optimizer passed to prepare() is {type(optimizer).__name__} (allowed: torch.optim.AdamW; or "
+            "storage.master fp32 with optimizer_states fp32)"
+        )
+    if any(optimizer.state.values()):
+        raise StorageRefusal(
+            "the optimizer passed to prepare() has already stepped; hf_mixedprec builds the storage optimizer from "
+            "it, which must happen before the first step"
+        )
+    hp = _adam_hparams(type(optimizer).__name__, dict(optimizer.defaults))
+    if not isinstance(optimizer, torch.optim.AdamW) and hp.get("weight_decay"):
+        raise StorageRefusal("torch.optim.Adam with weight_decay is L2 decay, not AdamW; pass torch.optim.AdamW")
+    # the same group dicts: an LR scheduler built for ``optimizer`` sets the learning rates the replacement reads
+    return storage_optimizer(storage, optimizer.param_groups, **hp)

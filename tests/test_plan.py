@@ -1,0 +1,68 @@
+"""The precision plan is what runs: for every built-in recipe, the modules a prepared model holds and the dtypes of
+its parameters are the plan's, module by module; ``simulate`` converts exactly the plan's layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_mixedprec.demo import tiny_llama
+from hf_mixedprec.fp8 import EmulatedFP8GEMM, iter_monitored
+from hf_mixedprec.plan import dtype_name, run_plan
+from hf_mixedprec.recipe import load_recipe
+from hf_mixedprec.recipe_files import builtin_recipe_names
+from hf_mixedprec.runtime import MixedPrecisionRuntime
+
+RECIPES = builtin_recipe_names()
+
+
+def _prepared(name: str, dtype: torch.dtype = torch.bfloat16):
+    recipe = load_recipe(name, rehearse=True)
+    model = tiny_llama(0).to(dtype)  # as transformers 5 loads most published models
+    rt = MixedPrecisionRuntime(recipe, rehearse=True)
+    plan = rt.prepare_storage(model)
+    rt.convert_model(model)
+    return recipe, model, plan, rt
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_the_prepared_model_is_the_plan_module_by_module(name):
+    recipe, model, plan, rt = _prepared(name)
+    fp8 = {n for n, _ in iter_monitored(model)}
+    assert {d.name for d in plan.fp8_layers if d.fp8} == fp8
+    if recipe.precisions()[0] == "fp8":
+        assert fp8, name  # the tiny Llama's projections are FP8 under every FP8 recipe
+        assert [d.name for d in rt.fp8_report.layers] == [d.name for d in plan.fp8_layers]
+    else:
+        assert plan.fp8_layers == () and not fp8
+    params = dict(model.named_parameters())
+    for p in plan.params:
+        assert dtype_name(params[p.name].dtype) == p.weight, (name, p.name)
+    # a BF16-loaded model keeps an FP32 master under every built-in recipe (all say storage.master fp32)
+    assert {p.weight for p in plan.params if p.trainable} == {"fp32"}
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPES if load_recipe(n, rehearse=True).precision == "fp8"])
+def test_simulate_converts_the_plans_layers(name):
+    from hf_mixedprec.simulate import simulate
+
+    res = simulate(load_recipe(name, rehearse=True), steps=2, seq_len=32, batch_size=2)
+    assert res.plan is not None
+    assert [(d.name, d.fp8) for d in res.conversion.layers] == [(d.name, d.fp8) for d in res.plan.fp8_layers]
+
+
+def test_a_phase_switch_converts_with_the_phases_own_plan():
+    recipe = load_recipe("h100-fp8-anneal-bf16", rehearse=True)
+    model = tiny_llama(0)
+    rt = MixedPrecisionRuntime(recipe, rehearse=True)
+    plan = rt.prepare_storage(model)
+    assert plan.phases == ("fp8", "bf16")
+    rt.convert_model(model)
+    assert all(isinstance(m, EmulatedFP8GEMM) for n, m in iter_monitored(model))
+    assert {n for n, _ in iter_monitored(model)} == {d.name for d in plan.fp8_layers if d.fp8}
+
+
+def test_run_plan_of_an_fp32_recipe_has_no_fp8_and_fp32_storage():
+    plan = run_plan(load_recipe("cpu-bf16", rehearse=True), tiny_llama(0), rehearse=True)
+    assert plan.fp8_backend is None and plan.fp8_layers == ()
+    assert plan.bytes_by_component()["weights"] == sum(p.numel() * 4 for p in tiny_llama(0).parameters())
