@@ -28,7 +28,7 @@ from hf_mixedprec import metrics as M
 from hf_mixedprec._device import AsyncRead
 from hf_mixedprec.schema import RecipeSpec
 
-__all__ = ["GuardScaler", "LossScaling"]
+__all__ = ["GuardScaler", "LossScaling", "track_steps_for_scheduler"]
 
 # -- the private torch surface (checked against torch 2.13) ---------------------------------------------------
 
@@ -100,6 +100,23 @@ def _set_last_lr(scheduler: Any, lrs: list[float]) -> None:
     # torch/optim/lr_scheduler.py: ``LRScheduler._last_lr`` is what ``get_last_lr()`` returns (Trainer logs it
     # as ``learning_rate``); only ``step()`` writes it, so a rewound schedule sets it too.
     scheduler._last_lr = list(lrs)
+
+
+def track_steps_for_scheduler(optimizer: Any) -> None:
+    """Let an LR scheduler moved onto ``optimizer`` (a replacement built after the scheduler) see its steps."""
+    # torch/optim/lr_scheduler.py ``LRScheduler.__init__`` (``patch_track_step_called``): the scheduler wraps its
+    # optimizer's ``step`` to set ``_opt_called`` and marks the wrapper ``_wrapped_by_lr_sched``; ``step()`` warns
+    # on its first call when either is missing. The replacement gets the same wrapper.
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    inner = optimizer.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return inner(*args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = step
 
 
 # -- end of the private torch surface ---------------------------------------------------------------------------

@@ -12,6 +12,11 @@ machine cannot run are rehearsed, and the table says so. Per recipe it measures:
   gradient under the recipe against the FP32 gradient of the same weights (cosine similarity and SQNR in dB), so
   the cause of a gap is located, not just seen;
 - numerics health: skip rate, FP16 loss-scale settling, per-layer FP8 saturation and underflow, health events;
+- storage: what the run's precision plan keeps weights, master weights and optimizer states in, the bytes per
+  trainable parameter of weights + master + gradients + optimizer states, and the ``tiny_update`` measure (the
+  RMS(update)/RMS(weight) ratio, at each sampled step, of BF16-stored weights that nothing keeps the small updates
+  of, and how often it fell below the detector's threshold: updates under half a BF16 ulp are rounded away; Zamirai
+  et al. 2020, "Revisiting BFloat16 Training");
 - cost: tokens/s and peak memory on a GPU; on a CPU the timings of emulated precisions mean nothing, and say so.
 
 A verdict per recipe follows from :class:`Criteria`; :data:`EXIT_FAILED` is the CLI's exit code when one fails.
@@ -24,6 +29,7 @@ import hashlib
 import itertools
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -42,6 +48,7 @@ __all__ = [
     "Criteria",
     "LayerFidelity",
     "RunResult",
+    "UpdateMeasure",
     "gradient_fidelity",
     "held_out_loss",
     "run_compare",
@@ -71,6 +78,50 @@ class LayerFidelity:
 
     cosine: float
     sqnr_db: float
+
+
+@dataclass(frozen=True)
+class UpdateMeasure:
+    """The ``tiny_update`` detector over one run (docs/health.md): RMS(update) / RMS(weight) of the parameters stored
+    in BF16/FP16 whose small updates rounding would lose (no remainder, Kahan compensation or stochastic rounding
+    keeps them), at each sampled step the optimizer took, and how many of those steps the detector reported as below
+    its threshold."""
+
+    threshold: float
+    every: int
+    """The sampling interval in optimizer steps (``health.fp8_sample_every`` of the run)."""
+    steps: list[int]
+    ratios: list[float]
+    fired: int
+    """``tiny_update`` health events of the run (one per sampled step below the threshold: compare checks every
+    step)."""
+
+    @property
+    def samples(self) -> int:
+        return len(self.ratios)
+
+    @property
+    def fired_fraction(self) -> float | None:
+        """The fraction of sampled steps whose update the detector reported as rounded away."""
+        return self.fired / self.samples if self.samples else None
+
+    @property
+    def last_ratio(self) -> float | None:
+        return self.ratios[-1] if self.ratios else None
+
+    @property
+    def median_ratio(self) -> float | None:
+        return statistics.median(self.ratios) if self.ratios else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(
+            samples=self.samples,
+            fired_fraction=self.fired_fraction,
+            median_ratio=self.median_ratio,
+            last_ratio=self.last_ratio,
+        )
+        return d
 
 
 @dataclass
@@ -103,6 +154,16 @@ class RunResult:
     eval_gap_abs: dict[int, float] = field(default_factory=dict)
     eval_gap_rel: dict[int, float] = field(default_factory=dict)
     final_delta_pct: float | None = None
+    storage: dict[str, Any] = field(default_factory=dict)
+    """The run plan's ``storage:`` (master, optimizer_states, ...) and ``optimizer_class`` (the optimizer that
+    applies the update: ``unchanged`` for the Trainer's own AdamW, ``StorageAdamW`` or a torchao class)."""
+    bytes_per_param: float | None = None
+    """Bytes per trainable parameter of weights + master + gradients + optimizer states (the run's plan)."""
+    storage_bytes: dict[str, int] = field(default_factory=dict)
+    """The plan's bytes by component over all parameters (frozen ones included)."""
+    tiny_update: UpdateMeasure | None = None
+    """None when nothing was measured: no weight stored in BF16/FP16 without a remainder, Kahan compensation or
+    stochastic rounding keeping its small updates, or the detector is off."""
     verdict: str = "baseline"
     reasons: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
@@ -136,8 +197,14 @@ class RunResult:
         d["fidelity"] = {str(k): {n: asdict(f) for n, f in v.items()} for k, v in self.fidelity.items()}
         for key in ("eval_curve", "eval_gap_abs", "eval_gap_rel"):
             d[key] = {str(k): v for k, v in getattr(self, key).items()}
+        d["tiny_update"] = self.tiny_update.to_dict() if self.tiny_update is not None else None
         d.update(skip_rate=self.skip_rate, perplexity=self.perplexity, loss_scale_settled=self.loss_scale_settled)
         return _finite_json(d)
+
+    @property
+    def default_storage(self) -> bool:
+        """FP32 master and FP32 optimizer states (or no plan known)."""
+        return self.storage.get("master", "fp32") == "fp32" and self.storage.get("optimizer_states", "fp32") == "fp32"
 
 
 @dataclass
@@ -376,17 +443,32 @@ def _cost_note(rec: Recipe, device: torch.device, rehearsed: bool) -> str:
     return "GPU" + (" (rehearsed: emulation, not the recipe's speed)" if rehearsed else "")
 
 
-def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = True) -> RunResult:
-    """One run; ``measure=False`` skips the gradient-fidelity samples of an FP32 run (the baseline itself)."""
+def _trainer(rec: Recipe, setup: _Setup, collator: _RecordingCollator, callbacks: list[Any]) -> tuple[Any, str]:
+    """The run's Trainer over a model loaded with the shared initial weights, and the digest of those weights."""
     from transformers import PrinterCallback, Trainer
 
-    from hf_mixedprec.finetune import _peak_memory, build_model
-    from hf_mixedprec.integrations.trainer import runtime_of
+    from hf_mixedprec.finetune import build_model
 
-    targs = _training_args(rec, setup)
     model, _ = build_model(setup.model_dir, setup.prepared.tokenizer, seq_len=setup.seq_len, seed=setup.seed)
     model.load_state_dict(setup.init_state)
     init_digest = _digest(model.state_dict().values())
+    tr = Trainer(
+        model=model,
+        args=_training_args(rec, setup),
+        train_dataset=setup.prepared.train_ds,
+        data_collator=collator,
+        processing_class=setup.prepared.tokenizer,
+        callbacks=callbacks,
+    )
+    tr.remove_callback(PrinterCallback)
+    return tr, init_digest
+
+
+def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = True) -> RunResult:
+    """One run; ``measure=False`` skips the gradient-fidelity samples of an FP32 run (the baseline itself)."""
+    from hf_mixedprec.finetune import _peak_memory
+    from hf_mixedprec.integrations.trainer import runtime_of
+
     collator = _RecordingCollator()
     fidelity: dict[int, dict[str, LayerFidelity]] = {}
     curve: dict[int, float] = {}
@@ -395,23 +477,16 @@ def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = T
         fidelity if rec.precision != "fp32" or measure else None,
         curve if setup.prepared.eval_ds is not None else None,
     )
-    tr = Trainer(
-        model=model,
-        args=targs,
-        train_dataset=setup.prepared.train_ds,
-        data_collator=collator,
-        processing_class=setup.prepared.tokenizer,
-        callbacks=[*rec.callbacks(), measure_cb],
-    )
-    tr.remove_callback(PrinterCallback)
+    tr, init_digest = _trainer(rec, setup, collator, [*rec.callbacks(), measure_cb])
+    rt = runtime_of(tr)
     device = tr.args.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    tr.train()
-    seconds = time.perf_counter() - t0
+    with _recording_updates(rt) as updates:
+        t0 = time.perf_counter()
+        tr.train()
+        seconds = time.perf_counter() - t0
     batches = list(collator.digests[: tr.state.global_step])
-    rt = runtime_of(tr)
     eval_loss = None
     if setup.prepared.eval_ds is not None and rt is not None and not rt.stop_requested:
         eval_loss = float(tr.evaluate(setup.prepared.eval_ds)["eval_loss"])
@@ -422,8 +497,7 @@ def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = T
     steps = tr.state.global_step
     tokens = steps * setup.batch_size * setup.seq_len * tr.args.world_size
     peak, _ = _peak_memory(device)
-    cost = _cost_note(rec, device, rehearsed)
-    return RunResult(
+    run = RunResult(
         recipe=rec.name,
         precision="->".join(rec.precisions()),  # a phased recipe: each phase's, in order
         rehearsed=rehearsed,
@@ -441,9 +515,58 @@ def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = T
         fidelity=fidelity,
         tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
         peak_memory_bytes=int(peak) if device.type == "cuda" else None,
-        cost_note=cost,
+        cost_note=_cost_note(rec, device, rehearsed),
         notes=list(rt.notes) if rt is not None else [],
         eval_curve=curve,
+    )
+    _fill_storage(run, rt, updates)
+    return run
+
+
+# -- storage ----------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _recording_updates(rt: Any) -> Iterator[list[tuple[int, torch.Tensor, torch.Tensor]]]:
+    """Collect what the run's health monitor is given at each ``tiny_update`` sample: (step, ratio, skipped flag),
+    device tensors kept as they are (no host read during the run). The monitor's own ``observe_update`` still
+    runs, so the detector and its events are untouched; the method is restored afterwards."""
+    seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    monitor = getattr(rt, "monitor", None)
+    if monitor is None:
+        yield seen
+        return
+    original = monitor.observe_update
+
+    def observe_update(ratio: torch.Tensor, skipped: torch.Tensor) -> None:
+        seen.append((monitor.step + 1, ratio.detach().float().reshape(()), skipped.detach().float().reshape(())))
+        original(ratio, skipped)
+
+    monitor.observe_update = observe_update
+    try:
+        yield seen
+    finally:
+        del monitor.observe_update  # the class's method again
+
+
+def _fill_storage(run: RunResult, rt: Any, updates: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+    """The run's storage, bytes per parameter (its precision plan) and ``tiny_update`` measure."""
+    plan = getattr(rt, "plan", None)
+    if plan is not None:
+        run.storage = {**plan.storage, "optimizer_class": plan.optimizer}
+        run.bytes_per_param = plan.bytes_per_param()
+        run.storage_bytes = plan.bytes_by_component()
+    cfg = rt.recipe.health.detectors.tiny_update if rt is not None else None
+    if not updates or cfg is None or cfg.threshold is None:
+        return
+    host = torch.stack([torch.stack([r, s.to(r.device)]) for _, r, s in updates]).tolist()  # one host read
+    taken = [(step, ratio) for (step, _, _), (ratio, skipped) in zip(updates, host, strict=True) if skipped < 0.5]
+    run.tiny_update = UpdateMeasure(
+        threshold=cfg.threshold,
+        every=rt.recipe.health.fp8_sample_every,
+        steps=[s for s, _ in taken],
+        ratios=[r for _, r in taken],
+        fired=sum(1 for e in run.events if e.get("detector") == "tiny_update"),
     )
 
 
@@ -513,6 +636,12 @@ def _suggestions(run: RunResult) -> list[str]:
                 f"the loss scale stayed at {max(run.loss_scale):g} or below, so small gradients flush to zero in FP16: "
                 "use the default loss_scale (init_scale 65536, growth_interval 2000)"
             )
+    tu = run.tiny_update
+    if run.storage.get("master") == "none" and tu is not None and tu.fired:
+        out.append(
+            f"updates rounded away in BF16 at {tu.fired} of {tu.samples} sampled steps (storage.master none): keep a "
+            "master, storage.master bf16_remainder (exact, +2 bytes/param) or bf16_stochastic (no extra bytes)"
+        )
     worst = run.worst_fidelity()
     if "fp8" in run.precision.split("->"):
         weak = sorted(run.fidelity[max(run.fidelity)].items(), key=lambda kv: kv[1].sqnr_db)[:3] if worst else []
@@ -541,6 +670,23 @@ def _sample_fp8(rec: Recipe, every: int) -> Recipe:
             f"compare: {rec.name}: FP8 statistics sampled every {every} steps (the recipe says {cur})", file=sys.stderr
         )
     return lowered
+
+
+def _sample_updates(rec: Recipe, every: int) -> Recipe:
+    """``tiny_update`` measured at least every ``every`` steps where the recipe stores weights in BF16 without a master
+    (``storage.master: none``), so that a short comparison sees it (said on stderr); the probe reads a strided sample
+    of each weight and changes nothing in the run."""
+    h = rec.health
+    if rec.storage.master != "none" or not h.enabled or not h.detectors.tiny_update.enabled:
+        return rec
+    if h.fp8_sample_every <= every:
+        return rec
+    print(
+        f"compare: {rec.name}: tiny_update sampled every {every} steps (the recipe's health.fp8_sample_every says "
+        f"{h.fp8_sample_every})",
+        file=sys.stderr,
+    )
+    return rec.model_copy(update={"health": h.model_copy(update={"fp8_sample_every": every})})
 
 
 def _load(name: str) -> tuple[Recipe, bool]:
@@ -616,8 +762,10 @@ def run_compare(
     crit = criteria or Criteria()
     _check_args(recipes, max_steps, batch_size, seq_len, crit, lr, eval_split, model, data)
     loaded = [_load(r.strip()) for r in recipes]
-    loaded = [(_sample_fp8(rec, max(1, max_steps // 10)), rehearsed) for rec, rehearsed in loaded]
+    every = max(1, max_steps // 10)
+    loaded = [(_sample_updates(_sample_fp8(rec, every), every), rehearsed) for rec, rehearsed in loaded]
     base_recipe, base_rehearsed = _load(baseline)
+    base_recipe = _sample_updates(base_recipe, every)
     if eval_split is None:
         eval_split = DEFAULTS["eval_split"] if data is None else 0.0
     prepared = _prepare_data(data, text_field, model, seq_len, eval_split)
@@ -719,6 +867,9 @@ def _markdown(res: CompareResult) -> str:
         f"{res.criteria.max_loss_delta_pct:g}% above the baseline's, "
         f"{'a health stop tolerated' if res.criteria.allow_stop else 'no health stop'}."
     )
+    every = [res.baseline, *res.runs]
+    if any(not r.default_storage for r in every):  # a storage choice is compared: what each run kept, and lost
+        lines += ["", *_storage_table(every)]
     for r in res.runs:
         if r.reasons:
             lines.append("")
@@ -726,7 +877,6 @@ def _markdown(res: CompareResult) -> str:
             lines += [f"- {x}" for x in r.reasons]
             lines += [f"- try: {x}" for x in r.suggestions]
     lines.append("")
-    every = [res.baseline, *res.runs]
     if any(r.peak_memory_bytes is not None for r in every):  # on a GPU: what each precision costs
         lines.append("Cost on this GPU:")
         for r in every:
@@ -735,6 +885,36 @@ def _markdown(res: CompareResult) -> str:
     else:
         lines.append("Cost: " + "; ".join(sorted({r.cost_note for r in every})))
     return "\n".join(lines) + "\n"
+
+
+def _storage_table(runs: list[RunResult]) -> list[str]:
+    """Per run: its storage, bytes per trainable parameter and the ``tiny_update`` measure (docs/storage.md)."""
+    lines = [
+        "| recipe | master | optimizer states | optimizer | bytes/param (weights+master+grads+states) | "
+        "tiny_update fired / sampled | update ratio, median (last) |",
+        "| " + " | ".join(["---"] * 7) + " |",
+    ]
+    for r in runs:
+        st = r.storage
+        tu = r.tiny_update
+        fired = "not measured" if tu is None else f"{tu.fired} / {tu.samples}"
+        if tu is not None and tu.fired_fraction is not None:
+            fired += f" ({tu.fired_fraction:.0%})"
+        ratio = "-"
+        if tu is not None and tu.median_ratio is not None:
+            ratio = f"{tu.median_ratio:.3g} ({tu.last_ratio:.3g}; threshold {tu.threshold:g})"
+        lines.append(
+            f"| {r.recipe} | {st.get('master', '-')} | {st.get('optimizer_states', '-')} | "
+            f"{st.get('optimizer_class', '-')} | {_fmt(r.bytes_per_param, '.2f')} | {fired} | {ratio} |"
+        )
+    lines += [
+        "",
+        "tiny_update: RMS(update)/RMS(weight) of the weights stored in BF16/FP16 without anything keeping their small "
+        "updates, at the sampled steps (health.fp8_sample_every, at most a tenth of the run in compare); fired: "
+        "sampled steps below the threshold, where updates round away. Not measured: no such weight (FP32 weights, or "
+        "a remainder, Kahan compensation or stochastic rounding keeps the updates).",
+    ]
+    return lines
 
 
 def _write(res: CompareResult) -> None:

@@ -209,13 +209,13 @@ class MixedPrecisionRuntime:
         The FP8 layers' state is kept out of ``save_pretrained``."""
         return _convert_model(self, model, optimizer, spec or self.active)
 
-    def prepare_storage(self, model: nn.Module) -> PrecisionPlan:
+    def prepare_storage(self, model: nn.Module, check: Any = None) -> PrecisionPlan:
         """Build the run's precision plan for ``model`` (as loaded) and put its storage into effect (trainable
-        parameters get the dtype ``storage:`` keeps them in; each change said in the notes, frozen ones untouched)."""
+        parameters get the dtype ``storage:`` keeps them in; each change said in the notes, frozen ones untouched).
+        ``check(plan)`` runs first: a refusal it raises leaves the model as it was."""
         phases = self.recipe.precisions() if self.phases is not None else ()
         self.plan = run_plan(self.active, model, rehearse=self.rehearse, phases=phases)
-        for text in apply_storage(model, self.plan):
-            self.note(text)
+        _apply_plan_storage(self, model, check)
         return self.plan
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -420,6 +420,15 @@ class MixedPrecisionRuntime:
         """Restore :meth:`state_dict`; with ``model``, also the decisions made on it (FP8 layers a fallback moved
         to high precision are moved again, so the resumed run has the same module types and state-dict keys)."""
         _load_runtime_state(self, state, model)
+
+
+def _apply_plan_storage(rt: MixedPrecisionRuntime, model: nn.Module, check: Any) -> None:
+    """:meth:`MixedPrecisionRuntime.prepare_storage` once the plan is made: the check, then the storage."""
+    assert rt.plan is not None
+    if check is not None:
+        check(rt.plan)
+    for text in apply_storage(model, rt.plan):
+        rt.note(text)
 
 
 def _convert_model(

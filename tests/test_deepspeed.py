@@ -359,8 +359,14 @@ def test_storage_without_a_deepspeed_equivalent_is_refused() -> None:
         resolve_recipe({**base, "storage": {"master": "bf16_remainder"}})
     with pytest.raises(RecipeError, match="needs ZeRO stage 1, 2 or 3"):
         resolve_recipe(
-            {**base, "distributed": {"strategy": "deepspeed", "zero_stage": 0}, "storage": {"master": "none"}}
+            {
+                **base,
+                "distributed": {"strategy": "deepspeed", "zero_stage": 0},
+                "storage": {"master": "none", "optimizer_states": "bf16"},
+            }
         )
+    with pytest.raises(RecipeError, match="has no DeepSpeed equivalent"):  # FP32 states by a BF16 master: offload only
+        resolve_recipe({**base, "storage": {"master": "none"}})
 
 
 def test_non_deepspeed_objects_give_none() -> None:

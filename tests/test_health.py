@@ -112,7 +112,8 @@ def test_tiny_update_rule():
 @pytest.mark.slow
 @pytest.mark.parametrize("lr,fires", [(1e-7, True), (2e-3, False)])
 def test_tiny_update_on_bf16_weights(tmp_path, lr, fires):
-    recipe = _recipe("health: {fp8_sample_every: 2}", base="cpu-bf16")
+    # plain BF16 weights must be asked for (storage.master none): by default they get an FP32 master
+    recipe = _recipe("{health: {fp8_sample_every: 2}, storage: {master: none}}", base="cpu-bf16")
     from hf_mixedprec.demo import tiny_llama
 
     tr = _run(recipe, tmp_path, steps=4, model=tiny_llama().to(torch.bfloat16), learning_rate=lr)

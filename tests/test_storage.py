@@ -409,9 +409,7 @@ def _own_loop(recipe, bf16_dir, out, *, steps, save_at=None, load_from=None):
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
-@pytest.mark.parametrize(
-    ("master", "states"), [("fp32", "fp32"), ("bf16_remainder", "fp32"), ("bf16_stochastic", "bf16")]
-)
+@pytest.mark.parametrize(("master", "states"), [*CHOICES, ("bf16_stochastic", "bf16"), ("fp32", "8bit")])
 def test_own_accelerate_loop_keeps_the_storage_and_resumes_bit_for_bit(bf16_dir, tmp_path, master, states):
     from accelerate.state import AcceleratorState
 
@@ -423,12 +421,14 @@ def test_own_accelerate_loop_keeps_the_storage_and_resumes_bit_for_bit(bf16_dir,
             "storage": {"master": master, "optimizer_states": states},
         }
     ).rehearsed()
-    straight, model, _, opt, _ = _own_loop(recipe, bf16_dir, tmp_path / "ckpt", steps=6, save_at=3)
+    straight, model, acc, opt, _ = _own_loop(recipe, bf16_dir, tmp_path / "ckpt", steps=6, save_at=3)
     want = {k: v.clone() for k, v in model.state_dict().items()}
     kept = {"fp32": torch.float32}.get(master, torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {kept}
+    if master == "fp32":
+        assert any("upcast to FP32" in n for n in acc.mp.notes)
     inner = opt.optimizer
-    assert type(inner).__name__ == ("AdamW" if (master, states) == ("fp32", "fp32") else "StorageAdamW")
+    assert type(inner).__name__ == acc.mp.plan.optimizer.replace("unchanged", "AdamW")
     assert inner.param_groups[0]["lr"] == pytest.approx(
         1e-4 / 7
     )  # 6 steps: the user's scheduler drives the replacement
@@ -445,11 +445,13 @@ def test_an_optimizer_family_the_recipe_does_not_name_is_refused(bf16_dir, tmp_p
     recipe = _recipe(optimizer="sgd")
     with pytest.raises(StorageRefusal, match=r"storage\.optimizer is 'sgd', but TrainingArguments\.optim"):
         _train(recipe, model, tmp_path, steps=1)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # a refusal changes nothing
     from hf_mixedprec.integrations.accelerate_plugin import make_accelerator
 
     acc = make_accelerator(recipe, cpu=True)
     with pytest.raises(StorageRefusal, match="the optimizer passed to prepare\\(\\) is AdamW"):
         acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
 # -- finetune ------------------------------------------------------------------------------------------------------
@@ -530,3 +532,24 @@ def test_gpt2_conv1d_fp8_with_a_remainder_master_from_fp16_weights(tmp_path):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     losses = [h["loss"] for h in tr.state.log_history if "loss" in h]
     assert losses[-1] < losses[0]
+
+
+# -- no host read ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("master", ["bf16_remainder", "bf16_kahan", "bf16_stochastic"])
+def test_storage_steps_read_nothing_on_the_host_between_logs(tmp_path, monkeypatch, master):
+    """StorageAdamW's step (remainder split, Kahan, stochastic rounding, the skip flag) reads no device value: the
+    only host read of a run is the one copy per logging step."""
+    import collections
+
+    from tests.test_health import _recipe as health_recipe
+    from tests.test_health import _run, _StepTracker, _SyncCounter
+
+    recipe = health_recipe(f"{{storage: {{master: {master}, optimizer_states: bf16}}}}", base="cpu-bf16")
+    counter = _SyncCounter(monkeypatch)
+    tr = _run(recipe, tmp_path, steps=6, callbacks=[_StepTracker(counter)], logging_steps=3)
+    assert type(tr.optimizer.optimizer) is StorageAdamW
+    hits = [h for h in counter.hits if h[0] > 0]
+    assert collections.Counter(h[0] for h in hits) == {3: 1, 6: 1}, hits

@@ -29,6 +29,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, GradScalerKwargs
 from pydantic import ValidationError
 
+from hf_mixedprec.amp import track_steps_for_scheduler
 from hf_mixedprec.fp8 import model_parameters
 from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.runtime import MixedPrecisionRuntime
@@ -137,6 +138,16 @@ class MixedPrecisionAccelerator(Accelerator):
         return super().backward(loss, **kwargs)
 
     # -- prepare -------------------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        """Accelerate's ``prepare``, after checking that every optimizer given can take the recipe's storage (a
+        refusal leaves the model as it was: parameters change dtype when the model is prepared)."""
+        from hf_mixedprec.storage.setup import replaceable
+
+        for obj in args:
+            if isinstance(obj, torch.optim.Optimizer):
+                replaceable(self.recipe.storage, obj)
+        return super().prepare(*args, device_placement=device_placement)
+
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ):
@@ -158,6 +169,7 @@ class MixedPrecisionAccelerator(Accelerator):
             built = replace_optimizer(self.recipe.storage, optimizer)
             if built is not optimizer:
                 self._mp_replaced[id(optimizer)] = built
+                track_steps_for_scheduler(built)  # before Accelerate keeps its step method
                 self.mp.note(
                     f"storage.master {self.recipe.storage.master} with optimizer_states "
                     f"{self.recipe.storage.optimizer_states}: the {type(optimizer).__name__} passed to prepare() runs "
@@ -187,8 +199,7 @@ class MixedPrecisionAccelerator(Accelerator):
         return opt
 
     def prepare_scheduler(self, scheduler: Any):
-        """Accelerate's, after pointing a scheduler made for an optimizer the storage replaced at its replacement
-        (they share the parameter-group dicts, so the learning rates it sets reach the replacement either way)."""
+        """Accelerate's, after moving a scheduler made for an optimizer the storage replaced onto the replacement."""
         built = self._mp_replaced.get(id(getattr(scheduler, "optimizer", None)))
         if built is not None:
             scheduler.optimizer = built

@@ -465,11 +465,14 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
 
 def _install_storage(trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) -> None:
     """The model's parameters in the dtypes the recipe's ``storage:`` keeps them in, and the optimizer it needs."""
-    plan = rt.prepare_storage(trainer.model)
-    if plan.optimizer != "unchanged":
-        _install_storage_optimizer(trainer, rt, late)
-    elif rt.recipe.storage.optimizer != "auto":
-        _check_trainer_optimizer(trainer, rt.recipe)
+
+    def optimizer_first(plan: Any) -> None:  # refused before any parameter changes dtype
+        if plan.optimizer != "unchanged":
+            _install_storage_optimizer(trainer, rt, late)
+        elif rt.recipe.storage.optimizer != "auto":
+            _check_trainer_optimizer(trainer, rt.recipe)
+
+    rt.prepare_storage(trainer.model, check=optimizer_first)
 
 
 def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) -> None:

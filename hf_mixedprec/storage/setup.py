@@ -25,6 +25,7 @@ __all__ = [
     "check_optimizer_family",
     "optimizer_class",
     "replace_optimizer",
+    "replaceable",
     "storage_optimizer",
     "trainer_optimizer",
 ]
@@ -173,12 +174,12 @@ def trainer_optimizer(storage: StorageConfig, cls: type, kwargs: dict[str, Any])
     return optimizer_class(storage, **hp)
 
 
-def replace_optimizer(storage: StorageConfig, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The storage optimizer over ``optimizer``'s parameter groups, with its hyperparameters (an own Accelerate
-    loop hands its AdamW to ``prepare``); refuses an optimizer that is not an empty torch AdamW."""
+def replaceable(storage: StorageConfig, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """The AdamW hyperparameters :func:`replace_optimizer` builds the storage optimizer with (None: ``optimizer``
+    stays as it is); refuses, before anything changes, an optimizer that cannot be replaced."""
     check_optimizer_family(storage, type(optimizer), "the optimizer passed to prepare()")
     if storage.is_default or isinstance(optimizer, StorageAdamW) or type(optimizer).__module__.startswith("torchao."):
-        return optimizer
+        return None
     if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
         raise StorageRefusal(
             f"storage.master {storage.master} / optimizer_states {storage.optimizer_states} needs AdamW, but the "
@@ -193,5 +194,13 @@ def replace_optimizer(storage: StorageConfig, optimizer: torch.optim.Optimizer) 
     hp = _adam_hparams(type(optimizer).__name__, dict(optimizer.defaults))
     if not isinstance(optimizer, torch.optim.AdamW) and hp.get("weight_decay"):
         raise StorageRefusal("torch.optim.Adam with weight_decay is L2 decay, not AdamW; pass torch.optim.AdamW")
-    # the same group dicts: an LR scheduler built for ``optimizer`` sets the learning rates the replacement reads
-    return storage_optimizer(storage, optimizer.param_groups, **hp)
+    return hp
+
+
+def replace_optimizer(storage: StorageConfig, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The storage optimizer over ``optimizer``'s parameter groups, with its hyperparameters (an own Accelerate
+    loop hands its AdamW to ``prepare``); see :func:`replaceable` for what is refused."""
+    hp = replaceable(storage, optimizer)
+    if hp is None:
+        return optimizer
+    return storage_optimizer(storage, optimizer.param_groups, **hp)  # each group's own lr, weight decay, ...
