@@ -66,3 +66,21 @@ def test_run_plan_of_an_fp32_recipe_has_no_fp8_and_fp32_storage():
     plan = run_plan(load_recipe("cpu-bf16", rehearse=True), tiny_llama(0), rehearse=True)
     assert plan.fp8_backend is None and plan.fp8_layers == ()
     assert plan.bytes_by_component()["weights"] == sum(p.numel() * 4 for p in tiny_llama(0).parameters())
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPES if "fp8" in load_recipe(n, rehearse=True).precisions()])
+def test_estimate_converts_the_plans_layers_and_counts_its_bytes(name):
+    """``estimate`` on the tiny Llama's config, for this CPU: the FP8 layers it converts are the plan's, and its
+    weights / master / gradients / optimizer are the plan's bytes (the model built in FP32, as finetune builds it)."""
+    from hf_mixedprec.demo import tiny_llama_config
+    from hf_mixedprec.estimate import estimate_memory
+    from hf_mixedprec.plan import build_plan
+
+    recipe = load_recipe(name, rehearse=True)
+    est = estimate_memory(tiny_llama_config(), [recipe], batch_size=1, seq_len=32, target="cpu").recipes[0]
+    model = tiny_llama(0)
+    plan = build_plan(recipe, model, fp8_backend=est.fp8_backend)
+    assert est.fp8_layers == sum(d.fp8 for d in plan.fp8_layers) > 0
+    b = plan.bytes_by_component()
+    assert est.memory.weights == b["weights"] and est.memory.gradients == b["gradients"]
+    assert est.memory.optimizer == b["exp_avg"] + b["exp_avg_sq"] + b["optimizer_step"]
