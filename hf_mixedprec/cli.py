@@ -465,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_finetune(sub)
     _add_compare(sub)
     _add_estimate(sub)
+    _add_plan(sub)
     _add_report(sub)
     return p
 
@@ -767,6 +768,45 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     )
     print(json.dumps(est.to_dict(), indent=2) if args.json else format_estimate(est))
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hf_mixedprec._stdio import stdout_to_stderr
+    from hf_mixedprec.estimate import load_model_config
+    from hf_mixedprec.plan_map import format_map, meta_model, precision_map
+
+    recipe = _load(args.recipe).rehearsed(not args.native)
+    name = args.model or args.config or "finetune's default model"
+    with stdout_to_stderr():  # libraries' banners: stdout holds the map (or JSON) only
+        model = meta_model(load_model_config(args.model, config=args.config))
+        plan, rows = precision_map(recipe, model, rehearse=not args.native)
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "model": name, "modules": [r.to_dict() for r in rows]}, indent=2))
+    else:
+        print(format_map(plan, rows, name))
+    return 0
+
+
+def _add_plan(sub: Any) -> None:
+    s = sub.add_parser(
+        "plan",
+        help="the precision map: what each module computes in and each parameter is stored in",
+        description="Build the model from its config.json on the meta device, in the dtype the config names (what "
+        "from_pretrained loads; nothing is allocated), and print the recipe's precision plan for it: per module, the "
+        "dtype its parameters are loaded in and kept in, what keeps their master, what its GEMM computes in (FP8 "
+        "with the recipe's scaling, or autocast) and the rule that decided; repeated transformer blocks collapse "
+        "into one row. Then the storage per parameter group and the bytes per trainable parameter.",
+    )
+    s.add_argument("--recipe", required=True, metavar="R", help="a built-in recipe name or a YAML path")
+    s.add_argument("--model", metavar="DIR", help="a model folder with a config.json (weights are not read)")
+    s.add_argument("--config", metavar="FILE", help="a model's config.json (default: finetune's small Llama)")
+    s.add_argument(
+        "--native",
+        action="store_true",
+        help="FP8 decisions for the recipe's own backend on this machine (default: the rehearsed, emulated one)",
+    )
+    s.add_argument("--json", action="store_true", help="print the plan and the map as JSON")
+    s.set_defaults(func=cmd_plan)
 
 
 def _add_estimate(sub: Any) -> None:

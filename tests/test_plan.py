@@ -84,3 +84,57 @@ def test_estimate_converts_the_plans_layers_and_counts_its_bytes(name):
     b = plan.bytes_by_component()
     assert est.memory.weights == b["weights"] and est.memory.gradients == b["gradients"]
     assert est.memory.optimizer == b["exp_avg"] + b["exp_avg_sq"] + b["optimizer_step"]
+
+
+@pytest.mark.parametrize("recipe", ["a100-bf16", "h100-fp8-current", "examples/recipes/storage-bf16_remainder.yaml"])
+def test_plan_command_prints_what_the_model_holds_after_attach(tmp_path, recipe):
+    """``hf-mixedprec plan --model DIR`` (the config only, on the meta device) lists, per module, the dtypes and the
+    FP8 layers a BF16 checkpoint of a tiny Llama really gets when the recipe is attached to it."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_mixedprec.demo import tiny_llama as build
+
+    build(0).to(torch.bfloat16).save_pretrained(tmp_path)
+    cmd = [sys.executable, "-m", "hf_mixedprec", "plan", "--recipe", recipe, "--model", str(tmp_path), "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)  # stdout holds the JSON only
+    rows = {r["name"]: r for r in out["modules"]}
+    assert "model.layers.[0-1].mlp.up_proj" in rows  # the two blocks collapse
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    rt = MixedPrecisionRuntime(load_recipe(recipe, rehearse=True), rehearse=True)
+    rt.prepare_storage(model)
+    rt.convert_model(model)
+    fp8 = {n for n, _ in iter_monitored(model)}
+    for name, mod in model.named_modules():
+        params = list(mod.parameters(recurse=False))
+        if not params:
+            continue
+        key = name.replace("model.layers.0.", "model.layers.[0-1].").replace("model.layers.1.", "model.layers.[0-1].")
+        row = rows[key]
+        assert row["loaded"] == "bf16"
+        assert row["kept"] == dtype_name(params[0].dtype), name
+        assert row["compute"].startswith("fp8") == (name in fp8), name
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--recipe", "no-such-recipe"], "no-such-recipe"),
+        (["--recipe", "a100-bf16", "--model", "/nonexistent"], "--model: '/nonexistent' is not a directory"),
+        (["--recipe", "a100-bf16", "--config", "/nonexistent.json"], "--config: '/nonexistent.json' is not a file"),
+    ],
+)
+def test_plan_command_refuses_bad_input_in_one_line(args, message):
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "hf_mixedprec", "plan", *args], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,157 @@
+"""``hf-mixedprec plan``: the precision map of a model under a recipe, read from its precision plan.
+
+One row per module that holds parameters: its class, the dtype its parameters are loaded in and kept in, what keeps
+their master, what its GEMM computes in (FP8 with the recipe's scaling, or the autocast dtype) and the rule that
+decided. Rows of the transformer blocks that are the same in every block collapse into one
+(``model.layers.[0-31].mlp.up_proj``), so a 32-layer model reads in one screen. The model is built from its
+``config.json`` on the meta device in the dtype the config names (what ``from_pretrained`` would load): no weights are
+read or allocated.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_mixedprec.fp8.policy import find_block_list
+from hf_mixedprec.plan import PrecisionPlan, run_plan
+from hf_mixedprec.schema import RecipeSpec
+
+__all__ = ["MapRow", "format_map", "meta_model", "precision_map"]
+
+_AUTOCAST = {"bf16": "bf16 (autocast)", "fp8": "bf16 (autocast)", "fp16": "fp16 (autocast)", "fp32": "fp32"}
+
+
+@dataclass(frozen=True)
+class MapRow:
+    """One module (or the same module in several blocks) of the precision map."""
+
+    name: str
+    kind: str
+    parameters: int
+    loaded: str
+    kept: str
+    master: str
+    compute: str
+    rule: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def meta_model(config: Any) -> nn.Module:
+    """The causal LM of ``config`` on the meta device, in the dtype the config names (float32 if none)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, torch.float32)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _rows(plan: PrecisionPlan, model: nn.Module) -> list[MapRow]:
+    by_param = {p.name: p for p in plan.params}
+    fp8 = {d.name: d for d in plan.fp8_layers}
+    rows = []
+    for name, mod in model.named_modules():
+        own = [f"{name}.{n}" if name else n for n, _ in mod.named_parameters(recurse=False)]
+        plans = [by_param[n] for n in own if n in by_param]  # a tied weight is listed at its first module
+        if not plans:
+            continue
+        first = plans[0]
+        d = fp8.get(name)
+        if d is not None and d.fp8:
+            compute, rule = f"fp8 ({plan.fp8_backend}, {_scaling(plan)})", "converted"
+        elif d is not None:
+            compute, rule = (_AUTOCAST[plan.precision] if d.kind != "Embedding" else first.weight), d.reason
+        elif isinstance(mod, (nn.Linear, nn.Embedding)) or type(mod).__name__ == "Conv1D":
+            compute, rule = _AUTOCAST[plan.precision], f"precision {plan.precision}"
+        else:
+            compute, rule = "autocast op policy", f"precision {plan.precision}"
+        rows.append(
+            MapRow(
+                name=name,
+                kind=type(mod).__name__,
+                parameters=sum(p.numel for p in plans),
+                loaded="/".join(sorted({p.loaded for p in plans})),
+                kept="/".join(sorted({p.weight for p in plans})),
+                master="/".join(sorted({p.master for p in plans})),
+                compute=compute,
+                rule=rule,
+            )
+        )
+    return rows
+
+
+def _scaling(plan: PrecisionPlan) -> str:
+    spec = plan.recipe_spec
+    fp8 = getattr(spec, "fp8", None)
+    return f"{fp8.scaling}, {fp8.format}" if fp8 is not None else "?"
+
+
+def _collapse(rows: list[MapRow], blocks: tuple[str, int] | None) -> list[MapRow]:
+    """Merge the rows of a module that every block (or a run of blocks) decides the same way."""
+    if blocks is None:
+        return rows
+    pat = re.compile(rf"^{re.escape(blocks[0])}\.(\d+)(\..*)?$")
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    order: list[tuple[Any, ...] | MapRow] = []
+    for r in rows:
+        m = pat.match(r.name)
+        if m is None:
+            order.append(r)
+            continue
+        key = (m.group(2) or "", r.kind, r.parameters, r.loaded, r.kept, r.master, r.compute, r.rule)
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(int(m.group(1)))
+    out = []
+    for item in order:
+        if isinstance(item, MapRow):
+            out.append(item)
+            continue
+        idx = groups[item]
+        suffix, kind, n, loaded, kept, master, compute, rule = item
+        name = f"{blocks[0]}.[{_ranges(idx)}]{suffix}"
+        out.append(MapRow(name, kind, n * len(idx), loaded, kept, master, compute, rule))
+    return out
+
+
+def _ranges(idx: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    parts, start = [], idx[0]
+    for a, b in zip(idx, [*idx[1:], None]):
+        if b != a + 1:
+            parts.append(str(start) if start == a else f"{start}-{a}")
+            start = b if b is not None else start
+    return ",".join(parts)
+
+
+def precision_map(spec: RecipeSpec, model: nn.Module, *, rehearse: bool = True) -> tuple[PrecisionPlan, list[MapRow]]:
+    """The plan of ``spec`` for ``model`` (FP8 decisions for the rehearsed backend unless ``rehearse=False``) and its
+    rows, collapsed over the transformer blocks."""
+    plan = run_plan(spec, model, rehearse=rehearse)
+    return plan, _collapse(_rows(plan, model), find_block_list(model))
+
+
+def format_map(plan: PrecisionPlan, rows: list[MapRow], model_name: str) -> str:
+    """The map as the command prints it: a head line, a markdown table, the storage lines."""
+    head = (
+        f"precision map: {model_name} under recipe {plan.recipe} ({'->'.join(plan.phases) or plan.precision}); "
+        f"{plan.bytes_per_param():.2f} bytes per trainable parameter (weights, master, gradients, optimizer states)"
+    )
+    lines = [head, ""]
+    cols = ("module", "class", "params", "loaded", "kept", "master", "compute", "rule")
+    lines.append("| " + " | ".join(cols) + " |")
+    lines.append("|" + "|".join(["---"] * len(cols)) + "|")
+    for r in rows:
+        cells = (r.name or "(model)", r.kind, f"{r.parameters:,}", r.loaded, r.kept, r.master, r.compute, r.rule)
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "storage:", *(f"  {line}" for line in plan.storage_lines())]
+    return "\n".join(lines)
