@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 from hf_mixedprec._text import shorten
 
-__all__ = ["EnvValueError", "HardwareRefusal", "MixedPrecisionError", "Problem", "RecipeError", "UsageError"]
+__all__ = [
+    "EnvValueError",
+    "HardwareRefusal",
+    "MixedPrecisionError",
+    "Problem",
+    "RecipeError",
+    "StorageRefusal",
+    "UsageError",
+]
 
 
 class MixedPrecisionError(Exception):
@@ -25,6 +33,11 @@ class UsageError(MixedPrecisionError):
 
 class EnvValueError(MixedPrecisionError, ValueError):
     """An environment variable hf_mixedprec reads has a value it does not accept."""
+
+
+class StorageRefusal(MixedPrecisionError):
+    """A ``storage:`` choice that cannot be put into effect on this model, optimizer or checkpoint (the message says
+    the fix)."""
 
 
 class HardwareRefusal(MixedPrecisionError, RuntimeError):

@@ -259,7 +259,7 @@ def _declared_fp32(name: str, keep: tuple[str, ...]) -> bool:
 
 
 def _storage_of(
-    spec: RecipeSpec, name: str, p: nn.Parameter, keep: tuple[str, ...]
+    spec: RecipeSpec, name: str, p: nn.Parameter, keep: tuple[str, ...], family: str
 ) -> tuple[str, str, str | None, str | None]:
     """(kept dtype, master text, gradient dtype, state dtype) of one parameter under ``spec.storage``."""
     loaded = dtype_name(p.dtype)
@@ -275,17 +275,24 @@ def _storage_of(
     else:
         weight = loaded
     master = MASTER_TEXT["fp32"] if weight == "fp32" else MASTER_TEXT[st.master]
-    states = st.optimizer_states if st.optimizer in ("auto", "adamw") else None
+    states = st.optimizer_states if family in ("auto", "adamw") else None  # another optimizer's states are unknown
     return weight, master, weight, states
 
 
 def build_plan(
-    spec: RecipeSpec, model: nn.Module, *, fp8_backend: str | None = None, converted_types: tuple[type, ...] = ()
+    spec: RecipeSpec,
+    model: nn.Module,
+    *,
+    fp8_backend: str | None = None,
+    converted_types: tuple[type, ...] = (),
+    optimizer_family: str | None = None,
 ) -> PrecisionPlan:
     """The plan of ``spec`` for ``model`` as it is now (parameters in the dtypes they were loaded in).
 
     ``fp8_backend``: the FP8 backend that will convert the model (its layer kinds decide what can be FP8); the FP8
-    decisions are left empty for recipes without FP8."""
+    decisions are left empty for recipes without FP8. ``optimizer_family``: the family of the optimizer the run really
+    uses when it is known (``adamw``, ``sgd``, ...); otherwise ``storage.optimizer`` says (``auto``: AdamW)."""
+    family = optimizer_family or spec.storage.optimizer
     fp8_layers: tuple[LayerDecision, ...] = ()
     if spec.precision == "fp8" and spec.fp8 is not None:
         fp8_layers = tuple(plan_conversion(model, spec.fp8, converted_types=converted_types, backend=fp8_backend))
@@ -296,7 +303,7 @@ def build_plan(
         if id(p) in seen:  # tied weights are one tensor
             continue
         seen.add(id(p))
-        weight, master, grad, states = _storage_of(spec, name, p, keep)
+        weight, master, grad, states = _storage_of(spec, name, p, keep, family)
         trainable = p.requires_grad and p.is_floating_point()
         params.append(
             ParamPlan(
@@ -324,7 +331,14 @@ def build_plan(
     )
 
 
-def run_plan(spec: RecipeSpec, model: nn.Module, *, rehearse: bool, phases: tuple[str, ...] = ()) -> PrecisionPlan:
+def run_plan(
+    spec: RecipeSpec,
+    model: nn.Module,
+    *,
+    rehearse: bool,
+    phases: tuple[str, ...] = (),
+    optimizer_family: str | None = None,
+) -> PrecisionPlan:
     """The plan a run trains ``model`` with: FP8 decisions for the backend the run converts with (the emulated one
     when rehearsing; see :func:`hf_mixedprec.fp8.conversion_backend`), tied to ``spec`` (the phase in force for a
     phased recipe, whose ``phases`` are the precisions of all its phases)."""
@@ -332,5 +346,7 @@ def run_plan(spec: RecipeSpec, model: nn.Module, *, rehearse: bool, phases: tupl
     notes: list[str] = []
     if spec.precision == "fp8" and spec.fp8 is not None:
         backend, notes = conversion_backend(spec, model, rehearse=rehearse)
-    plan = build_plan(spec, model, fp8_backend=backend, converted_types=converted_types())
+    plan = build_plan(
+        spec, model, fp8_backend=backend, converted_types=converted_types(), optimizer_family=optimizer_family
+    )
     return plan.with_run(spec, notes, phases)

@@ -209,14 +209,9 @@ class MixedPrecisionRuntime:
         The FP8 layers' state is kept out of ``save_pretrained``."""
         return _convert_model(self, model, optimizer, spec or self.active)
 
-    def prepare_storage(self, model: nn.Module, check: Any = None) -> PrecisionPlan:
-        """Build the run's precision plan for ``model`` (as loaded) and put its storage into effect (trainable
-        parameters get the dtype ``storage:`` keeps them in; each change said in the notes, frozen ones untouched).
-        ``check(plan)`` runs first: a refusal it raises leaves the model as it was."""
-        phases = self.recipe.precisions() if self.phases is not None else ()
-        self.plan = run_plan(self.active, model, rehearse=self.rehearse, phases=phases)
-        _apply_plan_storage(self, model, check)
-        return self.plan
+    def prepare_storage(self, model: nn.Module, check: Any = None, family: str | None = None) -> PrecisionPlan:
+        """Build the run's precision plan for ``model`` and put its storage into effect (see :func:`_prepare_storage`)."""
+        return _prepare_storage(self, model, check, family)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The autocast of the step in force; a phased run's FP32 phase turns off any autocast around it."""
@@ -422,13 +417,18 @@ class MixedPrecisionRuntime:
         _load_runtime_state(self, state, model)
 
 
-def _apply_plan_storage(rt: MixedPrecisionRuntime, model: nn.Module, check: Any) -> None:
-    """:meth:`MixedPrecisionRuntime.prepare_storage` once the plan is made: the check, then the storage."""
-    assert rt.plan is not None
+def _prepare_storage(rt: MixedPrecisionRuntime, model: nn.Module, check: Any, family: str | None) -> PrecisionPlan:
+    """The run's precision plan for ``model`` as loaded, and its storage put into effect: trainable parameters get the
+    dtype ``storage:`` keeps them in, each change said in the notes; frozen ones are untouched. ``check(plan)`` runs
+    first, so a refusal it raises leaves the model as it was. ``family``: the optimizer family the run uses, if known
+    (the plan then says which optimizer states exist)."""
+    phases = rt.recipe.precisions() if rt.phases is not None else ()
+    rt.plan = run_plan(rt.active, model, rehearse=rt.rehearse, phases=phases, optimizer_family=family)
     if check is not None:
         check(rt.plan)
     for text in apply_storage(model, rt.plan):
         rt.note(text)
+    return rt.plan
 
 
 def _convert_model(

@@ -147,6 +147,12 @@ def storage_rules(storage: StorageConfig, precision: str, strategy: str, zero_st
             else "BF16 storage under FP16 compute mixes two 16-bit formats"
         )
         raise _rule("storage.master", f"{m!r}: {why} (precision is fp16; allowed: fp32)")
+    if strategy == "fsdp2" and not storage.is_default:
+        raise _rule(
+            "storage.master" if m != "fp32" else "storage.optimizer_states",
+            f"master {m} with optimizer_states {storage.optimizer_states} is not supported with distributed.strategy "
+            "fsdp2 yet (sharded DTensor parameters; allowed: master fp32 with optimizer_states fp32)",
+        )
     if strategy == "deepspeed":
         # DeepSpeed 0.19.8 keeps FP32 states beside a BF16 master only with ZeRO-Offload's DeepSpeedCPUAdam
         # (deepspeed/runtime/base_optimizer.py, _configure_master_weights)

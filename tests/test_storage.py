@@ -52,10 +52,8 @@ def bf16_dir(tmp_path_factory):
 def test_remainder_gives_back_every_fp32_bit_and_a_nearest_bf16_weight():
     torch.manual_seed(0)
     x = torch.randn(200_000) * torch.logspace(-38, 37, 200_000)
-    specials = torch.tensor([0x7F800001, 0x7FFFFFFF, -1, 0x7F7FFFFF, 0x00007FFF, -(2**31)], dtype=torch.int32)
-    x = torch.cat(
-        [x, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")]), specials.view(torch.float32)]
-    )
+    edges = torch.tensor([0x7F7FFFFF, 0x00007FFF, 0x00008000, -(2**31), -(2**31) + 0x7FFF], dtype=torch.int32)
+    x = torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf")]), edges.view(torch.float32)])
     upper, rem = split_remainder(x)
     assert upper.dtype == torch.bfloat16 and rem.dtype == torch.int16
     assert torch.equal(combine_remainder(upper, rem).view(torch.int32), x.view(torch.int32))
@@ -66,6 +64,15 @@ def test_remainder_gives_back_every_fp32_bit_and_a_nearest_bf16_weight():
     assert bool((low[off] == 0x8000).all()) and int(off.sum()) < 20
 
 
+def test_a_nan_master_is_a_nan_weight():
+    """CUDA's canonical NaN (0x7FFFFFFF), x86's (0xFFC00000) and a low-half-only payload: the BF16 weight the forward
+    reads is NaN (never a zero or an inf that would hide it from the detectors), and NaN comes back."""
+    nans = torch.tensor([0x7FFFFFFF, -0x400000, 0x7F800001, -1], dtype=torch.int32).view(torch.float32)
+    upper, rem = split_remainder(nans)
+    assert torch.isnan(upper).all() and torch.isnan(combine_remainder(upper, rem)).all()
+    assert torch.isnan(stochastic_round_bf16(nans, torch.Generator().manual_seed(0))).all()
+
+
 def test_stochastic_rounding_is_unbiased_and_repeats_with_its_generator():
     v = torch.full((100_000,), 1.0 + 2**-10)  # 1/8 of the way between two BF16 neighbours
     a = stochastic_round_bf16(v, torch.Generator().manual_seed(3)).float()
@@ -73,6 +80,10 @@ def test_stochastic_rounding_is_unbiased_and_repeats_with_its_generator():
     assert torch.equal(a, b)
     assert set(a.unique().tolist()) == {1.0, 1.0078125}
     assert abs(a.mean().item() - (1.0 + 2**-10)) < 2e-5
+    for value in (-(1.0 + 2**-10), 3e-39, -3e-39, 1e30):  # negative, subnormal, large
+        got = stochastic_round_bf16(torch.full((200_000,), value), torch.Generator().manual_seed(1)).float()
+        assert abs(got.mean().item() - value) < 2e-4 * abs(value), value
+        assert len(got.unique()) == 2, value
     exact = torch.tensor([1.0, -2.5, 0.0, float("inf")])
     assert torch.equal(stochastic_round_bf16(exact, torch.Generator().manual_seed(0)).float(), exact)
     assert torch.isnan(stochastic_round_bf16(torch.tensor([float("nan")]))).all()
@@ -165,8 +176,10 @@ def test_state_dict_round_trip_keeps_dtypes_and_the_rounding_generator():
         p.grad = torch.full_like(p, 1e-3)
         o.step()
     assert torch.equal(low.data, twin.data)  # the same random numbers after the load
-    with pytest.raises(ValueError, match=r"storage\.master 'bf16_stochastic'"):
-        StorageAdamW([torch.nn.Parameter(low.data.clone())], master="none").load_state_dict(sd)
+    with pytest.raises(StorageRefusal, match=r"storage\.master: .*'bf16_stochastic', this run has 'none'"):
+        StorageAdamW([torch.nn.Parameter(low.data.clone())], master="none", state_dtype=torch.bfloat16).load_state_dict(
+            sd
+        )
 
 
 # -- validation ----------------------------------------------------------------------------------------------------
@@ -553,3 +566,172 @@ def test_storage_steps_read_nothing_on_the_host_between_logs(tmp_path, monkeypat
     assert type(tr.optimizer.optimizer) is StorageAdamW
     hits = [h for h in counter.hits if h[0] > 0]
     assert collections.Counter(h[0] for h in hits) == {3: 1, 6: 1}, hits
+
+
+# -- review findings: each a shape a stranger's code takes ---------------------------------------------------------
+
+
+def test_bf16_moments_still_decay():
+    """With beta2 = 0.999 the second moment decays 0.1% a step, under half a BF16 ulp: stored by round-to-nearest it
+    would stay at its peak. Stochastically rounded it follows the FP32 moment."""
+    for dtype in (torch.float32, torch.bfloat16):
+        p = torch.nn.Parameter(torch.zeros(4096))
+        opt = StorageAdamW([p], lr=1e-3, weight_decay=0.0, state_dtype=dtype)
+        for i in range(600):
+            p.grad = torch.full_like(p, 0.1 if i < 10 else 0.0)
+            opt.step()
+        v = opt.state[p]["exp_avg_sq"].float().mean().item()
+        if dtype == torch.float32:
+            want = v
+        else:
+            assert v == pytest.approx(want, rel=0.05), (v, want)
+
+
+def test_an_optimizer_checkpoint_of_another_storage_is_refused():
+    from hf_mixedprec.errors import StorageRefusal as Refusal
+
+    p = torch.nn.Parameter(torch.randn(8, 8).to(torch.bfloat16))
+    plain = torch.optim.AdamW([torch.nn.Parameter(p.detach().float())])
+    plain.param_groups[0]["params"][0].grad = torch.ones(8, 8)
+    plain.step()
+    with pytest.raises(Refusal, match="not written by StorageAdamW"):
+        StorageAdamW([p], master="bf16_remainder").load_state_dict(plain.state_dict())
+    ours = StorageAdamW([p], master="bf16_remainder", state_dtype=torch.bfloat16)
+    p.grad = torch.ones_like(p)
+    ours.step()
+    with pytest.raises(Refusal, match=r"storage\.optimizer_states: .*'bfloat16', this run has 'float32'"):
+        StorageAdamW([p], master="bf16_remainder").load_state_dict(ours.state_dict())
+
+
+def test_a_scaled_gradient_is_unscaled_by_the_grad_scale_a_gradscaler_hands_over():
+    """torch's GradScaler hands ``grad_scale`` to an AMP-aware optimizer that was not unscaled first."""
+    a, b = (torch.nn.Parameter(torch.ones(16, 16)) for _ in range(2))
+    oa, ob = StorageAdamW([a], lr=1e-2), StorageAdamW([b], lr=1e-2)
+    g = torch.randn(16, 16)
+    a.grad, b.grad = g.clone(), g * 1024.0
+    oa.step()
+    ob.grad_scale, ob.found_inf = torch.tensor(1024.0), torch.zeros(())
+    ob.step()
+    assert torch.equal(a, b)
+
+
+def test_adamw_parity_where_eps_dominates():
+    """Gradients of 1e-9: the update is governed by eps (outside the square root, as torch's AdamW)."""
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(32, 16))
+    b = torch.nn.Parameter(a.detach().clone())
+    start = a.detach().clone()
+    ours = StorageAdamW([a], lr=1e-3, eps=1e-8, weight_decay=0.0)
+    theirs = torch.optim.AdamW([b], lr=1e-3, eps=1e-8, weight_decay=0.0, foreach=False)
+    for _ in range(20):
+        g = torch.randn(32, 16) * 1e-9
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    assert (b.detach() - start).abs().max().item() > 1e-4  # it moved (about lr * g / (|g| + eps) a step)
+    assert (b.detach() - a.detach()).abs().max().item() < 1e-7  # without eps, or inside the sqrt, ~1e-2 apart
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_an_optimizer_the_user_built_must_keep_the_recipes_storage(bf16_dir, tmp_path):
+    """A StorageAdamW keeping another master, passed as Trainer(optimizers=...) or optimizer_cls_and_kwargs, is
+    refused: the recipe's remainders would otherwise be dropped."""
+    recipe = _recipe(master="bf16_remainder")
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    args = recipe.training_args(output_dir=str(tmp_path), max_steps=1, report_to=[], disable_tqdm=True)
+    data = Bytes(n=8, seq_len=32)
+    wrong = StorageAdamW(model.parameters(), master="none")
+    with pytest.raises(StorageRefusal, match="passed in"):
+        Trainer(model=model, args=args, train_dataset=data, optimizers=(wrong, None), callbacks=recipe.callbacks())
+    with pytest.raises(StorageRefusal, match="optimizer_cls_and_kwargs"):
+        Trainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            optimizer_cls_and_kwargs=(StorageAdamW, {"lr": 1e-4}),
+            callbacks=recipe.callbacks(),
+        )
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    right = StorageAdamW(model.parameters(), master="bf16_remainder")
+    tr = Trainer(model=model, args=args, train_dataset=data, optimizers=(right, None), callbacks=recipe.callbacks())
+    tr.train()
+    assert tr.optimizer.optimizer is right and "remainder" in next(iter(right.state.values()))
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_refused_trainer_keeps_its_model_forward_and_registry(bf16_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    forward = model.forward
+    recipe = _recipe(master="bf16_remainder")
+    args = recipe.training_args(output_dir=str(tmp_path), max_steps=1, report_to=[], optim="sgd")
+    with pytest.raises(StorageRefusal, match="needs AdamW"):
+        Trainer(model=model, args=args, train_dataset=Bytes(n=8, seq_len=32), callbacks=recipe.callbacks())
+    assert model.forward == forward and runtime_of(model) is None
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("order", ["optimizer-first", "separate"])
+def test_the_plugin_keeps_the_storage_whatever_the_order_of_prepare(bf16_dir, order):
+    from hf_mixedprec.integrations.accelerate_plugin import make_accelerator
+
+    acc = make_accelerator(_recipe(master="bf16_remainder"), cpu=True)
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if order == "optimizer-first":
+        opt, model = acc.prepare(opt, model)
+        assert type(opt.optimizer) is StorageAdamW
+    else:
+        with pytest.raises(StorageRefusal, match="prepared before its model"):
+            acc.prepare(opt)
+
+
+def test_fsdp2_with_a_bf16_master_is_refused_when_the_recipe_is_read():
+    from hf_mixedprec.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=r"not supported with distributed\.strategy fsdp2"):
+        resolve_recipe(
+            {
+                "name": "x",
+                "extends": "a100-bf16",
+                "storage": {"master": "bf16_remainder"},
+                "distributed": {"strategy": "fsdp2"},
+            }
+        )
+
+
+def test_deepspeed_config_of_the_users_must_say_what_storage_says():
+    """Through the Trainer a DeepSpeed JSON of the user's is checked against the recipe, never silently followed."""
+    from types import SimpleNamespace
+
+    from hf_mixedprec.integrations.deepspeed import deepspeed_config
+    from hf_mixedprec.integrations.trainer import _check_deepspeed_storage
+
+    def trainer_with(config):
+        plugin = SimpleNamespace(deepspeed_config=config)
+        return SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
+
+    low = _recipe(master="none", optimizer_states="bf16")
+    ds_low = {
+        "zero_optimization": {"stage": 1},
+        **deepspeed_config(
+            resolve_recipe({**low.to_dict(), "distributed": {"strategy": "deepspeed", "zero_stage": 1}})
+        )[0],
+    }
+    _check_deepspeed_storage(trainer_with(ds_low), low)  # the config hf_mixedprec writes agrees
+    plain = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
+    with pytest.raises(StorageRefusal, match=r"bf16\.bf16_master_weights_and_grads=False"):
+        _check_deepspeed_storage(trainer_with(plain), low)
+    with pytest.raises(StorageRefusal, match="has no DeepSpeed equivalent"):
+        _check_deepspeed_storage(trainer_with(plain), _recipe(master="bf16_remainder"))
+    _check_deepspeed_storage(trainer_with(plain), load_recipe("a100-bf16", rehearse=True))
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_the_plan_reports_no_adamw_states_for_a_trainer_running_sgd(bf16_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    tr = _train(load_recipe("a100-bf16", rehearse=True), model, tmp_path, steps=1, optim="sgd")
+    tr.train()
+    plan = runtime_of(tr).plan
+    assert {p.states for p in plan.params} == {None}
+    assert set(plan.bytes_by_component()) == {"weights", "gradients"}  # Trainer's SGD keeps no momentum

@@ -123,6 +123,7 @@ class MixedPrecisionAccelerator(Accelerator):
         self.mp.apply_tf32()
         self._clipped_this_step = False
         self._mp_replaced: dict[int, torch.optim.Optimizer] = {}  # id(user's optimizer) -> the storage optimizer
+        self._mp_storage_of: torch.nn.Module | None = None  # the model the storage was applied to
         if max_steps is not None:
             self.set_max_steps(max_steps)
 
@@ -146,13 +147,22 @@ class MixedPrecisionAccelerator(Accelerator):
         for obj in args:
             if isinstance(obj, torch.optim.Optimizer):
                 replaceable(self.recipe.storage, obj)
+        for obj in args:  # in any order of the arguments, and also where Accelerate's FSDP2 path skips prepare_model
+            if isinstance(obj, torch.nn.Module):
+                self._mp_storage(obj)
         return super().prepare(*args, device_placement=device_placement)
+
+    def _mp_storage(self, model: torch.nn.Module) -> None:
+        """The recipe's storage on ``model``'s parameters, once per model."""
+        if self.mp.plan is None or self._mp_storage_of is not model:
+            self.mp.prepare_storage(model)
+            self._mp_storage_of = model
 
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ):
         if not evaluation_mode:
-            self.mp.prepare_storage(model)  # parameter dtypes as the recipe's storage says, then FP8 layers
+            self._mp_storage(model)  # parameter dtypes as the recipe's storage says, then FP8 layers
             self.mp.convert_model(model)  # FP8 state stays out of unwrap_model(model).save_pretrained()
             if self.mp.phases is not None:  # each phase's autocast, innermost (Accelerate's is fixed)
                 self.mp.wrap_forward_with_autocast(model)
@@ -163,6 +173,13 @@ class MixedPrecisionAccelerator(Accelerator):
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
         plan = self.mp.plan
+        if plan is None and not self.recipe.storage.is_default:
+            from hf_mixedprec.storage import StorageRefusal
+
+            raise StorageRefusal(
+                f"storage.master {self.recipe.storage.master} / optimizer_states {self.recipe.storage.optimizer_states}: "
+                "the optimizer was prepared before its model; pass the model to prepare() first or in the same call"
+            )
         if plan is not None:
             from hf_mixedprec.storage import replace_optimizer
 

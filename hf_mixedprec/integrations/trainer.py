@@ -244,13 +244,16 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             check_recipe(recipe, detect())
         notes = _check_args(recipe, args)
         rt = MixedPrecisionRuntime(recipe, device=device, rehearse=self.rehearse)
+        deepspeed = bool(getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False))
+        # storage first: a refusal leaves the model, its forward and the Trainer as they were
+        _check_deepspeed_storage(trainer, recipe) if deepspeed else _install_storage(trainer, rt, late)
         self.runtime = rt
         for text in notes:
             rt.note(text)
         acc = trainer.accelerator
         rt.apply_tf32()
         _ATTACHED[model] = (rt, weakref.ref(trainer))
-        if getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False):
+        if deepspeed:
             # DeepSpeed through TrainingArguments(deepspeed=...) or through `accelerate launch` with a
             # DeepSpeed config (what `hf-mixedprec launch` writes for distributed.strategy: deepspeed)
             self._setup_deepspeed(trainer, rt)
@@ -297,9 +300,8 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             )
         self._route_backward_and_log(trainer, rt)
         self._route_clip_grad_norm(trainer, rt)
-        # the parameters' storage first (an FP32 master for BF16-loaded weights by default), then FP8 layers that
-        # hold the same Parameters; FP8 state is kept out of saved models and written beside each checkpoint (on_save)
-        _install_storage(trainer, rt, late)
+        # FP8 layers hold the Parameters storage made (an FP32 master for BF16-loaded weights by default); FP8 state
+        # is kept out of saved models and written beside each checkpoint (on_save)
         rt.convert_model(model, getattr(trainer.optimizer, "optimizer", trainer.optimizer) if late else None)
         if rt.clipper is not None and args.max_grad_norm:
             rt.note(
@@ -472,7 +474,50 @@ def _install_storage(trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) ->
         elif rt.recipe.storage.optimizer != "auto":
             _check_trainer_optimizer(trainer, rt.recipe)
 
-    rt.prepare_storage(trainer.model, check=optimizer_first)
+    rt.prepare_storage(trainer.model, check=optimizer_first, family=_trainer_optimizer_family(trainer))
+
+
+def _trainer_optimizer_family(trainer: Trainer) -> str | None:
+    """The family (adamw, sgd, adafactor, ...) of the optimizer the Trainer has or will build; None if unknown."""
+    from hf_mixedprec.storage.setup import optimizer_family
+
+    current = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    if current is not None:
+        return optimizer_family(type(current))
+    if trainer.optimizer_cls_and_kwargs is not None:
+        return optimizer_family(trainer.optimizer_cls_and_kwargs[0])
+    try:
+        cls, _ = trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
+    except Exception:  # an optim needing a package that is missing: the Trainer says so when it builds it
+        return None
+    return optimizer_family(cls) if isinstance(cls, type) else None
+
+
+def _check_deepspeed_storage(trainer: Trainer, recipe: RecipeSpec) -> None:
+    """Under DeepSpeed the engine keeps the master and optimizer states: its config must say what ``storage:`` says
+    (``deepspeed_config(recipe)`` writes it so; a config of the user's is checked here, never silently overruled)."""
+    from pydantic_core import PydanticCustomError
+
+    from hf_mixedprec.integrations.deepspeed import deepspeed_storage_keys
+    from hf_mixedprec.storage import StorageRefusal
+    from hf_mixedprec.storage_config import storage_rules
+
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    config = getattr(plugin, "deepspeed_config", None) or {}
+    stage = (config.get("zero_optimization") or {}).get("stage")
+    try:
+        storage_rules(recipe.storage, recipe.precision, "deepspeed", stage if isinstance(stage, int) else None)
+    except PydanticCustomError as exc:  # the rule's own message, with its key
+        raise StorageRefusal(f"recipe {recipe.name!r} under DeepSpeed: {exc.message()}") from None
+    bf16 = config.get("bf16") or {}
+    expected = deepspeed_storage_keys(recipe) or {"bf16_master_weights_and_grads": False}
+    for key, value in expected.items():
+        if bool(bf16.get(key, False)) != value:
+            raise StorageRefusal(
+                f"storage.master {recipe.storage.master} / optimizer_states {recipe.storage.optimizer_states}: the "
+                f"DeepSpeed config has bf16.{key}={bf16.get(key, False)!r} (allowed: {value!r}; build the config with "
+                "hf_mixedprec.integrations.deepspeed.deepspeed_config(recipe))"
+            )
 
 
 def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) -> None:
@@ -480,13 +525,14 @@ def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late
     low-bit AdamW) with the hyperparameters of the AdamW it would have built (``Trainer.get_optimizer_cls_and_kwargs``);
     an optimizer the user chose, or one already built, is refused with the fix."""
     from hf_mixedprec.storage import StorageRefusal, trainer_optimizer
+    from hf_mixedprec.storage.setup import matches_storage, optimizer_class
 
     storage = rt.recipe.storage
     what = f"storage.master {storage.master} with optimizer_states {storage.optimizer_states}"
     current = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     wanted = rt.plan.optimizer if rt.plan is not None else "?"
     if current is not None:
-        if type(current).__name__ == wanted:  # e.g. optimizers=(storage_optimizer(recipe.storage, ...), None)
+        if matches_storage(storage, current):  # e.g. optimizers=(storage_optimizer(recipe.storage, ...), None)
             return
         where = "built when train() began (the callback was added after construction)" if late else "passed in"
         raise StorageRefusal(
@@ -496,12 +542,15 @@ def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late
             "hf_mixedprec.storage.storage_optimizer(recipe.storage, params, lr=...)"
         )
     if trainer.optimizer_cls_and_kwargs is not None:
-        name = getattr(trainer.optimizer_cls_and_kwargs[0], "__name__", "?")
-        if name == wanted:
+        cls, kwargs = trainer.optimizer_cls_and_kwargs
+        name = getattr(cls, "__name__", "?")
+        own_cls, own = optimizer_class(storage)
+        keys = ("master", "state_dtype", "bf16_stochastic_round")
+        if cls is own_cls and all(kwargs.get(k) == own[k] for k in keys if k in own):  # said, not defaulted
             return
         raise StorageRefusal(
-            f"{what} needs hf_mixedprec's optimizer, but Trainer(optimizer_cls_and_kwargs=({name}, ...)) chooses "
-            "another; remove optimizer_cls_and_kwargs, or use storage.master fp32 with optimizer_states fp32"
+            f"{what} needs {wanted}, but Trainer(optimizer_cls_and_kwargs=({name}, ...)) chooses another or other "
+            "storage arguments; remove optimizer_cls_and_kwargs, or use storage.master fp32 with optimizer_states fp32"
         )
     cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
     trainer.optimizer_cls_and_kwargs = trainer_optimizer(storage, cls, kwargs)

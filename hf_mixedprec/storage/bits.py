@@ -24,44 +24,46 @@ __all__ = [
     "stochastic_round_bf16",
 ]
 
-_TWO32 = 1 << 32
+#: FP32 bit pattern of the quiet NaN a NaN master is stored as (its payload is not kept).
+_NAN_BITS = 0x7FC00000
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The int32 bit pattern of a float32 tensor, NaNs made the quiet NaN (the shifts below then never overflow)."""
+    nan = torch.full((), _NAN_BITS, dtype=torch.int32, device=x.device)
+    return torch.where(torch.isnan(x), nan, x.view(torch.int32))
 
 
 def split_remainder(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bf16, remainder)`` of a float32 tensor: ``bf16`` is ``x`` rounded to nearest (ties away from zero),
     ``remainder`` (int16) the signed difference of the bit patterns, so :func:`combine_remainder` gives ``x`` back
-    bit for bit (NaN payloads and infinities included)."""
+    bit for bit (infinities and signed zeros included; a NaN comes back as the quiet NaN, and its BF16 weight is a
+    NaN, so the forward pass and the health detectors see it). Int32 arithmetic only: for a finite value
+    ``bits - remainder`` is the rounded pattern with a zero low half, which cannot overflow."""
     if x.dtype != torch.float32:
         raise TypeError(f"split_remainder needs float32 (got {x.dtype})")
-    bits = x.view(torch.int32).to(torch.int64)
+    bits = _bits(x)
     low = bits & 0xFFFF
-    rem = torch.where(low >= 0x8000, low - 0x10000, low)  # the low half read as a signed int16
-    upper = (bits - rem) >> 16  # arithmetic shift: the rounded upper half, sign included
-    upper = torch.where(upper >= 0x8000, upper - 0x10000, upper)  # a carry out of +max wraps like the bit pattern
+    rem = low - ((low & 0x8000) << 1)  # the low half read as a signed int16, in [-32768, 32767]
+    upper = (bits - rem) >> 16  # arithmetic shift: the rounded upper half with its sign, in [-32768, 32767]
     return upper.to(torch.int16).view(torch.bfloat16), rem.to(torch.int16)
 
 
 def combine_remainder(upper: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The float32 tensor :func:`split_remainder` split into ``upper`` (bf16) and ``remainder`` (int16)."""
-    bits = (upper.view(torch.int16).to(torch.int64) << 16) + remainder.to(torch.int64)
-    bits = bits & 0xFFFFFFFF
-    bits = torch.where(bits >= 0x80000000, bits - _TWO32, bits)
-    return bits.to(torch.int32).view(torch.float32)
+    # upper * 2**16 is in [-2**31, 2**31 - 2**16] and adding the remainder gives back the original int32 pattern
+    return (upper.view(torch.int16).to(torch.int32) * 65536 + remainder.to(torch.int32)).view(torch.float32)
 
 
 def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``x`` (float32) rounded to bfloat16 stochastically: up (away from zero) with probability equal to the
-    dropped 16 bits / 2**16, else toward zero. Unbiased: E[result] = x. Non-finite values keep their class."""
+    """``x`` (float32) rounded to bfloat16 stochastically: away from zero with probability equal to the dropped
+    16 bits / 2**16, else toward zero. Unbiased: E[result] = x. Infinities stay infinite, NaN stays NaN. On the int32
+    pattern, adding the noise grows the magnitude bits for either sign, and the arithmetic shift drops the low half."""
     if x.dtype != torch.float32:
         raise TypeError(f"stochastic_round_bf16 needs float32 (got {x.dtype})")
-    noise = torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int64, generator=generator)
-    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # the unsigned bit pattern
-    rounded = ((bits + noise) >> 16) << 16
-    finite = torch.isfinite(x)
-    rounded = torch.where(finite, rounded, bits & 0xFFFF0000)  # inf stays inf; NaN stays NaN (upper half kept)
-    rounded = torch.where(rounded >= 0x80000000, rounded - _TWO32, rounded)
-    out = rounded.to(torch.int32).view(torch.float32).to(torch.bfloat16)  # exact: the low half is zero
-    return torch.where(torch.isnan(x), torch.full_like(out, float("nan")), out)  # a low-half-only NaN stays NaN
+    noise = torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int32, generator=generator)
+    rounded = ((_bits(x) + noise) >> 16).to(torch.int16)
+    return rounded.view(torch.bfloat16)
 
 
 def kahan_store(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

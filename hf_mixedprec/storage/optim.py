@@ -1,8 +1,9 @@
 """``StorageAdamW``: AdamW whose master weights and moments are stored as a recipe's ``storage:`` section says.
 
 The update is AdamW's (Loshchilov & Hutter 2019; torch ``AdamW`` semantics: decoupled weight decay, bias-corrected
-moments, ``eps`` outside the square root), computed in FP32 one parameter at a time, so the extra memory during a
-step is one parameter's FP32 copy. What is stored between steps is per parameter dtype:
+moments, ``eps`` outside the square root), computed in FP32 one parameter at a time: the extra memory during a step
+is a few FP32 temporaries (gradient, moments, master, new value) of the largest parameter, not of the model. What is
+stored between steps is per parameter dtype:
 
 * FP32 parameters are their own master (``master: fp32``);
 * BF16 parameters get the master their recipe chose: ``bf16_remainder`` (the BF16 weight plus the 16 bits BF16
@@ -10,7 +11,8 @@ step is one parameter's FP32 copy. What is stored between steps is per parameter
   BF16 compensation buffer), ``bf16_stochastic`` (stochastic rounding with the optimizer's own generator, whose state
   is saved in ``state_dict()`` so a resumed run draws the same numbers), or ``none`` (round to nearest: updates below
   half a BF16 ulp are lost; chosen explicitly only);
-* moments (``exp_avg``, ``exp_avg_sq``) in ``state_dtype`` (float32 or bfloat16).
+* moments (``exp_avg``, ``exp_avg_sq``) in ``state_dtype``: float32, or bfloat16 written with stochastic rounding
+  (round to nearest would freeze ``exp_avg_sq``'s 0.1%-a-step decay).
 
 No host read: bias corrections come from the step count on the device, and like torch's fused AdamW the optimizer
 takes ``found_inf``/``grad_scale`` from a ``GradScaler`` (``_step_supports_amp_scaling``) and skips a flagged step
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from hf_mixedprec.errors import StorageRefusal
 from hf_mixedprec.storage.bits import combine_remainder, kahan_store, split_remainder, stochastic_round_bf16
 
 __all__ = ["MASTER_MODES", "StorageAdamW", "keeps_updates", "pending_state"]
@@ -87,13 +90,20 @@ class StorageAdamW(torch.optim.Optimizer):
         self.state_dtype = state_dtype
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._saved_generators: dict[str, torch.Tensor] = {}  # device type -> state, from a checkpoint
 
     # -- stochastic rounding's generator (saved with the optimizer) ---------------------------------------------
     def _generator(self, device: torch.device) -> torch.Generator:
+        """One generator per device type, seeded alike: every data-parallel replica draws the same numbers, and a
+        resumed rank restores the one state saved (by rank 0) for its device type."""
         gen = self._generators.get(device)
         if gen is None:
             gen = self._generators[device] = torch.Generator(device=device)
-            gen.manual_seed(self.seed)
+            saved = self._saved_generators.get(device.type)
+            if saved is not None:
+                gen.set_state(saved)
+            else:
+                gen.manual_seed(self.seed)
         return gen
 
     def state_dict(self) -> dict[str, Any]:
@@ -101,18 +111,27 @@ class StorageAdamW(torch.optim.Optimizer):
         out["hf_mixedprec"] = {
             "master": self.master,
             "state_dtype": str(self.state_dtype).removeprefix("torch."),
-            "generators": {str(d): g.get_state() for d, g in self._generators.items()},
+            "generators": {d.type: g.get_state() for d, g in self._generators.items()},
         }
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         ours = state_dict.pop("hf_mixedprec", None)
-        if ours is not None and ours.get("master") != self.master:
-            raise ValueError(
-                f"optimizer checkpoint was written with storage.master {ours.get('master')!r}, this run has "
-                f"{self.master!r}: resume with the recipe the checkpoint was trained with"
+        wanted = {"master": self.master, "state_dtype": str(self.state_dtype).removeprefix("torch.")}
+        if ours is None and state_dict.get("state"):
+            raise StorageRefusal(
+                f"the optimizer checkpoint was not written by StorageAdamW (no remainders, compensation or rounding "
+                f"state), and this run keeps storage.master {self.master} with optimizer_states "
+                f"{wanted['state_dtype']}: resume with the recipe the checkpoint was trained with"
             )
+        for key, value in wanted.items():
+            if ours is not None and ours.get(key) != value:
+                name = "master" if key == "master" else "optimizer_states"
+                raise StorageRefusal(
+                    f"storage.{name}: the optimizer checkpoint was written with {ours.get(key)!r}, this run has "
+                    f"{value!r} (allowed: the value the checkpoint was trained with)"
+                )
         # torch casts floating state to the parameter's dtype on load; the moments and buffers keep their own
         super().load_state_dict(state_dict)
         saved = state_dict["state"]
@@ -120,8 +139,8 @@ class StorageAdamW(torch.optim.Optimizer):
             for key, value in saved.get(index, {}).items():
                 if torch.is_tensor(value) and key in self.state[p]:
                     self.state[p][key] = value.to(device=p.device, dtype=value.dtype).clone()
-        for name, gen_state in (ours or {}).get("generators", {}).items():
-            self._generator(torch.device(name)).set_state(gen_state.cpu())
+        self._generators = {}
+        self._saved_generators = {t: st.cpu() for t, st in (ours or {}).get("generators", {}).items()}
 
     # -- the step -----------------------------------------------------------------------------------------------
     def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
@@ -164,6 +183,18 @@ class StorageAdamW(torch.optim.Optimizer):
         else:
             p.data.copy_(master)  # round to nearest (master none, or another dtype)
 
+    def _store_moments(self, p: torch.Tensor, state: dict[str, Any], m: torch.Tensor, v: torch.Tensor) -> None:
+        """The updated moments in ``state_dtype``. BF16 moments are stochastically rounded: with beta2 = 0.999 the
+        decay of ``exp_avg_sq`` is 0.1% a step, under half a BF16 ulp (0.2-0.4%), so round-to-nearest would hold it
+        at its largest value and shrink every later step."""
+        if self.state_dtype == torch.bfloat16:
+            gen = self._generator(p.device)
+            state["exp_avg"].copy_(stochastic_round_bf16(m, gen))
+            state["exp_avg_sq"].copy_(stochastic_round_bf16(v, gen))
+        else:
+            state["exp_avg"].copy_(m)
+            state["exp_avg_sq"].copy_(v)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = None
@@ -199,8 +230,7 @@ class StorageAdamW(torch.optim.Optimizer):
                     m = torch.where(skip, state["exp_avg"].float(), m)
                     v = torch.where(skip, state["exp_avg_sq"].float(), v)
                     step = torch.where(skip, state["step"], step)
-                state["exp_avg"].copy_(m)
-                state["exp_avg_sq"].copy_(v)
+                self._store_moments(p, state, m, v)
                 state["step"].copy_(step)
                 self._store(p, state, new)
         return loss

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_mixedprec.errors import MixedPrecisionError
+from hf_mixedprec.errors import StorageRefusal
 from hf_mixedprec.storage.bits import kahan_store, split_remainder
 from hf_mixedprec.storage.optim import StorageAdamW, pending_state
 from hf_mixedprec.storage_config import LOW_BIT_STATES, StorageConfig
@@ -23,7 +23,9 @@ __all__ = [
     "StorageRefusal",
     "apply_storage",
     "check_optimizer_family",
+    "matches_storage",
     "optimizer_class",
+    "optimizer_family",
     "replace_optimizer",
     "replaceable",
     "storage_optimizer",
@@ -31,10 +33,6 @@ __all__ = [
 ]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class StorageRefusal(MixedPrecisionError):
-    """A storage choice that cannot be put into effect on this model or optimizer (the message says the fix)."""
 
 
 def apply_storage(model: nn.Module, plan: Any) -> list[str]:
@@ -99,7 +97,9 @@ def apply_storage(model: nn.Module, plan: Any) -> list[str]:
     return notes
 
 
-def _family(cls: type) -> str:
+def optimizer_family(cls: type) -> str:
+    """``adamw`` (torch Adam/AdamW, StorageAdamW, torchao's AdamW classes), ``sgd``, ``adafactor``, or the class
+    name."""
     names = {c.__name__ for c in cls.__mro__}
     if names & {"AdamW", "Adam", "StorageAdamW", "_AdamBase"}:
         return "adamw"
@@ -114,7 +114,7 @@ def check_optimizer_family(storage: StorageConfig, cls: type, source: str) -> No
     """Refuse an optimizer whose family contradicts ``storage.optimizer`` (``auto`` accepts any)."""
     if storage.optimizer == "auto":
         return
-    found = _family(cls)
+    found = optimizer_family(cls)
     if found != storage.optimizer:
         raise StorageRefusal(
             f"storage.optimizer is {storage.optimizer!r}, but {source} is {cls.__name__} ({found}) (allowed: an "
@@ -134,6 +134,19 @@ def _adam_hparams(source: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     if "betas" in out:
         out["betas"] = tuple(float(b) for b in out["betas"])
     return out
+
+
+def matches_storage(storage: StorageConfig, optimizer: Any) -> bool:
+    """Whether ``optimizer`` (an instance) keeps what ``storage`` asks for: the default needs nothing; otherwise a
+    StorageAdamW with the same master and state dtype, or the torchao low-bit class with the same rounding."""
+    if storage.is_default:
+        return True
+    cls, kwargs = optimizer_class(storage)
+    if type(optimizer) is not cls:
+        return False
+    if isinstance(optimizer, StorageAdamW):
+        return optimizer.master == kwargs["master"] and optimizer.state_dtype == kwargs["state_dtype"]
+    return bool(getattr(optimizer, "bf16_stochastic_round", False)) == kwargs["bf16_stochastic_round"]
 
 
 def optimizer_class(storage: StorageConfig, **hparams: Any) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -162,15 +175,18 @@ def storage_optimizer(storage: StorageConfig, params: Any, **hparams: Any) -> to
 def trainer_optimizer(storage: StorageConfig, cls: type, kwargs: dict[str, Any]) -> tuple[type, dict[str, Any]]:
     """For ``Trainer.optimizer_cls_and_kwargs``: the storage optimizer in place of the AdamW Trainer chose
     (``Trainer.get_optimizer_cls_and_kwargs``), with the same hyperparameters."""
-    if not (isinstance(cls, type) and issubclass(cls, (torch.optim.AdamW, torch.optim.Adam))):
+    if not (isinstance(cls, type) and optimizer_family(cls) == "adamw"):
         raise StorageRefusal(
             f"storage.master {storage.master} / optimizer_states {storage.optimizer_states} needs AdamW, but the "
             f"Trainer's optimizer is {getattr(cls, '__name__', cls)} (allowed: TrainingArguments.optim adamw_torch or "
             "adamw_torch_fused; or storage.master fp32 with optimizer_states fp32)"
         )
     hp = _adam_hparams("TrainingArguments.optim", kwargs)
-    if not issubclass(cls, torch.optim.AdamW) and hp.get("weight_decay"):
-        raise StorageRefusal("Adam with L2 weight decay is not AdamW; use an AdamW optimizer with this storage")
+    if issubclass(cls, torch.optim.Adam) and not issubclass(cls, torch.optim.AdamW) and hp.get("weight_decay"):
+        raise StorageRefusal(
+            f"storage.master {storage.master}: TrainingArguments.optim {cls.__name__} with weight_decay is L2 decay, "
+            "which StorageAdamW does not implement (allowed: adamw_torch or adamw_torch_fused)"
+        )
     return optimizer_class(storage, **hp)
 
 
@@ -192,8 +208,15 @@ def replaceable(storage: StorageConfig, optimizer: torch.optim.Optimizer) -> dic
             "it, which must happen before the first step"
         )
     hp = _adam_hparams(type(optimizer).__name__, dict(optimizer.defaults))
-    if not isinstance(optimizer, torch.optim.AdamW) and hp.get("weight_decay"):
-        raise StorageRefusal("torch.optim.Adam with weight_decay is L2 decay, not AdamW; pass torch.optim.AdamW")
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or optimizer.defaults.get("decoupled_weight_decay", False)
+    for i, group in enumerate(optimizer.param_groups):
+        _adam_hparams(f"{type(optimizer).__name__} param_groups[{i}]", group)
+        if group.get("weight_decay") and not (decoupled or group.get("decoupled_weight_decay", False)):
+            raise StorageRefusal(
+                f"storage.master {storage.master}: torch.optim.Adam with weight_decay (param_groups[{i}]) is L2 decay, "
+                "which StorageAdamW does not implement (allowed: torch.optim.AdamW, or Adam with "
+                "decoupled_weight_decay=True)"
+            )
     return hp
 
 
