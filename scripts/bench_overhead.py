@@ -308,6 +308,14 @@ def run_lockstep(
         build_trainer(s, recipe, model_kind, data, opts, log_every, t, os.path.join(opts.workdir, n.replace(":", "_")))
         for s, t, n in zip(sides, timers, names)
     ]
+    train_in_lockstep(turns, dict(zip(names, trainers)))
+    return [(t.wall[opts.warmup :], t.cpu[opts.warmup :]) for t in timers]
+
+
+def train_in_lockstep(turns: Turns, trainers: dict[str, Trainer]) -> None:
+    """Train every Trainer (keyed by its name in ``turns``) in its own thread, in lockstep. Setup is serialised: a
+    thread starts once the previous one is parked at ``on_train_begin`` (Accelerate's state is process-wide). The
+    first error of any thread stops the others and is raised here."""
     errors: list[BaseException] = []
 
     def train(tr: Trainer) -> None:
@@ -317,16 +325,15 @@ def run_lockstep(
             errors.append(exc)
             turns.abort()
 
-    threads = [threading.Thread(target=train, args=(tr,), daemon=True) for tr in trainers]
-    for th, n in zip(threads, names):
+    threads = {n: threading.Thread(target=train, args=(tr,), daemon=True) for n, tr in trainers.items()}
+    for n, th in threads.items():
         th.start()
         turns.parked[n].wait()
-    turns.go[names[0]].set()
-    for th in threads:
+    turns.go[turns.names[0]].set()
+    for th in threads.values():
         th.join()
     if errors:
         raise errors[0]
-    return [(t.wall[opts.warmup :], t.cpu[opts.warmup :]) for t in timers]
 
 
 def describe(ts: list[float]) -> dict[str, float]:

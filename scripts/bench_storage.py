@@ -35,12 +35,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import warnings
 from typing import Any
 
 import torch
-from bench_overhead import Bytes, LockstepTimer, Turns, describe, machine, reset_accelerate
+from bench_overhead import Bytes, LockstepTimer, Turns, describe, machine, reset_accelerate, train_in_lockstep
 from transformers import Trainer, TrainerCallback
 
 from hf_mixedprec._stdio import stdout_to_stderr
@@ -145,24 +144,7 @@ def lockstep_round(order: list[str], opts: argparse.Namespace, data: Any) -> dic
         n: build_trainer(n, opts, data, [timers[n], sizes[n]], os.path.join(opts.workdir, str(i)))
         for i, n in enumerate(order)
     }
-    errors: list[BaseException] = []
-
-    def train(tr: Trainer) -> None:
-        try:
-            tr.train()
-        except BaseException as exc:  # re-raised in the main thread
-            errors.append(exc)
-            turns.abort()
-
-    threads = {n: threading.Thread(target=train, args=(trainers[n],), daemon=True) for n in order}
-    for n in order:
-        threads[n].start()
-        turns.parked[n].wait()  # setup one at a time: Accelerate's state is process-wide
-    turns.go[order[0]].set()
-    for th in threads.values():
-        th.join()
-    if errors:
-        raise errors[0]
+    train_in_lockstep(turns, trainers)
     out = {}
     for n in order:
         rt = runtime_of(trainers[n])
