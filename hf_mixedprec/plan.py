@@ -10,6 +10,7 @@ decides again.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -39,7 +40,8 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "fp64",
     torch.int16: "int16",
 }
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "int16": 2}
+#: The torch dtype of each name the plan writes (``fp32``, ``bf16``, ...).
+_DTYPE_OF: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 #: torchao's block sizes for its low-bit AdamW states (``torchao/optim/adam.py``: AdamW8bit / AdamWFp8 256, AdamW4bit
 #: 128); tensors under 4096 elements or not a multiple of the block keep plain states in the parameter's dtype.
 _TORCHAO_BLOCK = {"8bit": 256, "4bit": 128, "fp8": 256}
@@ -96,10 +98,7 @@ class ParamPlan:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def changes_dtype(self) -> bool:
@@ -221,26 +220,26 @@ class PrecisionPlan:
         return lines
 
 
-def _param_bytes(
-    numel: int, shape: torch.Size, weight: str, master: str, trainable: bool, states: str | None
-) -> dict[str, int]:
-    out = {"weights": numel * _BYTES[weight]}
+def _param_bytes(p: nn.Parameter, weight: str, master: str, trainable: bool, states: str | None) -> dict[str, int]:
+    """Bytes of one parameter kept as the plan says: the weight (and its gradient) in ``weight`` (the loaded dtype
+    when it stays, whatever it is, e.g. a quantized base), the master's remainder or compensation, the states."""
+    numel = p.numel()
+    kept = p.dtype if weight == dtype_name(p.dtype) else _DTYPE_OF[weight]
+    out = {"weights": numel * kept.itemsize}
     if not trainable:
         return out
     if master.startswith("bf16 + "):
         out["master"] = numel * 2  # int16 remainder or bf16 compensation
-    out["gradients"] = numel * _BYTES[weight]
-    dtype = torch.bfloat16 if weight == "bf16" else (torch.float16 if weight == "fp16" else torch.float32)
+    out["gradients"] = numel * kept.itemsize
+    if states is None:
+        return out
     if states in LOW_BIT_STATES:
-        each = low_bit_state_bytes(states, shape, dtype)
-    elif states is not None:
-        each = numel * _BYTES[states]
+        each = low_bit_state_bytes(states, p.shape, kept)
     else:
-        each = 0
-    if states is not None:
-        out["exp_avg"] = each
-        out["exp_avg_sq"] = each
-        out["optimizer_step"] = 4  # one float32 step counter per parameter tensor
+        each = numel * _DTYPE_OF[states].itemsize
+    out["exp_avg"] = each
+    out["exp_avg_sq"] = each
+    out["optimizer_step"] = 4  # one float32 step counter per parameter tensor
     return out
 
 
@@ -315,7 +314,7 @@ def build_plan(
                 master=master,
                 grad=grad,
                 states=states,
-                bytes=_param_bytes(p.numel(), p.shape, weight, master, trainable, states),
+                bytes=_param_bytes(p, weight, master, trainable, states),
             )
         )
     st = spec.storage

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hf_mixedprec.errors import StorageRefusal
+from hf_mixedprec.formats import FORMATS
 from hf_mixedprec.storage.bits import kahan_store, split_remainder
 from hf_mixedprec.storage.optim import StorageAdamW, pending_state
 from hf_mixedprec.storage_config import LOW_BIT_STATES, StorageConfig
@@ -32,8 +33,6 @@ __all__ = [
     "trainer_optimizer",
 ]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def apply_storage(model: nn.Module, plan: Any) -> list[str]:
     """Make every trainable parameter's dtype the one ``plan`` keeps it in; returns the notes to record (what was
@@ -50,7 +49,7 @@ def apply_storage(model: nn.Module, plan: Any) -> list[str]:
         pp = by_name[name]
         if not pp.trainable or not pp.changes_dtype:
             continue
-        target = _DTYPES[pp.weight]
+        target = FORMATS[pp.weight].dtype
         before = p.element_size()
         # FP32 and FP16 values are exact in FP32: the remainder or compensation keeps every bit BF16 drops
         if target == torch.bfloat16 and plan.storage["master"] == "bf16_remainder":
