@@ -467,30 +467,34 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
 
 def _install_storage(trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) -> None:
     """The model's parameters in the dtypes the recipe's ``storage:`` keeps them in, and the optimizer it needs."""
+    from hf_mixedprec.storage.setup import check_optimizer_family, optimizer_family
+
+    cls, source = _trainer_optimizer_class(trainer)
 
     def optimizer_first(plan: Any) -> None:  # refused before any parameter changes dtype
         if plan.optimizer != "unchanged":
             _install_storage_optimizer(trainer, rt, late)
-        elif rt.recipe.storage.optimizer != "auto":
-            _check_trainer_optimizer(trainer, rt.recipe)
+        elif cls is not None:
+            check_optimizer_family(rt.recipe.storage, cls, source)
 
-    rt.prepare_storage(trainer.model, check=optimizer_first, family=_trainer_optimizer_family(trainer))
+    family = optimizer_family(cls) if cls is not None else None
+    rt.prepare_storage(trainer.model, check=optimizer_first, family=family)
 
 
-def _trainer_optimizer_family(trainer: Trainer) -> str | None:
-    """The family (adamw, sgd, adafactor, ...) of the optimizer the Trainer has or will build; None if unknown."""
-    from hf_mixedprec.storage.setup import optimizer_family
-
+def _trainer_optimizer_class(trainer: Trainer) -> tuple[type | None, str]:
+    """The class of the optimizer the Trainer has or will build, and where it comes from (for messages); None when
+    unknown (an ``optim`` needing a package that is missing: the Trainer says so when it builds it)."""
     current = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     if current is not None:
-        return optimizer_family(type(current))
+        return type(current), "the Trainer's optimizer"
     if trainer.optimizer_cls_and_kwargs is not None:
-        return optimizer_family(trainer.optimizer_cls_and_kwargs[0])
+        return trainer.optimizer_cls_and_kwargs[0], "Trainer(optimizer_cls_and_kwargs=...)"
     try:
         cls, _ = trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
-    except Exception:  # an optim needing a package that is missing: the Trainer says so when it builds it
-        return None
-    return optimizer_family(cls) if isinstance(cls, type) else None
+    except Exception:
+        return None, ""
+    optim = getattr(trainer.args.optim, "value", trainer.args.optim)
+    return (cls if isinstance(cls, type) else None), f"TrainingArguments.optim {optim!r}"
 
 
 def _check_deepspeed_storage(trainer: Trainer, recipe: RecipeSpec) -> None:
@@ -559,19 +563,6 @@ def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late
         f"{getattr(trainer.args.optim, 'value', trainer.args.optim)!r}) is built as "
         f"{wanted} with the same lr, betas, eps and weight_decay"
     )
-
-
-def _check_trainer_optimizer(trainer: Trainer, recipe: RecipeSpec) -> None:
-    """The optimizer family ``storage.optimizer`` names must be the Trainer's (the one passed in, or ``optim``'s)."""
-    from hf_mixedprec.storage.setup import check_optimizer_family
-
-    current = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-    if current is not None:
-        check_optimizer_family(recipe.storage, type(current), "the Trainer's optimizer")
-    else:
-        cls, _ = trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
-        optim = getattr(trainer.args.optim, "value", trainer.args.optim)
-        check_optimizer_family(recipe.storage, cls, f"TrainingArguments.optim {optim!r}")
 
 
 def _check_args(recipe: RecipeSpec, args: TrainingArguments) -> list[str]:
