@@ -431,15 +431,6 @@ def _fp8_buffers(model: nn.Module) -> int:
     return storage_bytes(b for _, layer in fp8.iter_monitored(model) for b in layer.buffers())
 
 
-def _apply_storage(model: nn.Module, plan: PrecisionPlan) -> None:
-    """Put ``plan``'s storage into effect on the fake model as ``MixedPrecisionRuntime.prepare_storage`` does (BF16
-    weights change what autograd saves). The remainders / Kahan buffers it hands to the optimizer are not built
-    here (the plan counts them); they go with the fake model."""
-    from hf_mixedprec.storage import apply_storage
-
-    apply_storage(model, plan)
-
-
 def _plan_has_states(plan: PrecisionPlan) -> bool:
     return any(p.states is not None for p in plan.params if p.trainable)
 
@@ -456,6 +447,7 @@ def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.
     from transformers import AutoModelForCausalLM
 
     from hf_mixedprec.fp8 import converted_types
+    from hf_mixedprec.storage import apply_storage
 
     step = _Step()
     with FakeTensorMode(allow_non_fake_inputs=True), _quiet_logs():
@@ -465,8 +457,8 @@ def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.
         backend = _fp8_backend(recipe, s.target) if recipe.precision == "fp8" else None
         with unset_fake_temporarily():  # the plan reads shapes only; torchao builds its quantization maps for real
             step.plan = build_plan(recipe, model, fp8_backend=backend, converted_types=converted_types())
-        if model_dtype is None:
-            _apply_storage(model, step.plan)
+        if model_dtype is None:  # as the run prepares it: BF16 weights change what autograd saves (the
+            apply_storage(model, step.plan)  # remainders it leaves for an optimizer go with the fake model)
         if backend is not None:
             _convert(model, recipe, backend, step)
         if s.gradient_checkpointing:
