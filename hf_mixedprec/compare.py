@@ -647,7 +647,10 @@ def _suggestions(run: RunResult) -> list[str]:
         weak = sorted(run.fidelity[max(run.fidelity)].items(), key=lambda kv: kv[1].sqnr_db)[:3] if worst else []
         if weak:
             patterns = ", ".join(f"'{name}'" for name, _ in weak)
-            out.append(f"keep the layers with the lowest gradient SQNR in BF16: fp8.keep_in_bf16: [{patterns}]")
+            out.append(
+                "keep the layers with the lowest gradient SQNR in BF16: a first modules rule "
+                f"{{match: [{patterns}], fp8: off}}"
+            )
         out.append(f"see each layer's FP8 numerics: hf-mixedprec simulate --recipe {run.recipe}")
         out.append("or use a BF16 recipe (a100-bf16) for this model")
     elif worst is not None and run.precision != "fp32":

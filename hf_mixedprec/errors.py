@@ -16,6 +16,7 @@ __all__ = [
     "EnvValueError",
     "HardwareRefusal",
     "MixedPrecisionError",
+    "ModuleRuleError",
     "Problem",
     "RecipeError",
     "StorageRefusal",
@@ -38,6 +39,11 @@ class EnvValueError(MixedPrecisionError, ValueError):
 class StorageRefusal(MixedPrecisionError):
     """A ``storage:`` choice that cannot be put into effect on this model, optimizer or checkpoint (the message says
     the fix)."""
+
+
+class ModuleRuleError(MixedPrecisionError, ValueError):
+    """A ``modules:`` rule that does not fit the model it is attached to (matches nothing, or lowers a module the
+    model declares must stay in FP32); the message names the rule's dotted key and the closest module names."""
 
 
 class HardwareRefusal(MixedPrecisionError, RuntimeError):

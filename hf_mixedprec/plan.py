@@ -1,7 +1,8 @@
 """The precision plan: one immutable answer, built once from (recipe, model), to "what precision does each thing get".
 
-For every GEMM layer and embedding it holds the FP8 decision (:func:`hf_mixedprec.fp8.policy.plan_conversion`, the
-only place that decides it), and for every parameter the dtype it is loaded in, the dtype it is kept in between
+For every module it holds the ``modules:`` rule that governs it and what its GEMMs compute in
+(:func:`hf_mixedprec.module_policy.assign_rules`), for every GEMM layer and embedding the FP8 decision
+(:func:`hf_mixedprec.fp8.policy.plan_conversion`, the only place that decides it), and for every parameter the dtype it is loaded in, the dtype it is kept in between
 steps, how its master is kept, its gradient's dtype and its optimizer states' dtypes, with the bytes each takes.
 Storage setup (:mod:`hf_mixedprec.storage.setup`), FP8 conversion, ``estimate`` and the run report read it; none
 decides again.
@@ -20,11 +21,13 @@ from torch import nn
 
 from hf_mixedprec.fp8 import conversion_backend, converted_types
 from hf_mixedprec.fp8.policy import LayerDecision, plan_conversion
+from hf_mixedprec.module_policy import RuleAssignment, assign_rules
 from hf_mixedprec.schema import RecipeSpec
 from hf_mixedprec.storage_config import LOW_BIT_STATES
 
 __all__ = [
     "DTYPE_NAMES",
+    "ModulePlan",
     "ParamPlan",
     "PrecisionPlan",
     "build_plan",
@@ -106,6 +109,20 @@ class ParamPlan:
 
 
 @dataclass(frozen=True)
+class ModulePlan:
+    """One module: its class, what its GEMMs compute in and the ``modules:`` rule that decided (None: the recipe's
+    precision)."""
+
+    name: str
+    kind: str
+    compute: str
+    rule: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "compute": self.compute, "rule": self.rule}
+
+
+@dataclass(frozen=True)
 class PrecisionPlan:
     """What each module computes in and what each parameter is stored in, for one recipe and one model."""
 
@@ -118,6 +135,11 @@ class PrecisionPlan:
     params: tuple[ParamPlan, ...]
     phases: tuple[str, ...] = ()
     fp8_notes: tuple[str, ...] = ()
+    modules: tuple[ModulePlan, ...] = ()
+    rules: tuple[str, ...] = ()
+    """The label and text of every ``modules:`` rule, in order (``lm_head: select lm_head: fp8 off``)."""
+    assignment: RuleAssignment | None = field(default=None, compare=False, repr=False)
+    """Which rule governs each module (the runtime puts their compute regions into effect from it)."""
     recipe_spec: Any = field(default=None, compare=False, repr=False)
     """The recipe object the plan was built from (the runtime checks a conversion is for the same one)."""
 
@@ -127,6 +149,24 @@ class PrecisionPlan:
         return replace(self, recipe_spec=spec, fp8_notes=tuple(fp8_notes), phases=phases or self.phases)
 
     # -- reading ------------------------------------------------------------------------------------------------
+    def module(self, name: str) -> ModulePlan:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise KeyError(f"no module named {name!r} in the plan")
+
+    def rule_groups(self) -> dict[str, list[str]]:
+        """The GEMM layers (Linear, Conv1D; FP8 or not) of each rule, by label; ``(no rule)`` for the rest: what
+        health statistics are grouped by."""
+        gemm = {d.name for d in self.fp8_layers if d.kind != "Embedding"} or {
+            m.name for m in self.modules if m.kind in ("Linear", "Conv1D")
+        }
+        out: dict[str, list[str]] = {}
+        for m in self.modules:
+            if m.name in gemm:
+                out.setdefault(m.rule or "(no rule)", []).append(m.name)
+        return out
+
     def param(self, name: str) -> ParamPlan:
         for p in self.params:
             if p.name == name:
@@ -187,6 +227,8 @@ class PrecisionPlan:
             "bytes": self.bytes_by_component(),
             "storage_groups": self.groups(),
             "fp8_layers": [d.to_dict() for d in self.fp8_layers],
+            "rules": list(self.rules),
+            "modules": [m.to_dict() for m in self.modules if m.rule is not None],
         }
 
     def to_json(self, **kw: Any) -> str:
@@ -243,32 +285,22 @@ def _param_bytes(p: nn.Parameter, weight: str, master: str, trainable: bool, sta
     return out
 
 
-def _keep_fp32_names(model: nn.Module, precision: str) -> tuple[str, ...]:
-    """Module names the model declares must stay in FP32: ``_keep_in_fp32_modules_strict`` always, and
-    ``_keep_in_fp32_modules`` under FP16 (transformers' ``modeling_utils.py`` applies them the same way)."""
-    names = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
-    if precision == "fp16":
-        names |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    return tuple(sorted(names))
-
-
-def _declared_fp32(name: str, keep: tuple[str, ...]) -> bool:
-    parts = name.split(".")
-    return any(k in parts or name.startswith(k + ".") for k in keep)
-
-
 def _storage_of(
-    spec: RecipeSpec, name: str, p: nn.Parameter, keep: tuple[str, ...], family: str
+    spec: RecipeSpec, name: str, p: nn.Parameter, rules: RuleAssignment, family: str
 ) -> tuple[str, str, str | None, str | None]:
-    """(kept dtype, master text, gradient dtype, state dtype) of one parameter under ``spec.storage``."""
+    """(kept dtype, master text, gradient dtype, state dtype) of one parameter under ``spec.storage`` and the rule
+    governing its module (``storage``, or ``compute fp32``: FP32 GEMMs need FP32 weights)."""
     loaded = dtype_name(p.dtype)
     if not p.requires_grad:
         return loaded, "frozen (no master)", None, None
     if not p.is_floating_point():
         return loaded, "not a float tensor", None, None
     st = spec.storage
-    if st.master == "fp32" or (loaded == "fp32" and _declared_fp32(name, keep)):
-        weight = "fp32"  # the master itself; a module the model keeps in FP32 stays there
+    module = name.rsplit(".", 1)[0] if "." in name else ""
+    rule = rules.rule_of(module)
+    wants_fp32 = rule is not None and (rule.storage == "fp32" or rule.compute == "fp32")
+    if st.master == "fp32" or wants_fp32 or (loaded == "fp32" and name in rules.fp32_params):
+        weight = "fp32"  # the master itself; a module the model or a rule keeps in FP32 stays there
     elif loaded in ("fp32", "bf16", "fp16"):
         weight = st.weight_dtype(spec.precision)
     else:
@@ -292,17 +324,19 @@ def build_plan(
     decisions are left empty for recipes without FP8. ``optimizer_family``: the family of the optimizer the run really
     uses when it is known (``adamw``, ``sgd``, ...); otherwise ``storage.optimizer`` says (``auto``: AdamW)."""
     family = optimizer_family or spec.storage.optimizer
+    rules = assign_rules(model, spec.modules, spec.precision, spec.distributed.strategy)
     fp8_layers: tuple[LayerDecision, ...] = ()
     if spec.precision == "fp8" and spec.fp8 is not None:
-        fp8_layers = tuple(plan_conversion(model, spec.fp8, converted_types=converted_types, backend=fp8_backend))
+        fp8_layers = tuple(
+            plan_conversion(model, spec.fp8, converted_types=converted_types, backend=fp8_backend, rules=rules)
+        )
     params = []
-    keep = _keep_fp32_names(model, spec.precision)
     seen: set[int] = set()
     for name, p in model.named_parameters():
         if id(p) in seen:  # tied weights are one tensor
             continue
         seen.add(id(p))
-        weight, master, grad, states = _storage_of(spec, name, p, keep, family)
+        weight, master, grad, states = _storage_of(spec, name, p, rules, family)
         trainable = p.requires_grad and p.is_floating_point()
         params.append(
             ParamPlan(
@@ -327,7 +361,25 @@ def build_plan(
         fp8_layers=fp8_layers,
         params=tuple(params),
         phases=spec.precisions() if spec.phases is not None else (),
+        modules=_modules(model, spec.precision, rules, fp8_layers),
+        rules=tuple(f"{r.label(i)}: {r.describe()}" for i, r in enumerate(spec.modules)),
+        assignment=rules,
     )
+
+
+def _modules(
+    model: nn.Module, precision: str, rules: RuleAssignment, fp8_layers: tuple[LayerDecision, ...]
+) -> tuple[ModulePlan, ...]:
+    """Every module's compute and rule; a GEMM layer an FP8 recipe keeps out of FP8 computes in BF16 autocast."""
+    fp8 = {d.name: d for d in fp8_layers}
+    out = []
+    for name, mod in model.named_modules():
+        compute = rules.compute_of(name, precision)
+        d = fp8.get(name)
+        if compute == "fp8" and d is not None and not d.fp8:
+            compute = "bf16"
+        out.append(ModulePlan(name, type(mod).__name__, compute, rules.label_of(name)))
+    return tuple(out)
 
 
 def run_plan(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_mixedprec.fp8.policy import find_block_list
+from hf_mixedprec.module_policy import find_block_list
 from hf_mixedprec.plan import PrecisionPlan, run_plan
 from hf_mixedprec.schema import RecipeSpec
 
@@ -57,6 +57,7 @@ def meta_model(config: Any) -> nn.Module:
 def _rows(plan: PrecisionPlan, model: nn.Module) -> list[MapRow]:
     by_param = {p.name: p for p in plan.params}
     fp8 = {d.name: d for d in plan.fp8_layers}
+    modules = {m.name: m for m in plan.modules}
     rows = []
     for name, mod in model.named_modules():
         own = [f"{name}.{n}" if name else n for n, _ in mod.named_parameters(recurse=False)]
@@ -64,11 +65,20 @@ def _rows(plan: PrecisionPlan, model: nn.Module) -> list[MapRow]:
         if not plans:
             continue
         first = plans[0]
+        mp = modules.get(name)
+        label = mp.rule if mp is not None else None
         d = fp8.get(name)
         if d is not None and d.fp8:
-            compute, rule = f"fp8 ({plan.fp8_backend}, {_scaling(plan)})", "converted"
+            compute = f"fp8 ({plan.fp8_backend}, {_scaling(plan)})"
+            rule = f"rule {label}; converted" if label else "converted"
+        elif d is not None and d.kind == "Embedding":
+            compute, rule = first.weight, (f"rule {label}; " if label else "") + d.reason
         elif d is not None:
-            compute, rule = (_AUTOCAST[plan.precision] if d.kind != "Embedding" else first.weight), d.reason
+            compute, rule = _compute_text(mp.compute if mp is not None else "bf16", label), d.reason
+        elif label is not None:
+            compute, rule = _compute_text(mp.compute, label), f"rule {label}"
+        elif plan.precision == "fp8" and any(len(p.shape) == 3 for p in plans):
+            compute, rule = _AUTOCAST["fp8"], "3-D expert weights (no nn.Linear to convert): no FP8 GEMM"
         elif isinstance(mod, (nn.Linear, nn.Embedding)) or type(mod).__name__ == "Conv1D":
             compute, rule = _AUTOCAST[plan.precision], f"precision {plan.precision}"
         else:
@@ -86,6 +96,13 @@ def _rows(plan: PrecisionPlan, model: nn.Module) -> list[MapRow]:
             )
         )
     return rows
+
+
+def _compute_text(compute: str, label: str | None) -> str:
+    """What a module a rule governs computes in, in the map's words."""
+    if compute == "fp32":
+        return "fp32 (outside autocast)" if label else "fp32"
+    return f"{compute} (autocast)" if compute in ("bf16", "fp16") else compute
 
 
 def _scaling(plan: PrecisionPlan) -> str:

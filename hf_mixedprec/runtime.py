@@ -53,6 +53,7 @@ from hf_mixedprec.fp8.state import (
     save_fp8_state,
 )
 from hf_mixedprec.health import HealthEvent, HealthMonitor, layers_to_bf16
+from hf_mixedprec.module_policy import install_compute
 from hf_mixedprec.phases import PhaseRunner
 from hf_mixedprec.plan import PrecisionPlan, run_plan
 from hf_mixedprec.reactions import Reactions
@@ -428,6 +429,11 @@ def _prepare_storage(rt: MixedPrecisionRuntime, model: nn.Module, check: Any, fa
         check(rt.plan)
     for text in apply_storage(model, rt.plan):
         rt.note(text)
+    assignment = rt.plan.assignment
+    if assignment is not None:
+        regions = install_compute(model, assignment, rt.active.precision, rt.device.type)
+        for text in (*rt.recipe.legacy_notes, *assignment.notes, *regions):
+            rt.note(text)
     return rt.plan
 
 

@@ -15,10 +15,20 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from hf_mixedprec.formats import FP8_SCALING_DEFAULTS
+from hf_mixedprec.modules_config import DEFAULT_RULES, LEGACY_FP8_KEYS, ModuleRule, legacy_rules, module_rules_check
 from hf_mixedprec.storage_config import StorageConfig, storage_rules
 
 __all__ = [
@@ -33,6 +43,7 @@ __all__ = [
     "FP8Config",
     "HealthConfig",
     "LossScaleConfig",
+    "ModuleRule",
     "PhaseConfig",
     "RecipeSpec",
     "StorageConfig",
@@ -159,12 +170,6 @@ class FP8Config(_Section):
     torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = Field(
         None, description="backend torchao only: torchao's float8 recipe name (default tensorwise)."
     )
-    keep_in_bf16: StrTuple = Field(
-        (), description="Module name patterns (fnmatch globs on the dotted name) kept in high precision."
-    )
-    keep_first_last_blocks: int = Field(0, ge=0, description="Keep this many transformer blocks at each end in BF16.")
-    keep_lm_head: bool = Field(True, description="Keep the output projection (lm_head) in BF16.")
-    keep_embeddings: bool = Field(True, description="Keep embeddings in BF16 (reported; embeddings are not GEMMs).")
     align: int = Field(
         16, ge=1, description="Linear layers whose in/out features are not multiples of this stay in BF16."
     )
@@ -536,6 +541,21 @@ class PhaseConfig(_Section):
         return self.name or f"phase {index}"
 
 
+def _check_legacy(fp8: Mapping[str, Any]) -> None:
+    """The types of the moved ``fp8.keep_*`` keys, checked where the user wrote them."""
+    pats = fp8.get("keep_in_bf16")
+    if pats is not None and not (
+        isinstance(pats, str) or (isinstance(pats, (list, tuple)) and all(isinstance(p, str) for p in pats))
+    ):
+        raise _rule("fp8.keep_in_bf16", f"{pats!r} is not a list of module-name globs")
+    n = fp8.get("keep_first_last_blocks")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise _rule("fp8.keep_first_last_blocks", f"{n!r} is not a block count (allowed: an integer >= 0)")
+    for key in ("keep_lm_head", "keep_embeddings"):
+        if fp8.get(key) is not None and not isinstance(fp8[key], bool):
+            raise _rule(f"fp8.{key}", f"{fp8[key]!r} is not true or false")
+
+
 def _phase_data(base: dict[str, Any], phase: PhaseConfig) -> dict[str, Any]:
     """The plain recipe data one phase trains with: ``base`` (the recipe's data without ``phases``) with the phase's
     precision and fp8 keys. Options that belong to the recipe's own FP8 scaling (or torchao backend) are dropped when
@@ -595,7 +615,7 @@ def _phase_rules(spec: RecipeSpec) -> tuple[RecipeSpec, ...]:
     out = []
     for i, phase in enumerate(phases):
         try:
-            out.append(type(spec).model_validate(_phase_data(base, phase)))
+            out.append(type(spec).model_validate(_phase_data(base, phase), context={"phase": True}))
         except ValidationError as exc:
             # the phase's own problems, each reported at phases.<i>.<key> (recipe_files formats them)
             raise PydanticCustomError(
@@ -625,6 +645,11 @@ class RecipeSpec(_Section):
         description="What weights, master weights and optimizer states are stored in (default: FP32 master and "
         "FP32 AdamW moments). See docs/storage.md.",
     )
+    modules: Annotated[tuple[ModuleRule, ...], BeforeValidator(_as_tuple)] = Field(
+        DEFAULT_RULES,
+        description="Per-module precision rules, first match wins (default: MoE routers compute fp32, the output "
+        "projection out of FP8; a list given replaces them). See docs/modules.md.",
+    )
     clipping: ClippingConfig = Field(default_factory=ClippingConfig, description="Gradient clipping.")
     health: HealthConfig = Field(default_factory=HealthConfig, description="Scale-health monitoring and reactions.")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="How the job is launched.")
@@ -650,6 +675,30 @@ class RecipeSpec(_Section):
         elif precision in ("fp32", "fp16", "bf16") and data.get("fp8") is not None:
             raise _rule("fp8", f"only applies to precision fp8 (precision is {precision}); remove it")
         return data
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _legacy_fp8_keys(cls, data: Any, handler: Any) -> Any:
+        """Recipes written before ``modules:`` keep loading: their ``fp8.keep_*`` keys become rules placed first
+        (they decided before any default did), each with a note the run records (:attr:`legacy_notes`)."""
+        fp8 = data.get("fp8") if isinstance(data, Mapping) else None
+        if not isinstance(fp8, Mapping) or not any(k in fp8 for k in LEGACY_FP8_KEYS):
+            return handler(data)
+        _check_legacy(fp8)
+        rules, notes = legacy_rules(dict(fp8))
+        data = dict(data)
+        data["fp8"] = {k: v for k, v in fp8.items() if k not in LEGACY_FP8_KEYS}
+        own = data.get("modules", [r.model_dump(exclude_none=True, by_alias=True) for r in DEFAULT_RULES])
+        data["modules"] = [*rules, *(own if isinstance(own, (list, tuple)) else [own])]
+        spec = handler(data)
+        spec._legacy_notes = tuple(notes)
+        return spec
+
+    @model_validator(mode="after")
+    def _module_rules(self, info: ValidationInfo) -> RecipeSpec:
+        if not (info.context or {}).get("phase"):  # a phase's recipe shares the rules checked for the whole run
+            module_rules_check(self.modules, self.precisions_declared(), self.storage.master)
+        return self
 
     @model_validator(mode="after")
     def _deepspeed_scaler(self) -> RecipeSpec:
@@ -688,6 +737,16 @@ class RecipeSpec(_Section):
         return self
 
     _rehearse: bool = PrivateAttr(default=False)
+    _legacy_notes: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def legacy_notes(self) -> tuple[str, ...]:
+        """What an old recipe's moved keys became (``fp8.keep_lm_head`` -> a ``modules`` rule), one note each."""
+        return self._legacy_notes
+
+    def precisions_declared(self) -> tuple[str, ...]:
+        """The recipe's precision and those its phases name (read before the phases are validated as recipes)."""
+        return (self.precision, *(p.precision for p in self.phases or ()))
 
     # -- phases ---------------------------------------------------------------------------------------
     def phase_specs(self) -> tuple[RecipeSpec, ...]:
@@ -723,7 +782,7 @@ class RecipeSpec(_Section):
     # -- serialisation ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples), omitting options that do not apply."""
-        return json.loads(self.model_dump_json(exclude_none=True))
+        return json.loads(self.model_dump_json(exclude_none=True, by_alias=True))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)

@@ -6,7 +6,7 @@ steps it samples each FP8 layer's amax, saturation (values clipped at the FP8 ma
 values that quantize to zero), SQNR of quantize-dequantize and, for MXFP8, the fraction of blocks whose
 E8M0 scale sits at the clamp (each layer's ``LayerStats``). Layers that cross the recipe's ``health.detectors``
 thresholds for ``fp8_saturation``, ``fp8_underflow``, ``fp8_sqnr`` or ``mx_clamp`` (decided by
-:func:`hf_mixedprec.health.layer_breaches`, as in training) are recommended for ``keep_in_bf16``.
+:func:`hf_mixedprec.health.layer_breaches`, as in training) are recommended for an ``fp8: off`` rule in ``modules:``.
 Published FP8 divergences start from outliers that saturate E4M3 first, so saturation leads the list.
 A model in which the recipe converts no layer (every Linear/Conv1D kept, or none found) has nothing to check:
 the result says so (:data:`NOTHING_CHECKED`) and never calls the recipe safe.
@@ -65,7 +65,7 @@ class SimulationResult:
     conversion: ConversionReport
     seconds: float
     notes: list[str] = field(default_factory=list)
-    keep_in_bf16: list[str] = field(default_factory=list)  # the recipe's own patterns (a YAML list replaces them)
+    rules: list[str] = field(default_factory=list)  # the recipe's own modules rules, YAML flow (a list replaces them)
     plan: PrecisionPlan | None = None  # the precision plan the FP8 conversion read
 
     @property
@@ -129,10 +129,12 @@ class SimulationResult:
             lines.append("recommend keeping in BF16:")
             for layer in self.recommended:
                 lines.append(f"  {layer.name}: {'; '.join(layer.keep_reasons)}")
-            # a list in a child recipe replaces the parent's, so the suggestion repeats the recipe's patterns
-            names = [*self.keep_in_bf16, *(layer.name for layer in self.recommended)]
-            pats = ", ".join(f'"{n}"' for n in dict.fromkeys(names))
-            lines.append(f"  -> add to your recipe:  fp8: {{keep_in_bf16: [{pats}]}}")
+            # a list in a child recipe replaces the parent's, so the suggestion repeats the recipe's rules after it
+            pats = ", ".join(f'"{n}"' for n in dict.fromkeys(layer.name for layer in self.recommended))
+            lines.append("  -> add to your recipe (first match wins; the list replaces the recipe's own):")
+            lines.append("     modules:")
+            lines.append(f"       - {{name: simulate_keep, match: [{pats}], fp8: off}}")
+            lines += [f"       - {rule}" for rule in self.rules]
         else:
             lines.append("recommendation: no layer crossed the recipe's FP8 health thresholds; the recipe looks safe")
         lines += [f"note: {n}" for n in self.notes]
@@ -212,6 +214,19 @@ def _train(model: Any, batches: list[torch.Tensor], lr: float, sample_at: set[in
     for m in mods:
         m.record_stats = False
     return [float(v) for v in torch.stack(losses).float().tolist()]
+
+
+def _flow(rule: dict[str, Any]) -> str:
+    """A rule as one YAML flow mapping (``{name: lm_head, select: lm_head, fp8: off}``)."""
+
+    def text(k: str, v: Any) -> str:
+        if isinstance(v, bool):
+            return ("on" if v else "off") if k == "fp8" else str(v).lower()
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(f'"{x}"' for x in v) + "]"
+        return str(v)
+
+    return "{" + ", ".join(f"{k}: {text(k, v)}" for k, v in rule.items()) + "}"
 
 
 def _reason(b: LayerBreach) -> str:
@@ -295,6 +310,6 @@ def simulate(
         conversion=report,
         seconds=time.perf_counter() - start,
         notes=notes,
-        keep_in_bf16=list(recipe.fp8.keep_in_bf16),
+        rules=[_flow(r.model_dump(exclude_defaults=True, by_alias=True)) for r in recipe.modules],
         plan=plan,
     )

@@ -150,8 +150,8 @@ def test_gpt2_conv1d_projections_are_gemm_layers_with_the_same_keep_rules():
     assert {n: kinds[n] for n in CONV1D_NAMES} == dict.fromkeys(CONV1D_NAMES, "Conv1D") and kinds["lm_head"] == "Linear"
     assert rep.decision("transformer.h.0.attn.c_attn").in_features == 64
     assert rep.decision("transformer.h.0.attn.c_attn").out_features == 192
-    assert rep.decision("lm_head").reason == "output projection (keep_lm_head)"
-    assert rep.decision("transformer.h.1.mlp.c_fc").reason == "matches keep_in_bf16 pattern '*.h.1.mlp.c_fc'"
+    assert rep.decision("lm_head").reason == "rule lm_head (select lm_head: fp8 off)"
+    assert rep.decision("transformer.h.1.mlp.c_fc").reason == "rule keep_in_bf16 (match *.h.1.mlp.c_fc: fp8 off)"
     assert sorted(rep.converted) == sorted(n for n in CONV1D_NAMES if n != "transformer.h.1.mlp.c_fc")
     assert isinstance(model.transformer.h[0].attn.c_attn, EmulatedFP8Conv1D)
     assert isinstance(model.transformer.h[1].mlp.c_fc, Conv1D)
@@ -213,7 +213,7 @@ def test_runtime_warns_loudly_when_a_recipe_converts_nothing(caplog):
     msg = records[0].getMessage()
     assert "WARNING: FP8 converted nothing: 0 of 1 GEMM layers in FP8" in msg
     assert "FP8 conversion (emulated, delayed scaling, HYBRID): 0 of 1 Linear layers in FP8" in msg
-    assert "output projection (keep_lm_head): lm_head" in msg
+    assert "rule lm_head (select lm_head: fp8 off): lm_head" in msg
     assert rep.warning in rt.notes  # the run report records it too
 
 

@@ -150,7 +150,7 @@ def test_output_dtype_follows_autocast_and_grads_keep_param_dtype():
 def test_report_keeps_lm_head_and_embeddings_and_serialises():
     model = tiny_llama()
     rep = convert(model, load_recipe_file("h100-fp8-delayed"), backend="emulated")
-    assert rep.decision("lm_head").fp8 is False and "keep_lm_head" in rep.decision("lm_head").reason
+    assert rep.decision("lm_head").fp8 is False and "rule lm_head" in rep.decision("lm_head").reason
     assert rep.decision("model.embed_tokens").fp8 is False and rep.decision("model.embed_tokens").kind == "Embedding"
     assert len(rep.converted) == 14 and set(rep.kept) == {"lm_head", "model.embed_tokens"}
     assert isinstance(model.model.layers[0].mlp.up_proj, EmulatedFP8Linear)
@@ -165,9 +165,10 @@ def test_policy_rules_never_stop_at_the_first_unconvertible_layer():
     r = fp8_recipe("current", keep_first_last_blocks=1, keep_in_bf16=["*.v_proj"])
     rep = convert(model, r)
     dec = {d.name: d for d in rep.layers}
-    assert "block 0 of 4" in dec["model.layers.0.self_attn.q_proj"].reason
-    assert "block 3 of 4" in dec["model.layers.3.mlp.up_proj"].reason
-    assert dec["model.layers.1.self_attn.v_proj"].reason == "matches keep_in_bf16 pattern '*.v_proj'"
+    blocks = "rule keep_first_last_blocks (first_last_blocks 1: fp8 off)"  # the old keys, read as module rules
+    assert dec["model.layers.0.self_attn.q_proj"].reason == blocks
+    assert dec["model.layers.3.mlp.up_proj"].reason == blocks
+    assert dec["model.layers.1.self_attn.v_proj"].reason == "rule keep_in_bf16 (match *.v_proj: fp8 off)"
     assert dec["model.layers.1.mlp.up_proj"].reason == "in/out features 64x100 not divisible by align=16"
     assert dec["model.layers.2.mlp.down_proj"].reason == "in/out features 100x64 not divisible by align=16"
     assert dec["model.layers.2.self_attn.o_proj"].fp8 is True  # after an unconvertible layer
@@ -179,18 +180,26 @@ def test_policy_rules_never_stop_at_the_first_unconvertible_layer():
 def test_moe_router_pattern_in_shipped_recipes():
     from hf_mixedprec.fp8.policy import plan_conversion
 
-    class Moe(nn.Module):
+    class Moe(nn.Module):  # a Linear router named gate beside the experts (Mixtral before transformers 5)
         def __init__(self):
             super().__init__()
             self.gate = nn.Linear(64, 32)
             self.gate_proj = nn.Linear(64, 64)
+            self.experts = nn.ModuleList([nn.Linear(64, 64)])
 
-    dec = {d.name: d for d in plan_conversion(Moe(), load_recipe_file("h100-fp8-current").fp8)}
-    assert dec["gate"].fp8 is True  # a top-level "gate" has no parent: the pattern is for "...moe.gate"
+    class Dense(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(64, 32)
+
+    r = load_recipe_file("h100-fp8-current")
+    dec = {d.name: d for d in plan_conversion(Dense(), r.fp8, rules=r.modules)}
+    assert dec["gate"].fp8 is True  # a "gate" with no experts beside it is no router
     m = nn.Module()
     m.block_sparse_moe = Moe()
-    dec = {d.name: d for d in plan_conversion(m, load_recipe_file("h100-fp8-current").fp8)}
-    assert dec["block_sparse_moe.gate"].fp8 is False and dec["block_sparse_moe.gate_proj"].fp8 is True
+    dec = {d.name: d for d in plan_conversion(m, r.fp8, rules=r.modules)}
+    assert dec["block_sparse_moe.gate"].reason == "rule moe_router (select moe_routers: compute fp32)"
+    assert dec["block_sparse_moe.gate_proj"].fp8 is True and dec["block_sparse_moe.experts.0"].fp8 is True
 
 
 def test_conversion_keeps_parameter_identity_and_is_idempotent():

@@ -357,7 +357,7 @@ def test_fp8_conversion_summary_is_visible_at_the_default_log_level(tmp_path):
     assert len(lines) == 1, r.stderr[-2000:]
     assert "(emulated, delayed scaling, HYBRID): 14 of 15 Linear layers in FP8" in lines[0]
     assert lines[0].endswith(
-        "kept in high precision: embedding lookup (no GEMM): model.embed_tokens; output projection (keep_lm_head): lm_head"
+        "kept in high precision: embedding lookup (no GEMM): model.embed_tokens; rule lm_head (select lm_head: fp8 off): lm_head"
     )
 
 

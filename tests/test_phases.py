@@ -97,8 +97,10 @@ phases:
     specs = r.phase_specs()
     assert [s.precision for s in specs] == ["bf16", "fp8", "fp8", "fp32"]
     # the phase's fp8 keys override the recipe's; delayed-only options are dropped with the scaling they belong to
-    assert specs[1].fp8.scaling == "current" and specs[1].fp8.keep_lm_head is False
-    assert specs[1].fp8.amax_history_len is None and specs[1].fp8.keep_in_bf16 == r.fp8.keep_in_bf16
+    assert specs[1].fp8.scaling == "current" and specs[1].fp8.amax_history_len is None
+    # the phase's old keep_lm_head key is read as a module rule of that phase, before the recipe's own rules
+    assert specs[1].modules[0].select == "lm_head" and specs[1].modules[0].fp8 is True
+    assert specs[1].modules[1:] == r.modules
     assert specs[2].fp8 == r.fp8 and specs[0].fp8 is None and specs[3].fp8 is None
     assert all(s.rehearse for s in specs) and r.autocast_precision() == "bf16"
     assert resolve_recipe(r.to_dict()).rehearsed() == r  # the YAML it shows is the recipe it runs

@@ -90,13 +90,11 @@ def test_json_schema_names_every_section():
         "power_2_scales",
         "mx_rounding",
         "block_size",
-        "keep_in_bf16",
-        "keep_first_last_blocks",
-        "keep_lm_head",
-        "keep_embeddings",
         "align",
     ):
         assert key in fp8, key
+    rule = schema["$defs"]["ModuleRule"]["properties"]
+    assert {"match", "class", "select", "first_blocks", "last_blocks", "compute", "fp8", "storage"} <= set(rule)
     ls = schema["$defs"]["LossScaleConfig"]["properties"]
     assert set(ls) == {
         "init_scale",
@@ -294,8 +292,12 @@ def test_yaml_round_trip_of_custom_recipe():
         }
     )
     text = r.to_yaml()
-    assert yaml.safe_load(text)["fp8"]["keep_in_bf16"] == ["*.mlp.*"]
-    assert Recipe.from_yaml(text) == r
+    data = yaml.safe_load(text)
+    assert "keep_in_bf16" not in data["fp8"]  # an old key, read as the module rule it means
+    assert data["modules"][0] == {"name": "keep_in_bf16", "match": ["*.mlp.*"], "fp8": False, "required": False}
+    assert r.legacy_notes and "fp8.keep_in_bf16 is now a module rule" in r.legacy_notes[0]
+    again = Recipe.from_yaml(text)
+    assert again.to_dict() == r.to_dict() and again.modules == r.modules and not again.legacy_notes
 
 
 def test_switching_method_or_scaling_in_a_child_drops_the_old_options():
@@ -305,4 +307,4 @@ def test_switching_method_or_scaling_in_a_child_drops_the_old_options():
     assert r.clipping.method == "norm" and r.clipping.params() == {"max_norm": 0.5}
     r = resolve_recipe({"name": "m", "extends": "h100-fp8-delayed", "fp8": {"scaling": "current"}})
     assert r.fp8.scaling == "current" and r.fp8.amax_history_len is None
-    assert r.fp8.keep_in_bf16 == load_recipe_file("h100-fp8-delayed").fp8.keep_in_bf16  # common options stay
+    assert r.fp8.align == 16 and r.modules == load_recipe_file("h100-fp8-delayed").modules  # common options stay

@@ -204,7 +204,9 @@ def convert(
     if backend is None:
         backend, notes = resolve_backend(recipe, _model_device(model))
     if decisions is None:
-        decisions = plan_conversion(model, recipe.fp8, converted_types=converted_types(), backend=backend)
+        decisions = plan_conversion(
+            model, recipe.fp8, converted_types=converted_types(), backend=backend, rules=recipe.modules
+        )
     decisions = list(decisions)
     notes += _unsupported_kind_notes(decisions, backend)
     if backend == "emulated":

@@ -3,25 +3,26 @@
 The GEMM layers considered are ``nn.Linear`` and transformers' ``Conv1D`` (``transformers/pytorch_utils.py``,
 GPT-2's projections: weight [in, out], ``y = x @ weight + bias``); both follow the same rules, in the order they
 are checked (the first that matches gives the reason): LoRA adapters (PEFT keeps them in high precision; only the
-frozen base layer is converted), the output projection (``keep_lm_head``), name patterns (``keep_in_bf16``,
-fnmatch globs on the dotted module name), the first/last N transformer blocks (``keep_first_last_blocks``), a
-kind the backend cannot convert (``Conv1D`` under torchao or Transformer Engine), and dimensions not divisible by
-``align`` (FP8 GEMMs in TE and torchao want multiples of 16; MXFP8 needs whole 32-element blocks). Embeddings are
-lookups, not GEMMs, and are listed as kept. Every layer gets a decision: planning never stops at the first layer
-it cannot convert, and never skips one silently. A layer that is already an FP8 module is listed as FP8 with
-``already_fp8`` set: the backends leave it alone.
+frozen base layer is converted), a parameter the model declares must stay in FP32
+(``_keep_in_fp32_modules_strict``), the recipe's ``modules:`` rule governing the layer (``fp8: off`` or a
+``compute`` other than fp8; :mod:`hf_mixedprec.module_policy` says which rule that is), a kind the backend cannot
+convert (``Conv1D`` under torchao or Transformer Engine), and dimensions not divisible by ``align`` (FP8 GEMMs in TE
+and torchao want multiples of 16; MXFP8 needs whole 32-element blocks). Embeddings are lookups, not GEMMs, and are
+listed as kept. Every layer gets a decision: planning never stops at the first layer it cannot convert, and never
+skips one silently. A layer that is already an FP8 module is listed as FP8 with ``already_fp8`` set: the backends
+leave it alone.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import re
 import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 from torch import nn
 
+from hf_mixedprec.module_policy import RuleAssignment, assign_rules, find_block_list
+from hf_mixedprec.modules_config import DEFAULT_RULES, ModuleRule
 from hf_mixedprec.schema import FP8Config
 
 __all__ = [
@@ -79,27 +80,6 @@ class LayerDecision:
         return d
 
 
-def find_block_list(model: nn.Module) -> tuple[str, int] | None:
-    """The dotted name and length of the transformer block list: the longest ModuleList of same-class modules."""
-    best: tuple[str, int] | None = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
-            classes = {type(m) for m in mod}
-            if len(classes) == 1 and (best is None or len(mod) > best[1]):
-                best = (name, len(mod))
-    return best
-
-
-def _output_projection_names(model: nn.Module) -> set[str]:
-    names = set()
-    get_out = getattr(model, "get_output_embeddings", None)
-    out = get_out() if callable(get_out) else None
-    for name, mod in model.named_modules():
-        if (out is not None and mod is out) or name.split(".")[-1] in ("lm_head", "output", "embed_out"):
-            names.add(name)
-    return names
-
-
 def _is_lora(name: str) -> bool:
     return any(part.startswith("lora_") for part in name.split("."))
 
@@ -127,9 +107,7 @@ class _Context:
     """What every layer's decision needs to know about the model, the recipe and the backend."""
 
     cfg: FP8Config
-    heads: set[str]
-    blocks: tuple[str, int] | None
-    block_re: re.Pattern[str] | None
+    rules: RuleAssignment
     backend: str
     kinds: tuple[str, ...]
 
@@ -139,16 +117,12 @@ def _keep_reason(name: str, kind: str, in_f: int, out_f: int, ctx: _Context) -> 
     cfg = ctx.cfg
     if _is_lora(name):
         return LORA_ADAPTER
-    if name in ctx.heads and cfg.keep_lm_head:
-        return "output projection (keep_lm_head)"
-    pattern = next((p for p in cfg.keep_in_bf16 if fnmatch.fnmatchcase(name, p)), None)
-    if pattern is not None:
-        return f"matches keep_in_bf16 pattern {pattern!r}"
-    m = ctx.block_re.match(name) if ctx.block_re is not None and cfg.keep_first_last_blocks else None
-    if m and ctx.blocks is not None:
-        idx, n, k = int(m.group(1)), ctx.blocks[1], cfg.keep_first_last_blocks
-        if idx < k or idx >= n - k:
-            return f"block {idx} of {n} is within the first/last {k} (keep_first_last_blocks)"
+    if any(p.startswith(name + ".") and "." not in p[len(name) + 1 :] for p in ctx.rules.fp32_params):
+        return "the model keeps it in FP32 (_keep_in_fp32_modules)"
+    rule = ctx.rules.rule_of(name)
+    if rule is not None and rule.keeps_out_of_fp8():
+        i = ctx.rules.owner[name]
+        return f"rule {rule.label(i)} ({rule.describe()})"
     if kind not in ctx.kinds:
         return f"{kind}: backend {ctx.backend} converts only nn.Linear"
     if in_f % cfg.align or out_f % cfg.align:
@@ -159,17 +133,22 @@ def _keep_reason(name: str, kind: str, in_f: int, out_f: int, ctx: _Context) -> 
 
 
 def plan_conversion(
-    model: nn.Module, cfg: FP8Config, *, converted_types: Iterable[type] = (), backend: str | None = None
+    model: nn.Module,
+    cfg: FP8Config,
+    *,
+    converted_types: Iterable[type] = (),
+    backend: str | None = None,
+    rules: RuleAssignment | tuple[ModuleRule, ...] | None = None,
 ) -> list[LayerDecision]:
     """Decide, for every GEMM layer (``nn.Linear``, transformers' ``Conv1D``) and Embedding, whether it runs in
-    FP8 and why. ``backend`` (None: any) keeps the layer kinds it cannot convert, naming it in the reason."""
+    FP8 and why. ``backend`` (None: any) keeps the layer kinds it cannot convert, naming it in the reason.
+    ``rules``: the recipe's ``modules:`` rules, or their assignment to this model (None: the default rules)."""
     converted_types = tuple(converted_types)
-    blocks = find_block_list(model)
+    if not isinstance(rules, RuleAssignment):
+        rules = assign_rules(model, DEFAULT_RULES if rules is None else tuple(rules), "fp8")
     ctx = _Context(
         cfg=cfg,
-        heads=_output_projection_names(model),
-        blocks=blocks,
-        block_re=re.compile(rf"^{re.escape(blocks[0])}\.(\d+)(\.|$)") if blocks else None,
+        rules=rules,
         backend=backend or "any",
         kinds=BACKEND_GEMM_KINDS.get(backend, GEMM_KINDS) if backend is not None else GEMM_KINDS,
     )
@@ -177,7 +156,7 @@ def plan_conversion(
     decisions: list[LayerDecision] = []
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Embedding):
-            why = "embedding lookup (no GEMM)" if cfg.keep_embeddings else "embedding lookup has no FP8 GEMM"
+            why = "embedding lookup (no GEMM)"
             decisions.append(LayerDecision(name, "Embedding", mod.num_embeddings, mod.embedding_dim, False, why))
             continue
         if converted_types and isinstance(mod, converted_types):

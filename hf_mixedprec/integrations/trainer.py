@@ -45,6 +45,7 @@ from hf_mixedprec.fp8.state import read_fp8_state_file
 from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.health import HealthMonitor
 from hf_mixedprec.integrations.accelerate_plugin import accelerate_precision, backpropagated_loss, enable_native_fp16
+from hf_mixedprec.module_policy import assign_rules
 from hf_mixedprec.recipe_files import resolve_recipe
 from hf_mixedprec.runtime import MixedPrecisionRuntime, fp8_state_dict, load_fp8_state, save_fp8_state
 from hf_mixedprec.schema import RecipeSpec
@@ -246,7 +247,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         rt = MixedPrecisionRuntime(recipe, device=device, rehearse=self.rehearse)
         deepspeed = bool(getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False))
         # storage first: a refusal leaves the model, its forward and the Trainer as they were
-        _check_deepspeed_storage(trainer, recipe) if deepspeed else _install_storage(trainer, rt, late)
+        notes += _check_deepspeed_storage(trainer, recipe) if deepspeed else _install_storage(trainer, rt, late)
         self.runtime = rt
         for text in notes:
             rt.note(text)
@@ -465,8 +466,9 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             rt.note(f"STOPPED: {rt.stop_requested}. Resume with {how}")
 
 
-def _install_storage(trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) -> None:
-    """The model's parameters in the dtypes the recipe's ``storage:`` keeps them in, and the optimizer it needs."""
+def _install_storage(trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) -> list[str]:
+    """The model's parameters in the dtypes the recipe's ``storage:`` and ``modules:`` keep them in, the optimizer
+    it needs and the rules' compute regions (the runtime records its own notes: none returned)."""
     from hf_mixedprec.storage.setup import check_optimizer_family, optimizer_family
 
     cls, source = _trainer_optimizer_class(trainer)
@@ -479,6 +481,7 @@ def _install_storage(trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) ->
 
     family = optimizer_family(cls) if cls is not None else None
     rt.prepare_storage(trainer.model, check=optimizer_first, family=family)
+    return []
 
 
 def _trainer_optimizer_class(trainer: Trainer) -> tuple[type | None, str]:
@@ -497,9 +500,11 @@ def _trainer_optimizer_class(trainer: Trainer) -> tuple[type | None, str]:
     return (cls if isinstance(cls, type) else None), f"TrainingArguments.optim {optim!r}"
 
 
-def _check_deepspeed_storage(trainer: Trainer, recipe: RecipeSpec) -> None:
+def _check_deepspeed_storage(trainer: Trainer, recipe: RecipeSpec) -> list[str]:
     """Under DeepSpeed the engine keeps the master and optimizer states: its config must say what ``storage:`` says
-    (``deepspeed_config(recipe)`` writes it so; a config of the user's is checked here, never silently overruled)."""
+    (``deepspeed_config(recipe)`` writes it so; a config of the user's is checked here, never silently overruled).
+    ``modules:`` rules that need compute regions or weight dtypes are refused (required) or left out (returned
+    notes): the engine keeps every weight in its own dtype."""
     from pydantic_core import PydanticCustomError
 
     from hf_mixedprec.integrations.deepspeed import deepspeed_storage_keys
@@ -522,6 +527,7 @@ def _check_deepspeed_storage(trainer: Trainer, recipe: RecipeSpec) -> None:
                 f"DeepSpeed config has bf16.{key}={bf16.get(key, False)!r} (allowed: {value!r}; build the config with "
                 "hf_mixedprec.integrations.deepspeed.deepspeed_config(recipe))"
             )
+    return list(assign_rules(trainer.model, recipe.modules, recipe.precision, "deepspeed").notes)
 
 
 def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) -> None:
