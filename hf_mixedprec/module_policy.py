@@ -177,7 +177,10 @@ def _closest(rule: ModuleRule, names: list[str], model: nn.Module) -> str:
     """The module names (blocks' indices as ``*``) or class names closest to what the rule asked for."""
     if rule.classes:
         classes = sorted({type(m).__name__ for m in model.modules()})
-        near = [c for want in rule.classes for c in difflib.get_close_matches(want, classes, n=3, cutoff=0.5)]
+        lower = {c.lower(): c for c in classes}  # a wrong case is the commonest class-name typo
+        near = [
+            lower[c] for want in rule.classes for c in difflib.get_close_matches(want.lower(), lower, n=3, cutoff=0.5)
+        ]
         return f"closest classes: {', '.join(dict.fromkeys(near)) or ', '.join(classes[:6])}"
     generic = list(dict.fromkeys(re.sub(r"\.\d+(?=\.|$)", ".*", n) for n in names if n))
     near = [g for want in rule.match for g in difflib.get_close_matches(want, generic, n=3, cutoff=0.5)]
