@@ -33,6 +33,9 @@ PHASE = "mp/phase"
 FP8_PREFIX = "mp/fp8/"
 #: Per-layer FP8 statistics: ``mp/fp8/<layer>/<stat>``.
 FP8_LAYER_STATS = ("saturation", "underflow", "sqnr_db", "input_amax")
+FP8_RULE_PREFIX = "mp/fp8_rule/"
+#: Per ``modules:`` rule group, over its FP8 layers: ``mp/fp8_rule/<rule>/<stat>`` (worst of the group's layers).
+FP8_RULE_STATS = ("saturation", "underflow", "sqnr_db")
 
 #: metric (or pattern) -> meaning.
 METRICS: dict[str, str] = {
@@ -49,7 +52,21 @@ METRICS: dict[str, str] = {
     "layer's input, weight and gradient (0.0625 = 6.25%)",
     "mp/fp8/<layer>/sqnr_db": "the smallest SQNR over input, weight and gradient, in dB",
     "mp/fp8/<layer>/input_amax": "the input's absolute maximum",
+    "mp/fp8_rule/<rule>/saturation, /underflow, /sqnr_db": "the same, worst over the FP8 layers a `modules:` rule "
+    "governs (`no_rule`: those no rule governs); read from the per-layer values, no extra device work",
 }
+
+
+def fp8_rule_metrics(layer_metrics: dict[str, float], groups: dict[str, list[str]]) -> dict[str, float]:
+    """``mp/fp8_rule/<rule>/<stat>`` from per-layer metrics already on the host: the largest saturation and underflow
+    and the smallest SQNR over each group's layers that have them (groups without FP8 layers are left out)."""
+    out: dict[str, float] = {}
+    for label, layers in groups.items():
+        for stat, worst in (("saturation", max), ("underflow", max), ("sqnr_db", min)):
+            vals = [layer_metrics[k] for k in (f"{FP8_PREFIX}{n}/{stat}" for n in layers) if k in layer_metrics]
+            if vals:
+                out[f"{FP8_RULE_PREFIX}{label}/{stat}"] = worst(vals)
+    return out
 
 
 def fp8_layer_key(layer: str, stat: str) -> str:

@@ -152,7 +152,7 @@ class RuleAssignment:
         return DEFAULT_COMPUTE[precision]
 
     def groups(self) -> dict[str, tuple[str, ...]]:
-        """Module names governed by each rule (by label), the rest under ``"(no rule)"``: the health groups."""
+        """Module names governed by each rule (by label), the rest under ``"no_rule"``: the health groups."""
         out: dict[str, list[str]] = {}
         for name, i in self.owner.items():
             out.setdefault(self.rules[i].label(i), []).append(name)

@@ -10,6 +10,7 @@ decides again.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections import Counter
@@ -155,6 +156,10 @@ class PrecisionPlan:
                 return m
         raise KeyError(f"no module named {name!r} in the plan")
 
+    @functools.cached_property
+    def _rule_groups(self) -> dict[str, list[str]]:
+        return self.rule_groups()
+
     def rule_groups(self) -> dict[str, list[str]]:
         """The GEMM layers (Linear, Conv1D; FP8 or not) of each rule, by label; ``(no rule)`` for the rest: what
         health statistics are grouped by."""
@@ -164,7 +169,7 @@ class PrecisionPlan:
         out: dict[str, list[str]] = {}
         for m in self.modules:
             if m.name in gemm:
-                out.setdefault(m.rule or "(no rule)", []).append(m.name)
+                out.setdefault(m.rule or "no_rule", []).append(m.name)
         return out
 
     def param(self, name: str) -> ParamPlan:
@@ -233,6 +238,15 @@ class PrecisionPlan:
 
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.to_dict(), indent=kw.pop("indent", 2), **kw)
+
+    def rule_report(self) -> list[dict[str, Any]]:
+        """The run report's ``rule_groups``: per rule (and ``(no rule)``), its GEMM layers and how many are FP8."""
+        fp8 = {d.name for d in self.fp8_layers if d.fp8}
+        texts = dict(r.split(": ", 1) for r in self.rules)
+        return [
+            {"rule": label, "what": texts.get(label, ""), "layers": len(names), "fp8_layers": len(fp8 & set(names))}
+            for label, names in self._rule_groups.items()
+        ]
 
     def storage_report(self) -> dict[str, Any]:
         """The run report's ``storage`` section: the choices, bytes per trainable parameter, the groups and lines."""

@@ -50,7 +50,7 @@ def health_document(
         if step is None:
             continue
         for key, value in row.items():
-            if key in SERIES_KEYS or key.startswith(M.FP8_PREFIX):
+            if key in SERIES_KEYS or key.startswith((M.FP8_PREFIX, M.FP8_RULE_PREFIX)):
                 series.setdefault(key, {})[str(step)] = _clean(value)
     doc: dict[str, Any] = {
         "version": 1,
@@ -74,9 +74,27 @@ def health_document(
         plan = getattr(runtime, "plan", None)
         if plan is not None:  # what each parameter group was kept in and the bytes it took
             doc["storage"] = plan.storage_report()
+            if plan.rules:  # each modules: rule's layers, with the worst FP8 statistics its group logged
+                doc["rule_groups"] = _rule_groups(plan.rule_report(), series)
     if extra:
         doc.update(extra)
     return doc
+
+
+def _rule_groups(groups: list[dict[str, Any]], series: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for g in groups:
+        row = dict(g)
+        for stat, worst in (("saturation", max), ("underflow", max), ("sqnr_db", min)):
+            vals = [v for v in series.get(f"{M.FP8_RULE_PREFIX}{g['rule']}/{stat}", {}).values() if _finite(v)]
+            if vals:
+                row[f"worst_{stat}"] = worst(vals)
+        out.append(row)
+    return out
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def check_document(doc: Any) -> str | None:
@@ -144,6 +162,10 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     if isinstance(storage, dict) and isinstance(storage.get("lines"), list):
         lines.append(f"storage ({storage.get('bytes_per_param', 0):.2f} bytes per trainable parameter):")
         lines += [f"  {line}" for line in storage["lines"]]
+    groups = doc.get("rule_groups")
+    if isinstance(groups, list) and groups:
+        lines.append("modules rules (GEMM layers each governs; worst FP8 statistics over the run):")
+        lines += [f"  {_group_line(g)}" for g in groups if isinstance(g, dict)]
     switches = _phase_switches(doc)
     if switches:
         lines.append("phases: " + ", ".join(f"{name} ({prec}) after step {step}" for step, name, prec in switches))
@@ -154,6 +176,16 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     lines.append(f"notes: {len(notes)}")
     lines += [f"  {n}" for n in notes]
     return {"events": len(events), "by_detector": by_detector, "last": last, "notes": notes, "lines": lines}
+
+
+def _group_line(g: dict[str, Any]) -> str:
+    text = f"{shorten(str(g.get('rule')), 40)}: {g.get('layers', '?')} layers, {g.get('fp8_layers', '?')} in FP8"
+    stats = [
+        f"{k.removeprefix('worst_')} {g[k]:.4g}"
+        for k in ("worst_saturation", "worst_underflow", "worst_sqnr_db")
+        if _finite(g.get(k))
+    ]
+    return text + (f" ({', '.join(stats)})" if stats else "")
 
 
 def build_plots(run_dir: str | Path, doc: dict[str, Any] | None = None) -> list[Path]:

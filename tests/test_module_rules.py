@@ -345,3 +345,47 @@ def test_old_keep_keys_still_load_as_rules_with_a_note():
     dec = {d.name: d.fp8 for d in plan_conversion(model, r.fp8, rules=r.modules)}
     assert dec["lm_head"] is True  # keep_lm_head: false put the LM head into FP8, as before
     assert dec["model.layers.0.mlp.up_proj"] is False and dec["model.layers.1.mlp.up_proj"] is True
+
+
+# -- health per rule group -------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_fp8_statistics_are_read_per_rule_group(tmp_path):
+    from hf_mixedprec.integrations.trainer import runtime_of
+    from hf_mixedprec.run_report import health_document, summarize
+
+    rules = [
+        {"name": "edges", "first_last_blocks": 1, "fp8": "off"},
+        {"name": "attn", "match": "*.self_attn.*", "fp8": "on"},
+    ]
+    recipe = _recipe("emulated", rules=rules, health={"fp8_sample_every": 1})
+    model = _model()
+    args = recipe.training_args(
+        output_dir=str(tmp_path / "out"),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    tr = Trainer(model=model, args=args, train_dataset=Bytes(n=16, seq_len=32), callbacks=recipe.callbacks())
+    tr.train()
+    row = next(r for r in reversed(tr.state.log_history) if "mp/fp8_rule/attn/underflow" in r)
+    # the group's value is the worst of its layers' (read from the same host values, no extra device work)
+    # a module's own match beats the rule it would inherit: the attention Linears of the edge blocks are attn's
+    attn = [f"model.layers.{i}.self_attn.{p}" for i in range(4) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    assert row["mp/fp8_rule/attn/underflow"] == max(row[f"mp/fp8/{n}/underflow"] for n in attn)
+    assert row["mp/fp8_rule/attn/sqnr_db"] == min(row[f"mp/fp8/{n}/sqnr_db"] for n in attn)
+    # the rest: the middle blocks' MLPs and the LM head (these rules replace the defaults that keep it out)
+    mlp = [f"model.layers.{i}.mlp.{p}" for i in (1, 2) for p in ("gate_proj", "up_proj", "down_proj")] + ["lm_head"]
+    assert row["mp/fp8_rule/no_rule/saturation"] == max(row[f"mp/fp8/{n}/saturation"] for n in mlp)
+    assert not any(k.startswith("mp/fp8_rule/edges/") for k in row)  # kept out of FP8: nothing to sample
+    doc = health_document(tr.state.log_history, runtime_of(tr))
+    groups = {g["rule"]: g for g in doc["rule_groups"]}
+    assert (groups["edges"]["layers"], groups["edges"]["fp8_layers"]) == (6, 0)
+    assert (groups["attn"]["layers"], groups["attn"]["fp8_layers"]) == (16, 16)
+    assert (groups["no_rule"]["layers"], groups["no_rule"]["fp8_layers"]) == (7, 7)
+    assert groups["attn"]["worst_sqnr_db"] == min(doc["series"]["mp/fp8_rule/attn/sqnr_db"].values())
+    lines = summarize(doc)["lines"]
+    assert any(line == "  edges: 6 layers, 0 in FP8" for line in lines), lines

@@ -709,7 +709,8 @@ def test_deepspeed_config_of_the_users_must_say_what_storage_says():
 
     def trainer_with(config):
         plugin = SimpleNamespace(deepspeed_config=config)
-        return SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
+        state = SimpleNamespace(deepspeed_plugin=plugin)
+        return SimpleNamespace(accelerator=SimpleNamespace(state=state), model=tiny_llama(0))  # module rules read it
 
     low = _recipe(master="none", optimizer_states="bf16")
     ds_low = {

@@ -1,0 +1,172 @@
+"""What ``modules:`` rules cost on the step path: nothing beyond the precision they choose.
+
+Rules are resolved once, when the recipe is attached. On the step path the only thing a rule can add is a compute
+region (an autocast region, or an FP32 region with its input casts) around the modules it names, and only where it
+asks for a compute dtype other than the run's. Three choices train ``finetune``'s default model (the small Llama,
+random weights, no download) under ``cpu-bf16`` from the same seed on the same byte batches:
+
+- ``no rules``: ``modules: []``;
+- ``rules, same precision``: rules that decide nothing new on this model and recipe (``compute: bf16`` on every
+  MLP in a BF16 run, ``fp8: off`` on the first/last block in a recipe without FP8, the default MoE-router rule on a
+  dense model): the policy's own cost, which should be none;
+- ``fp32 norms``: ``{select: norms, compute: fp32}``: a real precision change, what FP32 norms cost.
+
+Step time: the three run at once, in lockstep (``bench_overhead.py``'s harness: one thread per Trainer, the turn
+handed on at every ``on_step_begin``); a step's time is its process CPU time; per round and choice the ratio to
+``no rules`` is the median of the per-step ratios; the table gives the median over ``--rounds`` rounds. Tensor
+operations: one forward and backward of each choice's prepared model counted with a ``TorchDispatchMode`` (one per
+aten call).
+
+    python scripts/bench_modules.py                  # 4 rounds of 5 + 30 steps
+    python scripts/bench_modules.py --rounds 8 --out modules.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from typing import Any
+
+import torch
+from bench_overhead import Bytes, LockstepTimer, Turns, describe, machine, reset_accelerate, train_in_lockstep
+from bench_storage import build_model
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import Trainer
+
+from hf_mixedprec._stdio import stdout_to_stderr
+
+CHOICES: dict[str, list[dict[str, Any]]] = {
+    "no rules": [],
+    "rules, same precision": [
+        {"name": "router", "select": "moe_routers", "compute": "fp32", "required": False},
+        {"name": "edges", "first_last_blocks": 1, "fp8": "off"},
+        {"name": "mlp", "match": "*.mlp", "compute": "bf16"},
+    ],
+    "fp32 norms": [{"name": "norms", "select": "norms", "compute": "fp32"}],
+}
+
+
+def recipe_for(name: str) -> Any:
+    from hf_mixedprec.recipe import resolve_recipe
+
+    slug = name.replace(", ", "-").replace(" ", "-")
+    return resolve_recipe({"name": f"cpu-bf16-{slug}", "extends": "cpu-bf16", "modules": CHOICES[name]})
+
+
+def build_trainer(name: str, opts: argparse.Namespace, data: Any, callbacks: list[Any], workdir: str) -> Trainer:
+    recipe = recipe_for(name)
+    args = recipe.training_args(
+        output_dir=workdir,
+        max_steps=opts.warmup + opts.steps + 1,  # +1: a step's end is the next step's begin
+        per_device_train_batch_size=opts.batch_size,
+        learning_rate=1e-3,
+        logging_steps=opts.warmup + opts.steps + 1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    return Trainer(model=build_model(), args=args, train_dataset=data, callbacks=[*callbacks, *recipe.callbacks()])
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def op_count(trainer: Trainer, data: Any) -> int:
+    """Aten calls of one forward and backward of the prepared model under the run's autocast."""
+    model = trainer.model
+    batch = torch.stack([data[0]["input_ids"], data[1]["input_ids"]])
+    with _Count() as c, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=batch, labels=batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return c.n
+
+
+def bench(opts: argparse.Namespace, data: Any) -> list[dict[str, Any]]:
+    names = list(CHOICES)
+    ref = names[0]
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    ops: dict[str, int] = {}
+    for r in range(opts.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        reset_accelerate()
+        turns = Turns(order)
+        timers = {n: LockstepTimer(n, turns) for n in order}
+        trainers = {
+            n: build_trainer(n, opts, data, [timers[n]], os.path.join(opts.workdir, str(i)))
+            for i, n in enumerate(order)
+        }
+        train_in_lockstep(turns, trainers)
+        got = {n: timers[n].cpu[opts.warmup :] for n in order}
+        for n in names:
+            cpu[n] += got[n]
+            ratios[n].append(statistics.median(a / b for a, b in zip(got[n], got[ref], strict=True)))
+        if not ops:
+            ops = {n: op_count(trainers[n], data) for n in names}
+        print(
+            f"  round {r + 1}/{opts.rounds}: " + ", ".join(f"{n} {ratios[n][-1]:.3f}" for n in names), file=sys.stderr
+        )
+    return [
+        {
+            "choice": n,
+            "modules": CHOICES[n],
+            "cpu": describe(cpu[n]),
+            "ratio_rounds_median": statistics.median(ratios[n]),
+            "round_ratios": ratios[n],
+            "ops_per_forward_backward": ops[n],
+        }
+        for n in names
+    ]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| modules | step (median ms, CPU) | ratio to no rules (median of rounds) | aten ops per forward+backward |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['choice']} | {r['cpu']['median_ms']:.1f} | {r['ratio_rounds_median']:.3f} "
+            f"| {r['ops_per_forward_backward']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=4, help="fresh lockstep rounds (default 4)")
+    ap.add_argument("--steps", type=int, default=30, help="measured steps per round (default 30)")
+    ap.add_argument("--warmup", type=int, default=5, help="steps discarded at the start of each round (default 5)")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as bench_overhead.py)")
+    ap.add_argument("--out", metavar="FILE", help="also write the results as JSON to FILE")
+    opts = ap.parse_args(argv)
+    torch.set_num_threads(opts.threads)
+    data = Bytes(n=(opts.warmup + opts.steps + 1) * opts.batch_size, seq_len=opts.seq_len)
+    with tempfile.TemporaryDirectory() as work, stdout_to_stderr():
+        opts.workdir = work
+        rows = bench(opts, data)
+    print(table(rows))
+    print(f"\nmachine: {machine()}")
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump({"machine": machine(), "rows": rows, "args": vars(opts) | {"workdir": None}}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
