@@ -51,7 +51,9 @@ def _names(value: Any) -> Any:
     """One name or a list of names; YAML lists become tuples (the frozen schema's form)."""
     if isinstance(value, str):
         return (value,)
-    return tuple(value) if isinstance(value, list) else value
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    raise _rule("", f"{repr(value)[:60]} is not a name or a list of names")
 
 
 def _on_off(value: Any) -> Any:

@@ -88,6 +88,8 @@ def _problems_in(errors: list[Any], source: str, prefix: tuple[Any, ...]) -> lis
             bound = next(iter(ctx.values()))
             bound = f"{bound:g}" if isinstance(bound, float) else bound
             msg = f"{_describe_input(e['input'])} is out of range (allowed: {op} {bound})"
+        elif etype == "too_long":
+            msg = f"{ctx.get('actual_length', '?')} items (allowed: at most {ctx.get('max_length', '?')})"
         elif etype == "string_pattern_mismatch":
             msg = f"{_describe_input(e['input'])} is not a valid name (allowed: letters, digits, '-', '_', '.')"
         elif etype in ("model_type", "model_attributes_type", "dict_type"):

@@ -71,6 +71,8 @@ def _rule(key: str, message: str) -> PydanticCustomError:
 MAX_WINDOW = 100_000
 MAX_AMAX_HISTORY = 65_536
 MAX_STEPS = 1_000_000_000
+#: Rules in ``modules:`` (each is matched against every module name once, at attach).
+MAX_RULES = 256
 
 
 class _Section(BaseModel):
@@ -86,6 +88,12 @@ def _as_tuple(value: Any) -> Any:
 
 
 StrTuple = Annotated[tuple[str, ...], BeforeValidator(_as_tuple)]
+
+
+def _rule_list(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    raise _rule("", f"{repr(value)[:60]} is not a list of rules (allowed: a list of mappings, see docs/modules.md)")
 
 
 class LossScaleConfig(_Section):
@@ -645,8 +653,9 @@ class RecipeSpec(_Section):
         description="What weights, master weights and optimizer states are stored in (default: FP32 master and "
         "FP32 AdamW moments). See docs/storage.md.",
     )
-    modules: Annotated[tuple[ModuleRule, ...], BeforeValidator(_as_tuple)] = Field(
+    modules: Annotated[tuple[ModuleRule, ...], BeforeValidator(_rule_list)] = Field(
         DEFAULT_RULES,
+        max_length=MAX_RULES,
         description="Per-module precision rules, first match wins (default: MoE routers compute fp32, the output "
         "projection out of FP8; a list given replaces them). See docs/modules.md.",
     )

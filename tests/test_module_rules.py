@@ -389,3 +389,20 @@ def test_fp8_statistics_are_read_per_rule_group(tmp_path):
     assert groups["attn"]["worst_sqnr_db"] == min(doc["series"]["mp/fp8_rule/attn/sqnr_db"].values())
     lines = summarize(doc)["lines"]
     assert any(line == "  edges: 6 layers, 0 in FP8" for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("modules", "expected"),
+    [
+        ("lm_head", "modules: 'lm_head' is not a list of rules"),
+        ([None], "modules.0: expected a mapping, got None"),
+        ([{"match": 5, "fp8": "off"}], "modules.0.match: 5 is not a name or a list of names"),
+        ([{"match": f"x{i}", "fp8": "off"} for i in range(300)], "modules: 300 items (allowed: at most 256)"),
+    ],
+)
+def test_hostile_modules_sections_are_one_line_problems(tmp_path, modules, expected):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"name": "r", "extends": "a100-bf16", "modules": modules}))
+    r = subprocess.run([*CLI, "validate", str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert expected in r.stderr
