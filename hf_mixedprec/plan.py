@@ -22,7 +22,7 @@ from torch import nn
 
 from hf_mixedprec.fp8 import conversion_backend, converted_types
 from hf_mixedprec.fp8.policy import LayerDecision, plan_conversion
-from hf_mixedprec.module_policy import RuleAssignment, assign_rules
+from hf_mixedprec.module_policy import RuleAssignment, assign_rules, find_block_list
 from hf_mixedprec.schema import RecipeSpec
 from hf_mixedprec.storage_config import LOW_BIT_STATES
 
@@ -139,6 +139,8 @@ class PrecisionPlan:
     modules: tuple[ModulePlan, ...] = ()
     rules: tuple[str, ...] = ()
     """The label and text of every ``modules:`` rule, in order (``lm_head: select lm_head: fp8 off``)."""
+    blocks: tuple[str, int] | None = None
+    """The transformer block list (name, length): what the precision map collapses."""
     assignment: RuleAssignment | None = field(default=None, compare=False, repr=False)
     """Which rule governs each module (the runtime puts their compute regions into effect from it)."""
     recipe_spec: Any = field(default=None, compare=False, repr=False)
@@ -377,6 +379,7 @@ def build_plan(
         phases=spec.precisions() if spec.phases is not None else (),
         modules=_modules(model, spec.precision, rules, fp8_layers),
         rules=tuple(f"{r.label(i)}: {r.describe()}" for i, r in enumerate(spec.modules)),
+        blocks=find_block_list(model),
         assignment=rules,
     )
 

@@ -17,11 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_mixedprec.module_policy import find_block_list
 from hf_mixedprec.plan import PrecisionPlan, run_plan
 from hf_mixedprec.schema import RecipeSpec
 
-__all__ = ["MapRow", "format_map", "meta_model", "precision_map"]
+__all__ = ["MapRow", "format_map", "map_rows", "meta_model", "precision_map"]
 
 _AUTOCAST = {"bf16": "bf16 (autocast)", "fp8": "bf16 (autocast)", "fp16": "fp16 (autocast)", "fp32": "fp32"}
 
@@ -54,19 +53,20 @@ def meta_model(config: Any) -> nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def _rows(plan: PrecisionPlan, model: nn.Module) -> list[MapRow]:
-    by_param = {p.name: p for p in plan.params}
+def _rows(plan: PrecisionPlan) -> list[MapRow]:
+    """One row per module holding parameters, read from the plan alone (a tied weight is listed at its first
+    module), so the run report can print it after the model is gone."""
+    owned: dict[str, list[Any]] = {}
+    for p in plan.params:
+        owned.setdefault(p.name.rsplit(".", 1)[0] if "." in p.name else "", []).append(p)
     fp8 = {d.name: d for d in plan.fp8_layers}
-    modules = {m.name: m for m in plan.modules}
     rows = []
-    for name, mod in model.named_modules():
-        own = [f"{name}.{n}" if name else n for n, _ in mod.named_parameters(recurse=False)]
-        plans = [by_param[n] for n in own if n in by_param]  # a tied weight is listed at its first module
+    for mp in plan.modules:
+        name, plans = mp.name, owned.get(mp.name)
         if not plans:
             continue
         first = plans[0]
-        mp = modules.get(name)
-        label = mp.rule if mp is not None else None
+        label = mp.rule
         d = fp8.get(name)
         if d is not None and d.fp8:
             compute = f"fp8 ({plan.fp8_backend}, {_scaling(plan)})"
@@ -74,19 +74,19 @@ def _rows(plan: PrecisionPlan, model: nn.Module) -> list[MapRow]:
         elif d is not None and d.kind == "Embedding":
             compute, rule = first.weight, (f"rule {label}; " if label else "") + d.reason
         elif d is not None:
-            compute, rule = _compute_text(mp.compute if mp is not None else "bf16", label), d.reason
+            compute, rule = _compute_text(mp.compute, label), d.reason
         elif label is not None:
             compute, rule = _compute_text(mp.compute, label), f"rule {label}"
         elif plan.precision == "fp8" and any(len(p.shape) == 3 for p in plans):
             compute, rule = _AUTOCAST["fp8"], "3-D expert weights (no nn.Linear to convert): no FP8 GEMM"
-        elif isinstance(mod, (nn.Linear, nn.Embedding)) or type(mod).__name__ == "Conv1D":
+        elif mp.kind in ("Linear", "Embedding", "Conv1D"):
             compute, rule = _AUTOCAST[plan.precision], f"precision {plan.precision}"
         else:
             compute, rule = "autocast op policy", f"precision {plan.precision}"
         rows.append(
             MapRow(
                 name=name,
-                kind=type(mod).__name__,
+                kind=mp.kind,
                 parameters=sum(p.numel for p in plans),
                 loaded="/".join(sorted({p.loaded for p in plans})),
                 kept="/".join(sorted({p.weight for p in plans})),
@@ -154,7 +154,12 @@ def precision_map(spec: RecipeSpec, model: nn.Module, *, rehearse: bool = True) 
     """The plan of ``spec`` for ``model`` (FP8 decisions for the rehearsed backend unless ``rehearse=False``) and its
     rows, collapsed over the transformer blocks."""
     plan = run_plan(spec, model, rehearse=rehearse)
-    return plan, _collapse(_rows(plan, model), find_block_list(model))
+    return plan, map_rows(plan)
+
+
+def map_rows(plan: PrecisionPlan) -> list[MapRow]:
+    """The precision map of a plan: its rows, collapsed over the transformer blocks."""
+    return _collapse(_rows(plan), plan.blocks)
 
 
 def format_map(plan: PrecisionPlan, rows: list[MapRow], model_name: str) -> str:
@@ -163,12 +168,22 @@ def format_map(plan: PrecisionPlan, rows: list[MapRow], model_name: str) -> str:
         f"precision map: {model_name} under recipe {plan.recipe} ({'->'.join(plan.phases) or plan.precision}); "
         f"{plan.bytes_per_param():.2f} bytes per trainable parameter (weights, master, gradients, optimizer states)"
     )
-    lines = [head, ""]
-    cols = ("module", "class", "params", "loaded", "kept", "master", "compute", "rule")
-    lines.append("| " + " | ".join(cols) + " |")
-    lines.append("|" + "|".join(["---"] * len(cols)) + "|")
-    for r in rows:
-        cells = (r.name or "(model)", r.kind, f"{r.parameters:,}", r.loaded, r.kept, r.master, r.compute, r.rule)
-        lines.append("| " + " | ".join(cells) + " |")
+    lines = [head, "", *format_rows([r.to_dict() for r in rows])]
     lines += ["", "storage:", *(f"  {line}" for line in plan.storage_lines())]
     return "\n".join(lines)
+
+
+_COLUMNS = ("module", "class", "params", "loaded", "kept", "master", "compute", "rule")
+_KEYS = ("name", "kind", "parameters", "loaded", "kept", "master", "compute", "rule")
+
+
+def format_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """The map's rows (as :meth:`MapRow.to_dict` gives them, or read back from ``health.json``) as a markdown
+    table; a cell of another type than written is shown as it is, never trusted."""
+    lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "|".join(["---"] * len(_COLUMNS)) + "|"]
+    for r in rows:
+        cells = [r.get(k, "?") for k in _KEYS]
+        cells[0] = cells[0] or "(model)"
+        cells[2] = f"{cells[2]:,}" if isinstance(cells[2], int) and not isinstance(cells[2], bool) else cells[2]
+        lines.append("| " + " | ".join(str(c)[:120] for c in cells) + " |")
+    return lines

@@ -15,6 +15,7 @@ from typing import Any
 from hf_mixedprec import metrics as M
 from hf_mixedprec._optional import require
 from hf_mixedprec._text import shorten
+from hf_mixedprec.plan_map import format_rows, map_rows
 
 __all__ = ["HEALTH_FILE", "build_plots", "health_document", "summarize", "write_run_report"]
 
@@ -76,6 +77,8 @@ def health_document(
             doc["storage"] = plan.storage_report()
             if plan.rules:  # each modules: rule's layers, with the worst FP8 statistics its group logged
                 doc["rule_groups"] = _rule_groups(plan.rule_report(), series)
+            # what each module computed in and why (the table `hf-mixedprec plan` prints), as the run was prepared
+            doc["precision_map"] = [r.to_dict() for r in map_rows(plan)]
     if extra:
         doc.update(extra)
     return doc
@@ -162,6 +165,10 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     if isinstance(storage, dict) and isinstance(storage.get("lines"), list):
         lines.append(f"storage ({storage.get('bytes_per_param', 0):.2f} bytes per trainable parameter):")
         lines += [f"  {line}" for line in storage["lines"]]
+    rows = doc.get("precision_map")
+    if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
+        lines.append("precision map (as the run was prepared):")
+        lines += [f"  {line}" for line in format_rows(rows)]
     groups = doc.get("rule_groups")
     if isinstance(groups, list) and groups:
         lines.append("modules rules (GEMM layers each governs; worst FP8 statistics over the run):")

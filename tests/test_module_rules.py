@@ -389,6 +389,12 @@ def test_fp8_statistics_are_read_per_rule_group(tmp_path):
     assert groups["attn"]["worst_sqnr_db"] == min(doc["series"]["mp/fp8_rule/attn/sqnr_db"].values())
     lines = summarize(doc)["lines"]
     assert any(line == "  edges: 6 layers, 0 in FP8" for line in lines), lines
+    # the run report's precision map: every module as the run was prepared, with the rule that decided
+    rows = {r["name"]: r for r in doc["precision_map"]}
+    assert rows["model.layers.[0,3].mlp.up_proj"]["rule"] == "rule edges (first_last_blocks 1: fp8 off)"
+    assert rows["model.layers.[0-3].self_attn.q_proj"]["rule"] == "rule attn; converted"
+    assert rows["lm_head"]["compute"].startswith("fp8 (emulated, current")
+    assert "precision map (as the run was prepared):" in lines
 
 
 @pytest.mark.parametrize(
