@@ -773,7 +773,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from hf_mixedprec._stdio import stdout_to_stderr
     from hf_mixedprec.estimate import load_model_config
-    from hf_mixedprec.plan_map import format_map, meta_model, precision_map
+    from hf_mixedprec.plan_map import format_map, meta_model, plan_notes, precision_map
 
     recipe = _load(args.recipe).rehearsed(not args.native)
     name = args.model or args.config or "finetune's default model"
@@ -781,7 +781,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model = meta_model(load_model_config(args.model, config=args.config))
         plan, rows = precision_map(recipe, model, rehearse=not args.native)
     if args.json:
-        print(json.dumps({**plan.to_dict(), "model": name, "modules": [r.to_dict() for r in rows]}, indent=2))
+        rows_json = [r.to_dict() for r in rows]
+        print(json.dumps({**plan.to_dict(), "model": name, "modules": rows_json, "notes": plan_notes(plan)}, indent=2))
     else:
         print(format_map(plan, rows, name))
     return 0

@@ -2,7 +2,8 @@
 
 A few modules decide whether low precision is stable, and every serious training stack keeps them apart:
 Megatron-LM (``--first-last-layers-bf16``, ``--moe-router-dtype fp32``, a precision config of glob matchers, first
-match wins), torchtitan's float8 converter (``filter_fqns`` default ``["output"]``, MoE ``router.gate`` kept out),
+match wins), torchtitan's float8 converter (``filter_fqns``: its float8 docs keep ``output``, the LM head, and for MoE
+``router.gate`` out),
 Accelerate's FP8 path (first and last Linear kept out). A rule here names modules by
 
 * ``match``: fnmatch globs on the qualified module name (``model.layers.*.mlp.down_proj``),
@@ -20,7 +21,7 @@ nothing is an error when the recipe is attached (a typo must not silently do not
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
@@ -67,11 +68,14 @@ Names = Annotated[tuple[str, ...], BeforeValidator(_names)]
 
 
 class ModuleRule(BaseModel):
-    """One per-module rule: which modules (all matchers given must hold) and what they compute and store in."""
+    """One per-module rule: which modules (all matchers given must hold) and what they compute and store in.
 
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, validate_default=True, strict=True, allow_inf_nan=False, populate_by_name=True
-    )
+    Module classes are given as ``class`` (``ModuleRule.model_validate({"class": "LlamaMLP", ...})`` in Python)."""
+
+    #: Keys read besides the fields (they expand into fields), for "unknown key" messages.
+    SHORTHAND_KEYS: ClassVar[tuple[str, ...]] = ("first_last_blocks",)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True, allow_inf_nan=False)
 
     name: str | None = Field(
         None,
@@ -169,8 +173,8 @@ class ModuleRule(BaseModel):
         return f"{' '.join(what)}: {', '.join(sets)}"
 
 
-#: The rules of a recipe that states none: MoE routers in FP32 (Megatron-LM ``--moe-router-dtype fp32``; torchtitan
-#: keeps ``router.gate`` out of FP8) and the output projection out of FP8 (torchtitan's ``filter_fqns`` default).
+#: The rules of a recipe that states none: MoE routers in FP32 (Megatron-LM ``--moe-router-dtype fp32``; torchtitan's
+#: float8 docs filter ``router.gate``) and the output projection out of FP8 (``filter_fqns: ["output"]`` there too).
 DEFAULT_RULES: tuple[ModuleRule, ...] = (
     ModuleRule(name="moe_router", select="moe_routers", compute="fp32", required=False),
     ModuleRule(name="lm_head", select="lm_head", fp8=False, required=False),
@@ -194,6 +198,10 @@ def legacy_rules(fp8: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     patterns = fp8.get("keep_in_bf16")
     if patterns:
         moved("keep_in_bf16", {"name": "keep_in_bf16", "match": list(_names(patterns)), "fp8": "off"})
+        notes[-1] += (
+            "; it comes first, so what it matches no longer gets a later rule (a router it matches is not computed in "
+            "FP32 by the moe_router rule: use select: moe_routers instead of router globs)"
+        )
     blocks = fp8.get("keep_first_last_blocks")
     if blocks:
         moved("keep_first_last_blocks", {"name": "keep_first_last_blocks", "first_last_blocks": blocks, "fp8": "off"})

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_mixedprec.module_policy import DEFAULT_COMPUTE
 from hf_mixedprec.plan import PrecisionPlan, run_plan
 from hf_mixedprec.schema import RecipeSpec
 
-__all__ = ["MapRow", "format_map", "map_rows", "meta_model", "precision_map"]
+__all__ = ["MapRow", "format_map", "format_rows", "map_rows", "meta_model", "plan_notes", "precision_map"]
 
 _AUTOCAST = {"bf16": "bf16 (autocast)", "fp8": "bf16 (autocast)", "fp16": "fp16 (autocast)", "fp32": "fp32"}
 
@@ -62,35 +63,35 @@ def _rows(plan: PrecisionPlan) -> list[MapRow]:
     fp8 = {d.name: d for d in plan.fp8_layers}
     rows = []
     for mp in plan.modules:
-        name, plans = mp.name, owned.get(mp.name)
-        if not plans:
-            continue
-        first = plans[0]
-        label = mp.rule
-        d = fp8.get(name)
+        name, plans = mp.name, owned.get(mp.name, [])
+        if not plans and mp.kind not in ("Linear", "Conv1D"):
+            continue  # holds no parameter (a GEMM layer whose weight is tied elsewhere still gets its row)
+        label, d = mp.rule, fp8.get(name)
+        by_rule = f"rule {label}" if label else f"precision {plan.precision}"
         if d is not None and d.fp8:
             compute = f"fp8 ({plan.fp8_backend}, {_scaling(plan)})"
             rule = f"rule {label}; converted" if label else "converted"
-        elif d is not None and d.kind == "Embedding":
-            compute, rule = first.weight, (f"rule {label}; " if label else "") + d.reason
+        elif mp.kind == "Embedding":  # a lookup returns its weight's dtype, under any autocast
+            compute = f"lookup ({plans[0].weight})"
+            rule = (f"rule {label}; " if label else "") + (d.reason if d is not None else f"precision {plan.precision}")
         elif d is not None:
             compute, rule = _compute_text(mp.compute, label), d.reason
-        elif label is not None:
-            compute, rule = _compute_text(mp.compute, label), f"rule {label}"
+        elif label is not None and mp.compute != DEFAULT_COMPUTE[plan.precision]:
+            compute, rule = _compute_text(mp.compute, label), by_rule
         elif plan.precision == "fp8" and any(len(p.shape) == 3 for p in plans):
             compute, rule = _AUTOCAST["fp8"], "3-D expert weights (no nn.Linear to convert): no FP8 GEMM"
-        elif mp.kind in ("Linear", "Embedding", "Conv1D"):
-            compute, rule = _AUTOCAST[plan.precision], f"precision {plan.precision}"
+        elif mp.kind in ("Linear", "Conv1D"):
+            compute, rule = _AUTOCAST[plan.precision], by_rule
         else:
-            compute, rule = "autocast op policy", f"precision {plan.precision}"
+            compute, rule = "autocast op policy", by_rule
         rows.append(
             MapRow(
                 name=name,
                 kind=mp.kind,
                 parameters=sum(p.numel for p in plans),
-                loaded="/".join(sorted({p.loaded for p in plans})),
-                kept="/".join(sorted({p.weight for p in plans})),
-                master="/".join(sorted({p.master for p in plans})),
+                loaded="/".join(sorted({p.loaded for p in plans})) or "tied",
+                kept="/".join(sorted({p.weight for p in plans})) or "tied",
+                master="/".join(sorted({p.master for p in plans})) or "tied",
                 compute=compute,
                 rule=rule,
             )
@@ -162,6 +163,13 @@ def map_rows(plan: PrecisionPlan) -> list[MapRow]:
     return _collapse(_rows(plan), plan.blocks)
 
 
+def plan_notes(plan: PrecisionPlan) -> list[str]:
+    """What the plan decided that a row cannot show: old recipe keys read as rules, rules left out under the launch
+    strategy, the model's FP32 declarations winning over a rule."""
+    legacy = list(getattr(plan.recipe_spec, "legacy_notes", ()) or ())
+    return legacy + list(plan.assignment.notes if plan.assignment is not None else ())
+
+
 def format_map(plan: PrecisionPlan, rows: list[MapRow], model_name: str) -> str:
     """The map as the command prints it: a head line, a markdown table, the storage lines."""
     head = (
@@ -170,6 +178,9 @@ def format_map(plan: PrecisionPlan, rows: list[MapRow], model_name: str) -> str:
     )
     lines = [head, "", *format_rows([r.to_dict() for r in rows])]
     lines += ["", "storage:", *(f"  {line}" for line in plan.storage_lines())]
+    notes = plan_notes(plan)
+    if notes:  # rules left out under a launch strategy, old keys read as rules, declarations that won
+        lines += ["", "notes:", *(f"  {n}" for n in notes)]
     return "\n".join(lines)
 
 

@@ -76,7 +76,9 @@ def _problems_in(errors: list[Any], source: str, prefix: tuple[Any, ...]) -> lis
             msg = ctx["message"]
         elif etype == "extra_forbidden":
             parent = _model_at(own[:-1])  # a phase's own errors are located in a recipe of its own
-            allowed = ", ".join(parent.model_fields) if parent else "see `hf-mixedprec schema`"
+            keys = [f.alias or n for n, f in parent.model_fields.items()] if parent else []
+            keys += list(getattr(parent, "SHORTHAND_KEYS", ()))
+            allowed = ", ".join(keys) if parent else "see `hf-mixedprec schema`"
             msg = f"unknown key (allowed: {allowed})"
         elif etype in ("literal_error", "enum"):
             expected = str(ctx.get("expected", "")).replace("'", "").replace(" or ", ", ")

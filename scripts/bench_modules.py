@@ -9,7 +9,8 @@ random weights, no download) under ``cpu-bf16`` from the same seed on the same b
 - ``rules, same precision``: rules that decide nothing new on this model and recipe (``compute: bf16`` on every
   MLP in a BF16 run, ``fp8: off`` on the first/last block in a recipe without FP8, the default MoE-router rule on a
   dense model): the policy's own cost, which should be none;
-- ``fp32 norms``: ``{select: norms, compute: fp32}``: a real precision change, what FP32 norms cost.
+- ``fp32 MLPs``: ``{match: "*.mlp", compute: fp32}``: a real precision change (the MLP GEMMs in FP32 instead of
+  BF16), what that precision costs.
 
 Step time: the three run at once, in lockstep (``bench_overhead.py``'s harness: one thread per Trainer, the turn
 handed on at every ``on_step_begin``); a step's time is its process CPU time; per round and choice the ratio to
@@ -19,6 +20,7 @@ aten call).
 
     python scripts/bench_modules.py                  # 4 rounds of 5 + 30 steps
     python scripts/bench_modules.py --rounds 8 --out modules.json
+    python scripts/bench_modules.py --set fp8         # LM head / first-last blocks in or out of FP8 (emulated)
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ from transformers import Trainer
 
 from hf_mixedprec._stdio import stdout_to_stderr
 
+#: ``--set fp8``: the FP8 recipes of docs/modules.md's compare (rehearsed: emulated FP8 on CPU, so what keeping a
+#: layer out of FP8 saves here is emulation work, not what it costs on an FP8 GPU).
+FP8_SET: dict[str, str] = {
+    "fp8-all-layers": "examples/recipes/fp8-all-layers.yaml",
+    "h100-fp8-current": "h100-fp8-current",
+    "fp8-edges-kept": "examples/recipes/fp8-edges-kept.yaml",
+}
+
 CHOICES: dict[str, list[dict[str, Any]]] = {
     "no rules": [],
     "rules, same precision": [
@@ -46,13 +56,15 @@ CHOICES: dict[str, list[dict[str, Any]]] = {
         {"name": "edges", "first_last_blocks": 1, "fp8": "off"},
         {"name": "mlp", "match": "*.mlp", "compute": "bf16"},
     ],
-    "fp32 norms": [{"name": "norms", "select": "norms", "compute": "fp32"}],
+    "fp32 MLPs": [{"name": "mlp_fp32", "match": "*.mlp", "compute": "fp32"}],
 }
 
 
 def recipe_for(name: str) -> Any:
-    from hf_mixedprec.recipe import resolve_recipe
+    from hf_mixedprec.recipe import load_recipe, resolve_recipe
 
+    if name in FP8_SET:
+        return load_recipe(FP8_SET[name], rehearse=True)
     slug = name.replace(", ", "-").replace(" ", "-")
     return resolve_recipe({"name": f"cpu-bf16-{slug}", "extends": "cpu-bf16", "modules": CHOICES[name]})
 
@@ -86,16 +98,18 @@ class _Count(TorchDispatchMode):
 
 def op_count(trainer: Trainer, data: Any) -> int:
     """Aten calls of one forward and backward of the prepared model under the run's autocast."""
+    from hf_mixedprec.integrations.trainer import runtime_of
+
     model = trainer.model
     batch = torch.stack([data[0]["input_ids"], data[1]["input_ids"]])
-    with _Count() as c, torch.autocast("cpu", dtype=torch.bfloat16):
+    with _Count() as c, runtime_of(trainer).autocast():
         model(input_ids=batch, labels=batch).loss.backward()
     model.zero_grad(set_to_none=True)
     return c.n
 
 
 def bench(opts: argparse.Namespace, data: Any) -> list[dict[str, Any]]:
-    names = list(CHOICES)
+    names = list(FP8_SET if opts.set == "fp8" else CHOICES)
     ref = names[0]
     cpu: dict[str, list[float]] = {n: [] for n in names}
     ratios: dict[str, list[float]] = {n: [] for n in names}
@@ -122,7 +136,7 @@ def bench(opts: argparse.Namespace, data: Any) -> list[dict[str, Any]]:
     return [
         {
             "choice": n,
-            "modules": CHOICES[n],
+            "modules": CHOICES.get(n, FP8_SET.get(n)),
             "cpu": describe(cpu[n]),
             "ratio_rounds_median": statistics.median(ratios[n]),
             "round_ratios": ratios[n],
@@ -134,7 +148,7 @@ def bench(opts: argparse.Namespace, data: Any) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| modules | step (median ms, CPU) | ratio to no rules (median of rounds) | aten ops per forward+backward |",
+        f"| choice | step (median ms, CPU) | ratio to {rows[0]['choice']} (median of rounds) | aten ops per forward+backward |",
         "| --- | --- | --- | --- |",
     ]
     for r in rows:
@@ -153,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as bench_overhead.py)")
+    ap.add_argument(
+        "--set",
+        choices=("policy", "fp8"),
+        default="policy",
+        help="policy: the three modules choices above (default); fp8: fp8-all-layers vs h100-fp8-current vs "
+        "fp8-edges-kept, rehearsed",
+    )
     ap.add_argument("--out", metavar="FILE", help="also write the results as JSON to FILE")
     opts = ap.parse_args(argv)
     torch.set_num_threads(opts.threads)

@@ -15,17 +15,54 @@ from hf_mixedprec.recipe import Recipe, builtin_recipe_names, load_recipe_file
 OUT = Path(__file__).resolve().parent.parent / "docs" / "recipes.md"
 
 
+#: Keys a section accepts besides its fields (shorthands its validators expand), by section class name: (the field
+#: the row goes after, key, type, meaning).
+EXTRA_KEYS: dict[str, list[tuple[str, str, str, str]]] = {
+    "ModuleRule": [
+        (
+            "last_blocks",
+            "first_last_blocks",
+            "int or null",
+            "Shorthand: first_blocks and last_blocks both N (not together with them).",
+        )
+    ],
+}
+
+
+def _validator(field: Any) -> str | None:
+    """The name of the function a field's BeforeValidator runs, if any (it says which YAML forms are accepted)."""
+    for m in field.metadata:
+        func = getattr(m, "func", None)
+        if func is not None:
+            return func.__name__
+    return None
+
+
 def _type(field: Any) -> str:
     ann = field.annotation
+    before = _validator(field)
+    if before == "_names":  # one name or a list of names
+        return "str or list of str"
+    if before == "_on_off":  # off / on (YAML 1.1 booleans, or the words)
+        return "off / on or null"
     text = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
-    text = text.replace("hf_mixedprec.schema.", "").replace("hf_mixedprec.recipe.", "").replace(" | None", " or null")
+    text = re.sub(r"hf_mixedprec\.[\w.]+\.(\w+)", r"\1", text).replace(" | None", " or null")
     # a list of sections (phases): tuple[Model, ...] behind a BeforeValidator that turns YAML lists into tuples
     text = re.sub(
         r"Optional\[Annotated\[tuple\[(\w+), \.\.\.\], BeforeValidator\([^)]*\)\]\]", r"list of \1 or null", text
     )
     text = re.sub(r"^Optional\[(.*)\]$", r"\1 or null", text)
     text = re.sub(r"Literal\[([^\]]*)\]", lambda m: m.group(1).replace("'", "").replace(", ", " / "), text)
+    text = re.sub(r"^tuple\[(\w+), \.\.\.\]$", r"list of \1", text)  # a list of sections (modules)
     return text.replace("|", "/")
+
+
+def _yaml_value(key: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return ("on" if value else "off") if key == "fp8" else str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return str(value)
 
 
 def _default(field: Any) -> str:
@@ -33,6 +70,12 @@ def _default(field: Any) -> str:
         return "(section)"
     if field.is_required():
         return "required"
+    if isinstance(field.default, tuple) and field.default and all(isinstance(d, BaseModel) for d in field.default):
+        items = []  # a list of sections, as a recipe writes it: [{name: lm_head, select: lm_head, fp8: off}]
+        for d in field.default:
+            data = d.model_dump(by_alias=True, exclude_none=True)
+            items.append("{" + ", ".join(f"{k}: {_yaml_value(k, v)}" for k, v in data.items()) + "}")
+        return "`[" + ", ".join(items) + "]`"
     return f"`{field.default!r}`" if field.default is not None else "null"
 
 
@@ -50,13 +93,17 @@ def _section(model: type[BaseModel], prefix: str, out: list[str], seen: dict[typ
     seen = {} if seen is None else seen
     rows = []
     nested = []
+    extra = {after: (k, t, meaning) for after, k, t, meaning in EXTRA_KEYS.get(model.__name__, [])}
     for name, field in model.model_fields.items():
-        key = f"{prefix}{name}"
+        key = f"{prefix}{field.alias or name}"
         ann = field.annotation
         sub = _models_in(ann)
         rows.append(
             f"| `{key}` | `{_type(field)}` | {_default(field)} | {(field.description or '').replace('|', '/')} |"
         )
+        if name in extra:
+            k, t, meaning = extra[name]
+            rows.append(f"| `{prefix}{k}` | `{t}` | null | {meaning} |")
         if sub:
             nested.append((sub[0][0], f"{key}[]." if sub[0][1] else f"{key}."))
     out.append("| key | type | default | meaning |")

@@ -1,5 +1,5 @@
 """The commands in the user docs exist: every `hf-mixedprec SUBCOMMAND --flag` in a ```bash block of
-docs/{quickstart,health,troubleshooting,scaling_out,fp8_backends,estimate,phases,storage}.md is a real subcommand with real flags (checked against
+docs/{quickstart,health,troubleshooting,scaling_out,fp8_backends,estimate,phases,storage,modules}.md is a real subcommand with real flags (checked against
 the `--help` text and parsed with the CLI's own parser, never run), every `python scripts/X.py --flag` uses
 flags from the script's parser, and the cheap commands (recipe validation, `launch --dry-run`) are run for real.
 
@@ -24,7 +24,17 @@ from hf_mixedprec.cli import build_parser, main
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [
     ROOT / "docs" / f"{n}.md"
-    for n in ("quickstart", "health", "troubleshooting", "scaling_out", "fp8_backends", "estimate", "phases", "storage")
+    for n in (
+        "quickstart",
+        "health",
+        "troubleshooting",
+        "scaling_out",
+        "fp8_backends",
+        "estimate",
+        "phases",
+        "storage",
+        "modules",
+    )
 ]
 CLI = [sys.executable, "-m", "hf_mixedprec.cli"]
 FENCE = re.compile(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```", re.S | re.M)  # also fences indented in list items

@@ -254,7 +254,7 @@ def test_a_typo_in_a_glob_names_the_rule_and_the_closest_names():
 
 def test_a_typo_in_a_class_names_the_closest_classes():
     with pytest.raises(ModuleRuleError, match=r"modules\.0\.class .*closest classes: LlamaMLP"):
-        assign_rules(tiny_llama(0), (ModuleRule(classes="LlamaMlp", compute="fp32"),), "bf16")
+        assign_rules(tiny_llama(0), (ModuleRule.model_validate({"class": "LlamaMlp", "compute": "fp32"}),), "bf16")
 
 
 def test_optional_and_shadowed_rules_are_no_typo():
@@ -412,3 +412,19 @@ def test_hostile_modules_sections_are_one_line_problems(tmp_path, modules, expec
     r = subprocess.run([*CLI, "validate", str(path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert expected in r.stderr
+
+
+def test_plan_prints_what_rows_cannot_show_and_the_tied_lm_head(tmp_path):
+    path = tmp_path / "r.yaml"
+    rules = [{"name": "norms_fp32", "select": "norms", "compute": "fp32", "required": False}]
+    data = {"name": "r", "extends": "a100-bf16", "distributed": {"strategy": "fsdp2"}, "modules": rules}
+    path.write_text(yaml.safe_dump(data))
+    cfg = "examples/model_configs/tiny-gpt2/config.json"
+    r = subprocess.run(
+        [*CLI, "plan", "--recipe", str(path), "--config", cfg], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert "notes:\n  NOT APPLIED: modules rule norms_fp32 (select norms: compute fp32) matches 9 module(s)" in r.stdout
+    # the rule was left out: the norms compute as the recipe says; GPT-2's LM head (tied to wte) still has its row
+    assert "| transformer.ln_f | LayerNorm | 128 | bf16 | fp32 | fp32 weight | autocast op policy |" in r.stdout
+    assert "| lm_head | Linear | 0 | tied | tied | tied | bf16 (autocast) | precision bf16 |" in r.stdout
