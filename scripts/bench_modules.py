@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Trainer
 
 from hf_mixedprec._stdio import stdout_to_stderr
+
+ROOT = Path(__file__).resolve().parent.parent
 
 #: ``--set fp8``: the FP8 recipes of docs/modules.md's compare (rehearsed: emulated FP8 on CPU, so what keeping a
 #: layer out of FP8 saves here is emulation work, not what it costs on an FP8 GPU).
@@ -64,7 +67,8 @@ def recipe_for(name: str) -> Any:
     from hf_mixedprec.recipe import load_recipe, resolve_recipe
 
     if name in FP8_SET:
-        return load_recipe(FP8_SET[name], rehearse=True)
+        path = ROOT / FP8_SET[name]
+        return load_recipe(str(path) if path.exists() else FP8_SET[name], rehearse=True)
     slug = name.replace(", ", "-").replace(" ", "-")
     return resolve_recipe({"name": f"cpu-bf16-{slug}", "extends": "cpu-bf16", "modules": CHOICES[name]})
 
