@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -124,6 +125,10 @@ class MixedPrecisionAccelerator(Accelerator):
         self._clipped_this_step = False
         self._mp_replaced: dict[int, torch.optim.Optimizer] = {}  # id(user's optimizer) -> the storage optimizer
         self._mp_storage_of: torch.nn.Module | None = None  # the model the storage was applied to
+        # the runtime's state rides in save_state/load_state; its decisions on the model come before the weights load
+        checkpoint = _RuntimeCheckpoint(self)
+        self.register_for_checkpointing(checkpoint)
+        self.register_load_state_pre_hook(checkpoint.before_load)
         if max_steps is not None:
             self.set_max_steps(max_steps)
 
@@ -245,6 +250,42 @@ class MixedPrecisionAccelerator(Accelerator):
     def should_stop(self) -> str | None:
         """Why a health reaction asked to stop (save a checkpoint, then stop), or None."""
         return self.mp.stop_requested
+
+
+class _RuntimeCheckpoint:
+    """hf_mixedprec's runtime state (clipper statistics, detector windows, events, skipped-step counts, FP8 fallbacks,
+    the phase in force) as an object ``accelerator.save_state`` writes (``register_for_checkpointing``:
+    ``custom_checkpoint_<index>.pkl``, plain lists and numbers) and ``load_state`` restores.
+
+    ``load_state`` loads the model's weights before its registered objects, but a layer a fallback moved to high
+    precision (or a phase's layers) has other state-dict keys: :meth:`before_load` runs as a ``load_state`` pre-hook
+    and restores the state, layers included, before the weights load; the later call then has nothing left to do."""
+
+    def __init__(self, accelerator: MixedPrecisionAccelerator) -> None:
+        self._acc = weakref.ref(accelerator)
+        # Accelerate names the file by the object's place in its registered list (accelerator.py, save_state)
+        self.index = len(accelerator._custom_objects)
+        self._restored = False
+
+    def state_dict(self) -> dict[str, Any]:
+        acc = self._acc()
+        return acc.mp.state_dict() if acc is not None else {}
+
+    def before_load(self, models: list[torch.nn.Module], input_dir: str) -> None:
+        acc = self._acc()
+        path = os.path.join(input_dir, f"custom_checkpoint_{self.index}.pkl")
+        if acc is None or not os.path.isfile(path):  # Accelerate refuses the mismatch itself
+            return
+        state = torch.load(path, map_location="cpu", weights_only=True)  # lists, numbers and strings only
+        acc.mp.load_state_dict(state, model=getattr(acc, "_mp_model", None))
+        self._restored = True
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        acc = self._acc()
+        if self._restored or acc is None:
+            self._restored = False
+            return
+        acc.mp.load_state_dict(state, model=getattr(acc, "_mp_model", None))
 
 
 def _mixed_precision_decision(recipe: RecipeSpec, argument: Any) -> str | None:

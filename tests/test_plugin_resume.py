@@ -1,0 +1,111 @@
+"""An own Accelerate loop resumed with ``accelerator.save_state`` / ``load_state`` continues exactly as the
+uninterrupted run: hf_mixedprec's runtime state (clipper statistics, detector windows, skipped-step counts, events,
+FP8 fallbacks) rides in Accelerate's checkpoint as a registered object, beside the model, optimizer, scheduler and
+scaler Accelerate saves itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_mixedprec.demo import tiny_llama
+from hf_mixedprec.recipe import resolve_recipe
+from tests.test_integration import Bytes
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_accelerate_state")]
+
+STEPS, SAVE_AT = 12, 6
+
+
+def _batches() -> list[torch.Tensor]:
+    data = Bytes(n=2 * STEPS, seq_len=32)
+    return [torch.stack([data[2 * i]["input_ids"], data[2 * i + 1]["input_ids"]]) for i in range(STEPS)]
+
+
+def _setup(recipe):
+    acc = recipe.accelerator()
+    model = tiny_llama(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * STEPS))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    return acc, model, opt, sched
+
+
+def _train(acc, model, opt, sched, batches, start: int, stop: int, overflow_at: int | None = None):
+    """Steps ``start..stop-1``; ``overflow_at``: that step's gradients are made inf (a skipped step)."""
+    rows = []
+    for i in range(start, stop):
+        loss = model(input_ids=batches[i], labels=batches[i]).loss
+        acc.backward(loss * (float("inf") if i == overflow_at else 1.0))
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        rows.append({"loss": loss.item(), **acc.mp_metrics()})
+    return rows
+
+
+def _exact(rows: list[dict]) -> list[dict]:
+    return [{k: float(v).hex() for k, v in r.items()} for r in rows]
+
+
+def _recipes():
+    zclip = {"clipping": {"method": "zclip", "warmup_steps": 3}}  # past its warm-up before the save
+    return {
+        "cpu-bf16": resolve_recipe({"name": "b", "extends": "cpu-bf16", **zclip}),
+        "v100-fp16": resolve_recipe({"name": "f", "extends": "v100-fp16", **zclip}).rehearsed(),
+        "h100-fp8-delayed": resolve_recipe({"name": "d", "extends": "h100-fp8-delayed", **zclip}).rehearsed(),
+        "torchao": resolve_recipe(
+            {"name": "t", "extends": "h100-fp8-current", "fp8": {"backend": "torchao"}, **zclip}
+        ).rehearsed(),
+    }
+
+
+@pytest.mark.parametrize("name", ["cpu-bf16", "v100-fp16", "h100-fp8-delayed", "torchao"])
+def test_save_state_load_state_resumes_bitwise(name, tmp_path):
+    from accelerate.state import AcceleratorState
+
+    recipe = _recipes()[name]
+    batches = _batches()
+    overflow = 3  # a skipped step before the save: the count and the clipper's statistics must carry over
+    whole = _train(*_setup(recipe), batches, 0, STEPS, overflow_at=overflow)
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc, model, opt, sched = _setup(recipe)
+    first = _train(acc, model, opt, sched, batches, 0, SAVE_AT, overflow_at=overflow)
+    acc.save_state(str(tmp_path / "ckpt"))
+    del acc, model, opt, sched
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc, model, opt, sched = _setup(recipe)
+    acc.load_state(str(tmp_path / "ckpt"))
+    rest = _train(acc, model, opt, sched, batches, SAVE_AT, STEPS)
+
+    assert _exact(first + rest) == _exact(whole)  # every loss and mp/ metric, bit for bit (NaN included)
+    assert whole[-1]["mp/skipped_steps"] == 1.0 and "mp/clip_threshold" in whole[-1]
+    assert acc.mp.steps == STEPS
+
+
+def test_fp8_fallback_moves_the_same_layer_again_before_the_weights_load(tmp_path):
+    """A layer a fallback moved to high precision has other state-dict keys: it is moved again before Accelerate
+    loads the weights, so load_state neither fails nor loads into the wrong module type."""
+    from accelerate.state import AcceleratorState
+    from torch import nn
+
+    from hf_mixedprec.fp8 import iter_monitored
+    from hf_mixedprec.health import layers_to_bf16
+
+    recipe = _recipes()["h100-fp8-delayed"]
+    acc, model, opt, sched = _setup(recipe)
+    layer = "model.layers.1.mlp.down_proj"
+    acc.mp.moved_layers = layers_to_bf16(acc.unwrap_model(model), [layer])  # what a fallback reaction does
+    _train(acc, model, opt, sched, _batches(), 0, 2)
+    acc.save_state(str(tmp_path / "ckpt"))
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc, model, opt, sched = _setup(recipe)
+    acc.load_state(str(tmp_path / "ckpt"))
+    inner = acc.unwrap_model(model)
+    assert type(inner.get_submodule(layer)) is nn.Linear
+    assert layer not in {n for n, _ in iter_monitored(inner)} and acc.mp.moved_layers == [layer]
