@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import sys
 import weakref
@@ -93,7 +94,9 @@ def training_args(recipe: RecipeSpec, *, args_class: type | None = None, **overr
         # refuses a max_grad_norm that differs from it
         wanted["max_grad_norm"] = deepspeed_clip_value(recipe)
     elif recipe.clipping.method != "none":
-        wanted["max_grad_norm"] = 0.0  # the recipe's clipper does the clipping
+        if "max_grad_norm" in overrides:  # the user's own clipping (0: Trainer's "none") against the recipe's
+            raise ValueError(_clip_conflict(recipe, overrides["max_grad_norm"]))
+        wanted["max_grad_norm"] = RECIPE_CLIPS  # the recipe's clipper does the clipping
     for key, value in wanted.items():
         rehearsed_fp16 = key == "fp16" and recipe.precision == "fp16"  # fp16=True is fine for an FP16 recipe on CPU
         if key in overrides and overrides[key] != value and not (rehearsed_fp16 and overrides[key]):
@@ -309,7 +312,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                 f"clipping.method {recipe.clipping.method!r} replaces Trainer's max_grad_norm="
                 f"{args.max_grad_norm:g} (set to 0)"
             )
-            args.max_grad_norm = 0.0
+            args.max_grad_norm = RECIPE_CLIPS
 
     def _route_backward_and_log(self, trainer: Trainer, rt: MixedPrecisionRuntime) -> None:
         """See the loss every backward pass takes (however the Trainer or its subclass computed it), and merge
@@ -571,10 +574,30 @@ def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late
     )
 
 
+#: The ``max_grad_norm`` :func:`training_args` writes when the recipe's clipper clips: -0.0 equals 0 (Trainer does not
+#: clip) and keeps its sign through ``to_dict()`` / JSON / TRL's config conversion, so a user's explicit 0 ("no
+#: clipping", +0.0) can be told from it and is never silently overridden.
+RECIPE_CLIPS = -0.0
+
+
+def _clip_conflict(recipe: RecipeSpec, value: Any) -> str:
+    what = "0 (Trainer's 'no clipping')" if value == 0 else repr(value)
+    return (
+        f"TrainingArguments.max_grad_norm={what} contradicts recipe {recipe.name!r}, whose clipping.method "
+        f"{recipe.clipping.method!r} clips every step (allowed: leave max_grad_norm out of recipe.training_args(...), "
+        "or Trainer's default 1.0, which the recipe's clipper replaces; for no clipping use a recipe with "
+        "clipping: {method: none})"
+    )
+
+
 def _check_args(recipe: RecipeSpec, args: TrainingArguments) -> list[str]:
     """Refuse arguments that contradict the recipe; fix library defaults that do (returned as notes)."""
     p = recipe.precision
     notes: list[str] = []
+    norm = getattr(args, "max_grad_norm", None)
+    deepspeed = bool(getattr(args, "deepspeed", None)) or recipe.distributed.strategy == "deepspeed"
+    if recipe.clipping.method != "none" and not deepspeed and norm == 0 and math.copysign(1.0, norm) > 0:
+        raise ValueError(_clip_conflict(recipe, norm))  # the user's explicit 0, not training_args()'s -0.0
     if args.fp16 and p != "fp16":
         raise ValueError(
             f"TrainingArguments.fp16=True contradicts recipe {recipe.name!r} (precision {p}); "
