@@ -677,6 +677,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             eval_split=args.eval_split,
             output_dir=args.output_dir,
             criteria=crit,
+            overwrite=args.overwrite,
         )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.markdown(), end="" if not args.json else "\n")
     if not args.json:
@@ -721,6 +722,11 @@ def _add_compare(sub: Any) -> None:
     )
     s.add_argument(
         "--output-dir", default="runs/compare", metavar="DIR", help="where the files go (default runs/compare)"
+    )
+    s.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the comparison an earlier run left in --output-dir (default: refuse, before training anything)",
     )
     s.add_argument(
         "--max-skip-rate",

@@ -164,6 +164,8 @@ class RunResult:
     tiny_update: UpdateMeasure | None = None
     """None when nothing was measured: no weight stored in BF16/FP16 without a remainder, Kahan compensation or
     stochastic rounding keeping its small updates, or the detector is off."""
+    loss_scale_floor: float | None = None
+    """FP16: the recipe's ``loss_scale.min_scale`` (a scale there is stuck, not settled)."""
     verdict: str = "baseline"
     reasons: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
@@ -178,12 +180,22 @@ class RunResult:
 
     @property
     def loss_scale_settled(self) -> bool | None:
-        """FP16: no backoff in the second half of the run (None without a loss scale)."""
+        """FP16: no backoff in the second half of the run and not at the scaler's floor, where it cannot back off any
+        more (None without a loss scale)."""
         s = self.loss_scale
         if not s:
             return None
+        if self.at_scale_floor:
+            return False
         half = s[len(s) // 2 :]
         return all(b >= a for a, b in itertools.pairwise(half))
+
+    @property
+    def at_scale_floor(self) -> bool:
+        """The last logged loss scale is at the recipe's ``loss_scale.min_scale``."""
+        return (
+            bool(self.loss_scale) and self.loss_scale_floor is not None and self.loss_scale[-1] <= self.loss_scale_floor
+        )
 
     def worst_fidelity(self) -> tuple[str, LayerFidelity] | None:
         """The layer with the lowest gradient SQNR at the last sampled step."""
@@ -509,6 +521,7 @@ def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = T
         steps=steps,
         skipped=rt.amp.skipped_count() if rt is not None else 0,
         loss_scale=[float(r["mp/loss_scale"]) for r in logs if "mp/loss_scale" in r],
+        loss_scale_floor=rec.loss_scale.min_scale if rec.loss_scale is not None else None,
         events=list(rt.events) if rt is not None else [],
         stopped=rt.stop_requested if rt is not None else None,
         fp8_layers=_fp8_layers(logs),
@@ -628,7 +641,7 @@ def _suggestions(run: RunResult) -> list[str]:
         settled = run.loss_scale_settled
         if run.skip_rate > 0 or settled is False:
             out.append(
-                "FP16 loss scaling is struggling (skips or a scale still backing off): train in BF16 (a100-bf16 "
+                "FP16 loss scaling is struggling (skips, or a scale backing off or stuck at its floor): train in BF16 (a100-bf16 "
                 "on Ampere or later, cpu-bf16 on CPU) if the hardware has it"
             )
         if run.loss_scale and max(run.loss_scale) < 2.0**10:
@@ -703,6 +716,23 @@ def _load(name: str) -> tuple[Recipe, bool]:
         return load_recipe(name, rehearse=True), True
 
 
+def _output_folder(out: Path, overwrite: bool) -> Path:
+    """``out``, created; refused (before any data is prepared) when it is no folder or holds an earlier comparison."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output-dir: {out} exists and is not a folder (allowed: a folder, new or empty)")
+    earlier = [f for f in (COMPARE_FILE, TABLE_FILE) if (out / f).exists()]
+    if earlier and not overwrite:
+        raise UsageError(
+            f"--output-dir: {out} already holds a comparison ({', '.join(earlier)}), which this one would overwrite "
+            "(allowed: another --output-dir, or --overwrite to replace it)"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--output-dir: {out} cannot be created ({exc.strerror})") from None
+    return out
+
+
 def _check_args(
     recipes: Sequence[str],
     max_steps: int,
@@ -752,18 +782,21 @@ def run_compare(
     output_dir: str | Path = "runs/compare",
     criteria: Criteria | None = None,
     fidelity_points: int = 4,
+    overwrite: bool = False,
 ) -> CompareResult:
     """Train the baseline and each recipe from the same weights on the same batches; judge each recipe.
 
     Writes ``compare.json``, ``compare.md`` and the plots into ``output_dir``. ``eval_split``: the fraction of
     blocks held out for the final loss (default 0.05 with the built-in data, 0 with ``data``, when the mean train
     loss of the last tenth of the steps is the final loss). ``fidelity_points``: how many steps (spread over the
-    run, the first included) measure per-layer gradient fidelity.
+    run, the first included) measure per-layer gradient fidelity. An ``output_dir`` holding an earlier comparison is
+    refused before anything is trained, unless ``overwrite``.
     """
     from hf_mixedprec.finetune import DEFAULTS, _prepare_data, build_model
 
     crit = criteria or Criteria()
     _check_args(recipes, max_steps, batch_size, seq_len, crit, lr, eval_split, model, data)
+    out = _output_folder(Path(output_dir), overwrite)
     loaded = [_load(r.strip()) for r in recipes]
     every = max(1, max_steps // 10)
     loaded = [(_sample_updates(_sample_fp8(rec, every), every), rehearsed) for rec, rehearsed in loaded]
@@ -780,8 +813,6 @@ def run_compare(
     probe_batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
     k = max(1, fidelity_points)
     steps = sorted({1, *(max(1, round(max_steps * (i + 1) / k)) for i in range(k))})
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     setup = _Setup(
         prepared=prepared,
         model_dir=model,
@@ -857,7 +888,8 @@ def _markdown(res: CompareResult) -> str:
         weak = "-" if w is None else f"{w[0]} ({w[1].sqnr_db:.1f} dB, {w[1].cosine:.4f})"
         scale = "-"
         if r.loss_scale:
-            scale = f"{r.loss_scale[-1]:g} ({'settled' if r.loss_scale_settled else 'backing off'})"
+            how = "at its floor" if r.at_scale_floor else ("settled" if r.loss_scale_settled else "backing off")
+            scale = f"{r.loss_scale[-1]:g} ({how})"
         delta = "baseline" if r is res.baseline else f"{_fmt(r.final_delta_pct, '+.2f')}%"
         kind = "rehearsed" if r.rehearsed else "native"
         lines.append(

@@ -41,3 +41,34 @@ def test_max_grad_norm_zero_is_honoured_under_a_recipe_without_clipping(tmp_path
     args = recipe.training_args(output_dir=str(tmp_path), max_grad_norm=0, max_steps=1, report_to=[])
     Trainer(model=tiny_llama(0), args=args, train_dataset=Bytes(n=4), callbacks=recipe.callbacks())
     assert args.max_grad_norm == 0
+
+
+# -- compare: an earlier comparison is never overwritten; a loss scale stuck at its floor is not "settled" ----------
+def test_compare_refuses_a_folder_holding_an_earlier_comparison_before_training(tmp_path, capsys):
+    from hf_mixedprec.cli import main
+    from hf_mixedprec.compare import _output_folder
+
+    out = tmp_path / "cmp"
+    out.mkdir()
+    (out / "compare.json").write_text('{"earlier": true}')
+    assert main(["compare", "--recipes", "cpu-bf16", "--max-steps", "2", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a comparison (compare.json)" in err and "--overwrite" in err
+    assert (out / "compare.json").read_text() == '{"earlier": true}' and not (out / "runs").exists()
+    assert _output_folder(out, overwrite=True) == out
+
+
+def test_a_loss_scale_at_its_floor_is_not_called_settled():
+    from hf_mixedprec.compare import RunResult
+
+    def run(scales):
+        return RunResult(
+            recipe="v100-fp16", precision="fp16", rehearsed=True, init_digest="", batch_digests=[], train_loss=[1.0],
+            eval_loss=None, final_loss=1.0, steps=len(scales), skipped=0, loss_scale=scales, events=[], stopped=None,
+            fp8_layers={}, fidelity={}, tokens_per_s=0.0, peak_memory_bytes=None, cost_note="",
+            loss_scale_floor=1.0,
+        )  # fmt: skip
+
+    assert run([65536.0] * 4).loss_scale_settled is True
+    stuck = run([4.0, 2.0, 1.0, 1.0, 1.0, 1.0])  # no backoff in the second half: it cannot back off any more
+    assert stuck.at_scale_floor and stuck.loss_scale_settled is False
