@@ -28,6 +28,7 @@ import contextlib
 import hashlib
 import itertools
 import json
+import logging
 import math
 import statistics
 import sys
@@ -39,6 +40,7 @@ from typing import Any
 
 import torch
 
+from hf_mixedprec._optional import available
 from hf_mixedprec.errors import HardwareRefusal, UsageError
 from hf_mixedprec.recipe import Recipe, fp32_recipe, load_recipe
 
@@ -957,7 +959,12 @@ def _write(res: CompareResult) -> None:
     assert out is not None
     files = [out / COMPARE_FILE, out / TABLE_FILE]
     files[1].write_text(res.markdown())
-    files += _plots(res, out)
+    if available("matplotlib"):
+        files += _plots(res, out)
+    else:  # the comparison itself is in compare.json and compare.md
+        logging.getLogger("hf_mixedprec").warning(
+            "hf_mixedprec: compare plots not written: matplotlib is not installed (pip install 'hf_mixedprec[finetune]')"
+        )
     res.files = [str(p) for p in files]
     files[0].write_text(json.dumps(res.to_dict(), indent=2))
 

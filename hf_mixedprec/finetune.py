@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from hf_mixedprec import metrics as M
+from hf_mixedprec._optional import available
 from hf_mixedprec._text import root_cause
 from hf_mixedprec.demo import TRAINED_VOCAB, default_model_config
 from hf_mixedprec.errors import UsageError
@@ -471,6 +472,10 @@ def run_finetune(
         eval_split=eval_split,
     )
     resume, start = _prepare_run_folder(Path(output_dir), overwrite=overwrite, resume=resume), time.perf_counter()
+    if not available("matplotlib"):  # said before training, not found out after it
+        from hf_mixedprec.run_report import NO_PLOTS
+
+        logging.getLogger("hf_mixedprec").warning("hf_mixedprec: %s", NO_PLOTS)
     if eval_split is None:  # held-out text by default only for the built-in data: the user's may be small
         eval_split = DEFAULTS["eval_split"] if data is None else 0.0
     prepared = _prepare_data(data, text_field, model, seq_len, eval_split)

@@ -8,12 +8,13 @@ Plots: loss scale, grad norm with the clip threshold, skipped steps, and per-lay
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 from hf_mixedprec import metrics as M
-from hf_mixedprec._optional import require
+from hf_mixedprec._optional import available, require
 from hf_mixedprec._text import shorten
 from hf_mixedprec.plan_map import format_rows, map_rows
 
@@ -331,13 +332,22 @@ _PLOTS = (
 )
 
 
+#: Said when the run report's plots are left out.
+NO_PLOTS = "plots not written: matplotlib is not installed (pip install 'hf_mixedprec[finetune]'; then `hf-mixedprec report RUN_DIR` draws them)"
+
+
 def write_run_report(
     out_dir: str | Path, *, log_history: list[dict[str, Any]], runtime: Any = None, extra: dict[str, Any] | None = None
 ) -> list[Path]:
-    """Write ``health.json``, the plots and (FP8) ``conversion_report.json`` into ``out_dir``."""
+    """Write ``health.json``, the plots and (FP8) ``conversion_report.json`` into ``out_dir``. Without matplotlib the
+    plots are left out, loudly (a note in ``health.json`` and the log): a finished run is worth more than its plots."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     doc = health_document(log_history, runtime, extra)
+    plots = available("matplotlib")
+    if not plots:
+        doc.setdefault("notes", []).append(NO_PLOTS)
+        logging.getLogger("hf_mixedprec").warning("hf_mixedprec: %s", NO_PLOTS)
     path = out / HEALTH_FILE
     path.write_text(json.dumps(doc, indent=1))
     written = [path]
@@ -345,5 +355,6 @@ def write_run_report(
         conv = out / "conversion_report.json"
         conv.write_text(runtime.fp8_report.to_json())
         written.append(conv)
-    written += build_plots(out, doc)
+    if plots:
+        written += build_plots(out, doc)
     return written

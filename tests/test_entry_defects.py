@@ -72,3 +72,24 @@ def test_a_loss_scale_at_its_floor_is_not_called_settled():
     assert run([65536.0] * 4).loss_scale_settled is True
     stuck = run([4.0, 2.0, 1.0, 1.0, 1.0, 1.0])  # no backoff in the second half: it cannot back off any more
     assert stuck.at_scale_floor and stuck.loss_scale_settled is False
+
+
+# -- finetune without matplotlib: said before training, and the run still ends with its summary ---------------------
+@pytest.mark.slow
+def test_finetune_without_matplotlib_says_so_first_and_finishes_without_plots(tmp_path, monkeypatch, caplog, capsys):
+    import json
+    import logging
+    import sys
+
+    from hf_mixedprec.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    out = tmp_path / "run"
+    with caplog.at_level(logging.WARNING, logger="hf_mixedprec"):
+        code = main(["finetune", "--output-dir", str(out), "--max-steps", "2", "--seq-len", "32", "--batch-size", "2"])
+    assert code == 0
+    said = [r.getMessage() for r in caplog.records if "matplotlib is not installed" in r.getMessage()]
+    assert len(said) == 2  # once before training, once when the report is written
+    summary = json.loads((out / "summary.json").read_text())
+    assert "health.json" in summary["files"] and not any(f.endswith(".png") for f in summary["files"])
+    assert any("plots not written" in n for n in json.loads((out / "health.json").read_text())["notes"])
