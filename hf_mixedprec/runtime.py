@@ -476,6 +476,9 @@ def _runtime_state(rt: MixedPrecisionRuntime) -> dict[str, Any]:
         "stopped": rt.stop_requested,
         "moved_layers": list(rt.moved_layers),
         "phases": rt.phases.state_dict() if rt.phases is not None else None,
+        # FP16's loss scaler (numbers only); the guard's never changes. Trainer's scaler.pt may be absent: a callback
+        # added after the Trainer was built installs the scaler after Trainer would have loaded that file
+        "scaler": rt.scaler.state_dict() if rt.scaler is not None and not rt.guard else None,
     }
 
 
@@ -500,6 +503,8 @@ def _load_runtime_state(rt: MixedPrecisionRuntime, state: dict[str, Any], model:
     if state.get("version") != STATE_VERSION:
         raise ValueError(f"hf_mixedprec runtime state version {state.get('version')!r} (expected {STATE_VERSION})")
     rt.steps = int(state["steps"])
+    if state.get("scaler") is not None and rt.scaler is not None and not rt.guard:
+        rt.scaler.load_state_dict(state["scaler"])
     rt.amp.load_counts(state["skipped"], int(state.get("schedule_rewound", 0)), int(state.get("external_skips", 0)))
     clip = state.get("clipper")
     if (clip is None) != (rt.clipper is None):

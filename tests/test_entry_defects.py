@@ -93,3 +93,42 @@ def test_finetune_without_matplotlib_says_so_first_and_finishes_without_plots(tm
     summary = json.loads((out / "summary.json").read_text())
     assert "health.json" in summary["files"] and not any(f.endswith(".png") for f in summary["files"])
     assert any("plots not written" in n for n in json.loads((out / "health.json").read_text())["notes"])
+
+
+# -- add_callback(...) then train(resume_from_checkpoint=...): no crash, and the resume is exact --------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cpu-bf16", "h100-fp8-delayed", "v100-fp16"])
+def test_a_callback_added_late_resumes_exactly(tmp_path, name):
+    from accelerate.state import AcceleratorState
+
+    from hf_mixedprec.integrations.trainer import runtime_of
+    from tests.test_integration import InjectOverflow
+
+    recipe = load_recipe(name, rehearse=name != "cpu-bf16")
+
+    def trainer(out, **kw):
+        args = recipe.training_args(
+            output_dir=str(out), max_steps=8, per_device_train_batch_size=2, logging_steps=1, report_to=[],
+            disable_tqdm=True, seed=0, **kw,
+        )  # fmt: skip
+        tr = Trainer(model=tiny_llama(0), args=args, train_dataset=Bytes(n=32, seq_len=32))
+        tr.add_callback(InjectOverflow(at=2))  # a skipped step (FP16: the scale halves) before the checkpoint
+        for cb in recipe.callbacks():
+            tr.add_callback(cb)  # after the Trainer was built
+        return tr
+
+    full = trainer(tmp_path / "full", save_strategy="steps", save_steps=4)
+    full.train()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    resumed = trainer(tmp_path / "full", save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-4"))
+
+    def rows(tr):
+        return [{k: v for k, v in r.items() if k == "loss" or k.startswith("mp/")} for r in tr.state.log_history
+                if "loss" in r and r["step"] > 4]  # fmt: skip
+
+    assert rows(resumed) == rows(full) and len(rows(full)) == 4
+    assert rows(full)[-1]["mp/skipped_steps"] == 1.0
+    if name == "v100-fp16":
+        assert rows(resumed)[0]["mp/loss_scale"] == 32768.0  # the halved scale came back, not the initial one
+    assert runtime_of(resumed).steps == 8

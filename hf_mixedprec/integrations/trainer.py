@@ -341,6 +341,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             return inner_log(logs, *args, **kwargs)
 
         trainer.log = log_row  # type: ignore[method-assign]
+        _scaler_in_runtime_state(trainer, rt)
 
     def _route_clip_grad_norm(self, trainer: Trainer, rt: MixedPrecisionRuntime) -> None:
         """Trainer asks ``accelerator.clip_grad_norm_`` for the gradient norm every step (with ``max_norm=inf``
@@ -578,6 +579,22 @@ def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late
 #: clip) and keeps its sign through ``to_dict()`` / JSON / TRL's config conversion, so a user's explicit 0 ("no
 #: clipping", +0.0) can be told from it and is never silently overridden.
 RECIPE_CLIPS = -0.0
+
+
+def _scaler_in_runtime_state(trainer: Trainer, rt: MixedPrecisionRuntime) -> None:
+    """Checkpoint the runtime's scaler (the FP16 loss scaler, or the scale-1 guard) in the runtime's own state instead
+    of Trainer's ``scaler.pt`` (``Trainer._save_scaler``, wrapped on the instance). A resume whose callback is added
+    after the Trainer was built (``add_callback``) installs the scaler at ``on_train_begin``, after
+    ``Trainer._load_scaler`` ran and found no scaler to load a ``scaler.pt`` into (it crashed); the runtime's state is
+    loaded once the scaler exists. The guard's state never changes (scale 1, no growth)."""
+    inner = trainer._save_scaler
+
+    def save_scaler(output_dir: str) -> None:
+        if rt.scaler is not None and getattr(trainer.accelerator, "scaler", None) is rt.scaler:
+            return
+        inner(output_dir)
+
+    trainer._save_scaler = save_scaler  # type: ignore[method-assign]
 
 
 def _clip_conflict(recipe: RecipeSpec, value: Any) -> str:
