@@ -450,7 +450,7 @@ def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.
     from hf_mixedprec.storage import apply_storage
 
     step = _Step()
-    with FakeTensorMode(allow_non_fake_inputs=True), _quiet_logs():
+    with FakeTensorMode(allow_non_fake_inputs=True), _quiet_logs(), _grouped_mm_as_fallback():
         # a copy: from_config records the dtype in the config it is given
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=model_dtype or torch.float32)
         model.train()
@@ -485,6 +485,32 @@ def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.
         if step.backend != "transformer_engine":
             step.fp8_extras = _fp8_buffers(model)
     return step
+
+
+@contextlib.contextmanager
+def _grouped_mm_as_fallback() -> Any:
+    """MoE experts (transformers 5 runs them through ``torch._grouped_mm``) on fake tensors: torch's fake kernel for
+    ``_grouped_mm`` accepts BF16 only, so the step routes them through transformers' own fallback op, whose fake
+    kernel takes every dtype and whose output and saved tensors have the same shapes
+    (``transformers/integrations/moe.py``: ``_can_use_grouped_mm`` decides, ``transformers::grouped_mm_fallback``)."""
+    import sys
+
+    moe = sys.modules.get("transformers.integrations.moe")
+    if moe is None:
+        try:
+            import transformers.integrations.moe as moe
+        except ImportError:  # a transformers without it has no grouped experts either
+            yield
+            return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None:
+        yield
+        return
+    moe._can_use_grouped_mm = lambda *a, **k: False
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, dict[str, int]]:

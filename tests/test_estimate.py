@@ -36,6 +36,13 @@ def gpt2_cfg() -> GPT2Config:
     return GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128, attn_implementation="eager")
 
 
+def mixtral_cfg():
+    from transformers import MixtralConfig
+
+    dims = {k: v for k, v in TINY_LLAMA.items() if k != "tie_word_embeddings"}
+    return MixtralConfig(**dims, num_local_experts=4, num_experts_per_tok=2, attn_implementation="eager")
+
+
 def _distinct(tensors) -> int:
     """Bytes of the distinct storages (by address) behind real tensors."""
     seen = {}
@@ -162,6 +169,9 @@ CASES = [
     ("gpt2", gpt2_cfg, "v100-fp16", "adamw", False),
     ("gpt2", gpt2_cfg, "h100-fp8-current", "adamw", False),
     ("gpt2", gpt2_cfg, "cpu-bf16", "adamw", True),
+    # MoE: experts as 3-D weights through torch._grouped_mm (its fake kernel takes BF16 only)
+    ("tiny-mixtral", mixtral_cfg, "cpu-bf16", "adamw", False),
+    ("tiny-mixtral", mixtral_cfg, "h100-fp8-current", "adamw", False),
 ]
 
 
@@ -314,17 +324,21 @@ def test_config_file_without_model_type_is_refused(tmp_path, capsys):
     assert "model_type" in capsys.readouterr().err
 
 
-def test_a_model_whose_step_cannot_run_on_fake_tensors_is_one_line_and_exit_2(tmp_path, capsys):
+def test_a_model_whose_step_cannot_run_on_fake_tensors_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     from transformers import AutoConfig
 
+    import hf_mixedprec.estimate as estimate
     from hf_mixedprec.cli import main
 
-    moe = AutoConfig.for_model("mixtral", **{k: v for k, v in TINY_LLAMA.items() if k != "tie_word_embeddings"})
-    moe.num_local_experts = 4
-    moe.save_pretrained(tmp_path)
+    AutoConfig.for_model("llama", **TINY_LLAMA).save_pretrained(tmp_path)
+
+    def unsupported(*args, **kwargs):  # what an op without a fake-tensor kernel raises
+        raise NotImplementedError("aten::made_up_op: no fake implementation")
+
+    monkeypatch.setattr(estimate, "_fake_step", unsupported)
     assert main(["estimate", "--model", str(tmp_path), "--recipes", "a100-bf16", "--seq-len", "64"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "'mixtral'" in err and "a100-bf16" in err, err
+    assert len(err.splitlines()) == 1 and "'llama'" in err and "a100-bf16" in err and "made_up_op" in err, err
 
 
 def test_estimating_leaves_a_live_accelerator_working():
