@@ -132,3 +132,14 @@ def test_a_callback_added_late_resumes_exactly(tmp_path, name):
     if name == "v100-fp16":
         assert rows(resumed)[0]["mp/loss_scale"] == 32768.0  # the halved scale came back, not the initial one
     assert runtime_of(resumed).steps == 8
+
+
+# -- a DeepSpeed recipe through the callback without DeepSpeed: refused, never trained without it -------------------
+def test_a_deepspeed_recipe_on_a_trainer_without_deepspeed_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    recipe = resolve_recipe(
+        {"name": "z1", "extends": "cpu-bf16", "distributed": {"strategy": "deepspeed", "zero_stage": 1}}
+    )
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=True, max_grad_norm=1.0, report_to=[])
+    with pytest.raises(ValueError, match=r"distributed\.strategy deepspeed, but this Trainer runs without DeepSpeed"):
+        Trainer(model=tiny_llama(0), args=args, train_dataset=Bytes(n=4), callbacks=recipe.callbacks())

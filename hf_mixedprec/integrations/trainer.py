@@ -246,9 +246,9 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         device = args.device
         if not self.rehearse:
             check_recipe(recipe, detect())
-        notes = _check_args(recipe, args)
-        rt = MixedPrecisionRuntime(recipe, device=device, rehearse=self.rehearse)
         deepspeed = bool(getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False))
+        notes = _check_args(recipe, args, deepspeed)
+        rt = MixedPrecisionRuntime(recipe, device=device, rehearse=self.rehearse)
         # storage first: a refusal leaves the model, its forward and the Trainer as they were
         notes += _check_deepspeed_storage(trainer, recipe) if deepspeed else _install_storage(trainer, rt, late)
         self.runtime = rt
@@ -607,10 +607,18 @@ def _clip_conflict(recipe: RecipeSpec, value: Any) -> str:
     )
 
 
-def _check_args(recipe: RecipeSpec, args: TrainingArguments) -> list[str]:
-    """Refuse arguments that contradict the recipe; fix library defaults that do (returned as notes)."""
+def _check_args(recipe: RecipeSpec, args: TrainingArguments, deepspeed: bool = False) -> list[str]:
+    """Refuse arguments that contradict the recipe; fix library defaults that do (returned as notes). ``deepspeed``:
+    whether the Trainer runs under DeepSpeed (``TrainingArguments.deepspeed`` or an ``accelerate launch`` config)."""
     p = recipe.precision
     notes: list[str] = []
+    if recipe.distributed.strategy == "deepspeed" and not deepspeed:
+        raise ValueError(
+            f"recipe {recipe.name!r} has distributed.strategy deepspeed, but this Trainer runs without DeepSpeed (no "
+            "TrainingArguments.deepspeed, no DeepSpeed config from accelerate launch), so it would train without it "
+            "(allowed: recipe.training_args(deepspeed=deepspeed_config(recipe)[0], ...) from "
+            "hf_mixedprec.integrations.deepspeed, or `hf-mixedprec launch --recipe RECIPE.yaml your_script.py`)"
+        )
     norm = getattr(args, "max_grad_norm", None)
     deepspeed = bool(getattr(args, "deepspeed", None)) or recipe.distributed.strategy == "deepspeed"
     if recipe.clipping.method != "none" and not deepspeed and norm == 0 and math.copysign(1.0, norm) > 0:
