@@ -52,7 +52,7 @@ _NOISE = {
 
 def quiet_known_noise() -> None:
     """Drop the known third-party messages above (only those; everything else those loggers say still shows).
-    The command line calls it; a library user's logging is left alone."""
+    ``import hf_mixedprec`` calls it (the command line too); idempotent."""
     for name, fragments in _NOISE.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessages) for f in logger.filters):

@@ -172,11 +172,12 @@ class MixedPrecisionRuntime:
         """The recipe the current step trains with: the recipe itself, or the phase in force."""
         return self.recipe if self.phases is None else self.phases.active
 
-    def note(self, text: str) -> None:
-        """Record a decision or fallback (also logged loudly); they all end up in the run report."""
+    def note(self, text: str, *, quiet: bool = False) -> None:
+        """Record a decision or fallback; they all end up in the run report. Logged loudly (a warning), or at INFO
+        when ``quiet``: a routine setup step that needs none of the user's attention."""
         self.notes.append(text)
         if is_main_rank():  # every rank records it; one prints it
-            log.warning("hf_mixedprec: %s", text)
+            log.log(logging.INFO if quiet else logging.WARNING, "hf_mixedprec: %s", text)
 
     # -- what amp and reactions keep, readable (and settable) here as before they took it over -----------------
     scaler: torch.amp.GradScaler | None = _delegate("amp", "scaler", "The run's GradScaler (loss scaler or guard).")

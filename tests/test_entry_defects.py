@@ -143,3 +143,29 @@ def test_a_deepspeed_recipe_on_a_trainer_without_deepspeed_is_refused(tmp_path, 
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=True, max_grad_norm=1.0, report_to=[])
     with pytest.raises(ValueError, match=r"distributed\.strategy deepspeed, but this Trainer runs without DeepSpeed"):
         Trainer(model=tiny_llama(0), args=args, train_dataset=Bytes(n=4), callbacks=recipe.callbacks())
+
+
+# -- library use is quiet ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_import_and_a_one_line_trainer_run_print_nothing_from_us_or_our_backends(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", "import hf_mixedprec"], capture_output=True, text=True, cwd=tmp_path)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+    script = f"""
+import hf_mixedprec
+from transformers import Trainer
+from hf_mixedprec.demo import tiny_llama
+from tests.test_integration import Bytes
+r = hf_mixedprec.load_recipe("cpu-bf16")
+args = r.training_args(output_dir={str(tmp_path / "out")!r}, max_steps=2, report_to=[], save_strategy="no",
+                       disable_tqdm=True, logging_steps=1)
+Trainer(model=tiny_llama(0), args=args, train_dataset=Bytes(n=8, seq_len=32), callbacks=r.callbacks()).train()
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr == "", r.stderr  # no torchao kernel-load lines, no torch Enum notes, no hf_mixedprec notes
+    assert "Setting accelerator to CPU" not in r.stdout and "'loss'" in r.stdout  # Trainer's own log rows stay

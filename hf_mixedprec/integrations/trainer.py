@@ -282,7 +282,9 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         elif rt.wants_guard():
             scaler = acc.scaler = rt.make_guard_scaler()
             rt.note(
-                "a scale-1 GradScaler guards the optimizer step: non-finite steps and skip_step reactions are skipped exactly"
+                "a scale-1 GradScaler guards the optimizer step: non-finite steps and skip_step reactions are skipped "
+                "exactly",
+                quiet=True,  # every non-FP16 run has it: nothing to act on
             )
         if late and scaler is not None:
             _give_scaler(trainer.optimizer, scaler)
