@@ -169,10 +169,11 @@ def test_every_rule_kind_changes_what_runs(entry, backend, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_accelerate_state")
-def test_a_bf16_region_inside_an_fp16_run_and_fp16_elsewhere(tmp_path):
+@pytest.mark.parametrize("entry", ["trainer", "plugin"])
+def test_a_bf16_region_inside_an_fp16_run_and_fp16_elsewhere(entry, tmp_path):
     rules = [{"name": "mlp_bf16", "match": "model.layers.0.mlp", "compute": "bf16"}]
     recipe = resolve_recipe({"name": "r", "extends": "v100-fp16", "modules": rules}).rehearsed()
-    model = _trainer_run(recipe, tiny_llama(0), tmp_path)
+    model = _trainer_run(recipe, tiny_llama(0), tmp_path) if entry == "trainer" else _plugin_run(recipe, tiny_llama(0))
     seen: dict[str, torch.dtype] = {}
     for name in ("model.layers.0.mlp", "model.layers.1.mlp"):
         model.get_submodule(name).register_forward_hook(_record(seen, name))
@@ -209,15 +210,16 @@ def _mixtral():
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("entry", ["trainer", "plugin"])
 @pytest.mark.parametrize("name", ["cpu-bf16", "h100-fp8-current"])
-def test_moe_router_computes_in_fp32_under_the_built_in_recipes(name, tmp_path):
+def test_moe_router_computes_in_fp32_under_the_built_in_recipes(name, entry, tmp_path):
     model = _mixtral()
     seen: dict[str, torch.dtype] = {}
     for n, mod in model.named_modules():
         if n.endswith("mlp.gate"):  # MixtralTopKRouter: (logits, scores, indices)
             mod.register_forward_hook(_record(seen, n))
     recipe = hf_mixedprec.load_recipe(name, rehearse=name != "cpu-bf16")
-    _trainer_run(recipe, model, tmp_path)
+    model = _trainer_run(recipe, model, tmp_path) if entry == "trainer" else _plugin_run(recipe, model)
     # the router computes and returns FP32 logits inside the run's BF16 autocast
     assert seen == {"model.layers.0.mlp.gate": torch.float32, "model.layers.1.mlp.gate": torch.float32}
     assert model.model.layers[0].mlp.gate.weight.dtype == torch.float32
