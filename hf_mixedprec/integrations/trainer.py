@@ -281,11 +281,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                 )
         elif rt.wants_guard():
             scaler = acc.scaler = rt.make_guard_scaler()
-            rt.note(
-                "a scale-1 GradScaler guards the optimizer step: non-finite steps and skip_step reactions are skipped "
-                "exactly",
-                quiet=True,  # every non-FP16 run has it: nothing to act on
-            )
+            rt.note(GUARD_NOTE, quiet=True)  # every non-FP16 run has it: nothing to act on
         if late and scaler is not None:
             _give_scaler(trainer.optimizer, scaler)
         if rt.phases is not None:
@@ -576,6 +572,8 @@ def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late
         f"{wanted} with the same lr, betas, eps and weight_decay"
     )
 
+
+GUARD_NOTE = "a scale-1 GradScaler guards the optimizer step: non-finite steps and skip_step reactions are skipped exactly"
 
 #: The ``max_grad_norm`` :func:`training_args` writes when the recipe's clipper clips: -0.0 equals 0 (Trainer does not
 #: clip) and keeps its sign through ``to_dict()`` / JSON / TRL's config conversion, so a user's explicit 0 ("no
