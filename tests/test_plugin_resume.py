@@ -24,7 +24,7 @@ def _batches() -> list[torch.Tensor]:
 
 
 def _setup(recipe):
-    acc = recipe.accelerator()
+    acc = recipe.accelerator(max_steps=STEPS)  # a phased recipe's fractional starts need the run's length
     model = tiny_llama(0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * STEPS))
@@ -59,10 +59,26 @@ def _recipes():
         "torchao": resolve_recipe(
             {"name": "t", "extends": "h100-fp8-current", "fp8": {"backend": "torchao"}, **zclip}
         ).rehearsed(),
+        # FP8 then BF16 from step 4 (before the save) or step 9 (after the resume): the phase in force is restored
+        "phases-switched": resolve_recipe(
+            {"name": "p1", "extends": "h100-fp8-anneal-bf16", "phases": _phases(4), **zclip}
+        ).rehearsed(),
+        "phases-ahead": resolve_recipe(
+            {"name": "p2", "extends": "h100-fp8-anneal-bf16", "phases": _phases(9), **zclip}
+        ).rehearsed(),
     }
 
 
-@pytest.mark.parametrize("name", ["cpu-bf16", "v100-fp16", "h100-fp8-delayed", "torchao"])
+def _phases(anneal_at: int) -> list[dict]:
+    return [
+        {"name": "fp8", "start": 0, "precision": "fp8"},
+        {"name": "anneal", "start": anneal_at, "precision": "bf16"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "name", ["cpu-bf16", "v100-fp16", "h100-fp8-delayed", "torchao", "phases-switched", "phases-ahead"]
+)
 def test_save_state_load_state_resumes_bitwise(name, tmp_path):
     from accelerate.state import AcceleratorState
 
