@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-import functools
 import re
-import weakref
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -312,7 +311,10 @@ def _lowers(rule: ModuleRule) -> bool:
 
 
 # -- compute regions -------------------------------------------------------------------------------------------------
-_INSTALLED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+#: The attribute a module given a compute region carries (its compute): copied with the module by ``copy.deepcopy``
+#: (TRL's reference models, EMA copies) together with the hooks, so a copy is never given a second region.
+_MARK = "_hf_mixedprec_compute"
+_STACKS = threading.local()  # each thread's open regions, innermost last (forward calls nest)
 
 
 def _to_fp32(value: Any) -> Any:
@@ -328,24 +330,29 @@ def _to_fp32(value: Any) -> Any:
 
 
 def _region(mod: nn.Module, compute: str, device_type: str) -> None:
-    inner = mod.forward
-    if compute == "fp32":
+    """A forward pre-hook that opens the region (autocast off and FP32 inputs, or an autocast of ``compute``'s dtype)
+    and a forward hook that closes it, also when the forward raises (``always_call``). Hooks hold no reference to the
+    module, so a deep copy of it runs its own forward in its own region (a forward wrapper would call the original)."""
 
-        @functools.wraps(inner)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with torch.autocast(device_type, enabled=False):
-                return inner(*_to_fp32(args), **_to_fp32(kwargs))
+    def open_region(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if compute == "fp32":
+            ctx = torch.autocast(device_type, enabled=False)
+            args, kwargs = _to_fp32(args), _to_fp32(kwargs)
+        else:
+            ctx = torch.autocast(device_type, dtype=_DTYPES[compute])
+        ctx.__enter__()
+        stack = getattr(_STACKS, "open", None)
+        if stack is None:
+            stack = _STACKS.open = []
+        stack.append(ctx)
+        return args, kwargs
 
-    else:
-        dtype = _DTYPES[compute]
+    def close_region(module: nn.Module, args: Any, output: Any) -> None:
+        _STACKS.open.pop().__exit__(None, None, None)
 
-        @functools.wraps(inner)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with torch.autocast(device_type, dtype=dtype):
-                return inner(*args, **kwargs)
-
-    mod.forward = forward  # type: ignore[method-assign]
-    _INSTALLED[mod] = compute
+    mod.register_forward_pre_hook(open_region, with_kwargs=True)
+    mod.register_forward_hook(close_region, always_call=True)
+    setattr(mod, _MARK, compute)
 
 
 def install_compute(model: nn.Module, assignment: RuleAssignment, precision: str, device_type: str) -> list[str]:
@@ -358,7 +365,7 @@ def install_compute(model: nn.Module, assignment: RuleAssignment, precision: str
             continue
         if rule.compute == _AUTOCAST_OF[precision] and rule.compute != "fp32":
             continue  # the run's own autocast already computes it so
-        done = [n for n in names if modules[n] not in _INSTALLED]
+        done = [n for n in names if getattr(modules[n], _MARK, None) is None]
         for n in done:
             _region(modules[n], rule.compute, device_type)
         if done:
@@ -369,4 +376,4 @@ def install_compute(model: nn.Module, assignment: RuleAssignment, precision: str
 
 def compute_installed(mod: nn.Module) -> str | None:
     """The compute region :func:`install_compute` gave this module, if any."""
-    return _INSTALLED.get(mod)
+    return getattr(mod, _MARK, None)

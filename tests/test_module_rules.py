@@ -430,3 +430,25 @@ def test_plan_prints_what_rows_cannot_show_and_the_tied_lm_head(tmp_path):
     # the rule was left out: the norms compute as the recipe says; GPT-2's LM head (tied to wte) still has its row
     assert "| transformer.ln_f | LayerNorm | 128 | bf16 | fp32 | fp32 weight | autocast op policy |" in r.stdout
     assert "| lm_head | Linear | 0 | tied | tied | tied | bf16 (autocast) | precision bf16 |" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_deep_copy_runs_its_own_weights_in_its_own_region(tmp_path):
+    """TRL's reference model and EMA copies are deep copies of the prepared model: the copy's router still computes
+    in FP32, with the copy's own weight (a region that wrapped the original's forward would run the original)."""
+    import copy
+
+    model = _trainer_run(hf_mixedprec.load_recipe("cpu-bf16"), _mixtral(), tmp_path)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.model.layers[0].mlp.gate.weight.zero_()  # all logits 0 in the copy only
+    seen: dict[str, torch.Tensor] = {}
+    for name, m in (("model", model), ("twin", twin)):
+        m.model.layers[0].mlp.gate.register_forward_hook(lambda mod, i, o, n=name: (seen.setdefault(n, o[0]), None)[1])
+    x = torch.randint(0, 256, (1, 8))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=x)
+        twin(input_ids=x)
+    assert seen["model"].dtype == seen["twin"].dtype == torch.float32
+    assert seen["model"].abs().sum() > 0 and seen["twin"].abs().sum() == 0
