@@ -8,7 +8,8 @@ both 16-bit dtypes), are refused here with the rule's dotted key and the closest
 ``_keep_in_fp32_modules`` (honoured by transformers under FP16 only) wins over a rule with a note.
 
 :func:`install_compute` puts the ``compute`` of ``fp32`` / ``bf16`` / ``fp16`` rules into effect: the module's
-forward runs in an autocast region of that dtype, or outside autocast with its floating inputs cast to FP32.
+forward runs in an autocast region of that dtype, or outside autocast with its floating inputs cast to FP32, opened
+and closed by forward hooks (a deep copy of the model keeps them and runs its own weights).
 """
 
 from __future__ import annotations
