@@ -573,7 +573,9 @@ def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late
     )
 
 
-GUARD_NOTE = "a scale-1 GradScaler guards the optimizer step: non-finite steps and skip_step reactions are skipped exactly"
+GUARD_NOTE = (
+    "a scale-1 GradScaler guards the optimizer step: non-finite steps and skip_step reactions are skipped exactly"
+)
 
 #: The ``max_grad_norm`` :func:`training_args` writes when the recipe's clipper clips: -0.0 equals 0 (Trainer does not
 #: clip) and keeps its sign through ``to_dict()`` / JSON / TRL's config conversion, so a user's explicit 0 ("no
