@@ -853,11 +853,30 @@ def _summary(
         "stopped": stopped,
         "interrupted": trained.interrupted,
         "resume_from": resume_from,
-        "resume_command": shlex.join([*command, "--resume", resume_from]) if resume_from and command else None,
+        "resume_command": resume_command(command, resume_from, fallback),
         "notes": list(rt.notes) if rt is not None else [],
         "output_dir": str(run.out),
         "saved_model": bool(save),
     }
+
+
+def resume_command(command: list[str] | None, resume_from: str | None, fallback: dict[str, Any] | None) -> str | None:
+    """The command that resumes ``resume_from``: the run's own (``command``, without ``--resume``), under the recipe it
+    trained in last: after a fallback switched recipes, the checkpoint was written under ``fallback["to"]``."""
+    if not resume_from or not command:
+        return None
+    argv = list(command)
+    if fallback is not None and fallback.get("to"):
+        kept, skip = [], False
+        for tok in argv:
+            if skip or tok.startswith("--recipe="):
+                skip = False
+                continue
+            skip = tok == "--recipe"
+            if not skip:
+                kept.append(tok)
+        argv = [*kept, "--recipe", str(fallback["to"])]
+    return shlex.join([*argv, "--resume", resume_from])
 
 
 def _estimated_memory(trainer: Any, recipe: Recipe, run: _RunSettings, rt: Any) -> dict[str, float] | None:

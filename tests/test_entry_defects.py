@@ -169,3 +169,24 @@ Trainer(model=tiny_llama(0), args=args, train_dataset=Bytes(n=8, seq_len=32), ca
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stderr == "", r.stderr  # no torchao kernel-load lines, no torch Enum notes, no hf_mixedprec notes
     assert "Setting accelerator to CPU" not in r.stdout and "'loss'" in r.stdout  # Trainer's own log rows stay
+
+
+# -- after a fallback switched recipes, the printed resume command names the recipe the checkpoint was written under
+def test_the_resume_command_after_a_fallback_names_the_fallback_recipe():
+    from hf_mixedprec.finetune import resume_command
+
+    cmd = ["hf-mixedprec", "finetune", "--recipe", "v100-fp16", "--max-steps", "200"]
+    fallback = {"from": "v100-fp16", "to": "cpu-bf16", "at_step": 6, "checkpoint": "runs/x/checkpoint-6"}
+    assert resume_command(cmd, "runs/x/checkpoint-40", None) == (
+        "hf-mixedprec finetune --recipe v100-fp16 --max-steps 200 --resume runs/x/checkpoint-40"
+    )
+    assert resume_command(cmd, "runs/x/checkpoint-40", fallback) == (
+        "hf-mixedprec finetune --max-steps 200 --recipe cpu-bf16 --resume runs/x/checkpoint-40"
+    )
+    eq = ["hf-mixedprec", "finetune", "--recipe=v100-fp16"]
+    assert resume_command(eq, "c", fallback) == "hf-mixedprec finetune --recipe cpu-bf16 --resume c"
+    assert (
+        resume_command(["hf-mixedprec", "finetune"], "c", fallback)
+        == "hf-mixedprec finetune --recipe cpu-bf16 --resume c"
+    )
+    assert resume_command(cmd, None, fallback) is None
