@@ -151,13 +151,6 @@ class RuleAssignment:
             return _AUTOCAST_OF[precision]
         return DEFAULT_COMPUTE[precision]
 
-    def groups(self) -> dict[str, tuple[str, ...]]:
-        """Module names governed by each rule (by label), the rest under ``"no_rule"``: the health groups."""
-        out: dict[str, list[str]] = {}
-        for name, i in self.owner.items():
-            out.setdefault(self.rules[i].label(i), []).append(name)
-        return {k: tuple(v) for k, v in out.items()}
-
 
 def declared_fp32(model: nn.Module, precision: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The model's ``(strict, non-strict)`` FP32 declarations in force for ``precision``: the strict list always,
