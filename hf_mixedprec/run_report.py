@@ -76,8 +76,9 @@ def health_document(
         plan = getattr(runtime, "plan", None)
         if plan is not None:  # what each parameter group was kept in and the bytes it took
             doc["storage"] = plan.storage_report()
-            if plan.rules:  # each modules: rule's layers, with the worst FP8 statistics its group logged
-                doc["rule_groups"] = _rule_groups(plan.rule_report(), series)
+            groups = plan.rule_report()
+            if any(g["rule"] != "no_rule" for g in groups):  # each modules: rule's layers and worst FP8 statistics
+                doc["rule_groups"] = _rule_groups(groups, series)
             # what each module computed in and why (the table `hf-mixedprec plan` prints), as the run was prepared
             doc["precision_map"] = [r.to_dict() for r in map_rows(plan)]
     if extra:
