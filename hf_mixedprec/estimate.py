@@ -493,15 +493,11 @@ def _grouped_mm_as_fallback() -> Any:
     ``_grouped_mm`` accepts BF16 only, so the step routes them through transformers' own fallback op, whose fake
     kernel takes every dtype and whose output and saved tensors have the same shapes
     (``transformers/integrations/moe.py``: ``_can_use_grouped_mm`` decides, ``transformers::grouped_mm_fallback``)."""
-    import sys
-
-    moe = sys.modules.get("transformers.integrations.moe")
-    if moe is None:
-        try:
-            import transformers.integrations.moe as moe
-        except ImportError:  # a transformers without it has no grouped experts either
-            yield
-            return
+    try:
+        import transformers.integrations.moe as moe
+    except ImportError:  # a transformers without it has no grouped experts either
+        yield
+        return
     original = getattr(moe, "_can_use_grouped_mm", None)
     if original is None:
         yield

@@ -159,12 +159,9 @@ class PrecisionPlan:
         raise KeyError(f"no module named {name!r} in the plan")
 
     @functools.cached_property
-    def _rule_groups(self) -> dict[str, list[str]]:
-        return self.rule_groups()
-
     def rule_groups(self) -> dict[str, list[str]]:
-        """The GEMM layers (Linear, Conv1D; FP8 or not) of each rule, by label; ``(no rule)`` for the rest: what
-        health statistics are grouped by."""
+        """The GEMM layers (Linear, Conv1D; FP8 or not) of each rule, by label; ``no_rule`` for the rest: what
+        health statistics are grouped by (found once per plan; the runtime reads it at every logging step)."""
         gemm = {d.name for d in self.fp8_layers if d.kind != "Embedding"} or {
             m.name for m in self.modules if m.kind in ("Linear", "Conv1D")
         }
@@ -247,7 +244,7 @@ class PrecisionPlan:
         texts = dict(r.split(": ", 1) for r in self.rules)
         return [
             {"rule": label, "what": texts.get(label, ""), "layers": len(names), "fp8_layers": len(fp8 & set(names))}
-            for label, names in self._rule_groups.items()
+            for label, names in self.rule_groups.items()
         ]
 
     def storage_report(self) -> dict[str, Any]:

@@ -665,7 +665,7 @@ def _read_for_log(rt: MixedPrecisionRuntime, model: nn.Module | None) -> _LogRea
     if model is not None and rt.monitor is not None and rt._fp8_pending:
         got.fp8 = _fp8_layer_metrics(unstack_layer_stats(values[fp8], layout))
         if rt.plan is not None and rt.plan.rules:
-            got.fp8.update(M.fp8_rule_metrics(got.fp8, rt.plan._rule_groups))
+            got.fp8.update(M.fp8_rule_metrics(got.fp8, rt.plan.rule_groups))
     got.amp = dict(zip(amp_t, values[amp]))
     got.clip_sync = values[clip_sync][0] if sync is not None else None
     got.clip = _clip_metrics(values[clip]) if last is not None else None
