@@ -35,9 +35,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_overhead import Bytes, LockstepTimer, Turns, describe, machine, reset_accelerate, train_in_lockstep
-from bench_storage import build_model
-from torch.utils._python_dispatch import TorchDispatchMode
+from bench_overhead import (
+    Bytes,
+    LockstepTimer,
+    Turns,
+    _OpCount,
+    describe,
+    machine,
+    reset_accelerate,
+    train_in_lockstep,
+)
+from bench_storage import recipe_trainer
 from transformers import Trainer
 
 from hf_mixedprec._stdio import stdout_to_stderr
@@ -74,30 +82,7 @@ def recipe_for(name: str) -> Any:
 
 
 def build_trainer(name: str, opts: argparse.Namespace, data: Any, callbacks: list[Any], workdir: str) -> Trainer:
-    recipe = recipe_for(name)
-    args = recipe.training_args(
-        output_dir=workdir,
-        max_steps=opts.warmup + opts.steps + 1,  # +1: a step's end is the next step's begin
-        per_device_train_batch_size=opts.batch_size,
-        learning_rate=1e-3,
-        logging_steps=opts.warmup + opts.steps + 1,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
-    return Trainer(model=build_model(), args=args, train_dataset=data, callbacks=[*callbacks, *recipe.callbacks()])
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.n += 1
-        return func(*args, **(kwargs or {}))
+    return recipe_trainer(recipe_for(name), opts, data, callbacks, workdir, lr=1e-3)
 
 
 def op_count(trainer: Trainer, data: Any) -> int:
@@ -106,7 +91,7 @@ def op_count(trainer: Trainer, data: Any) -> int:
 
     model = trainer.model
     batch = torch.stack([data[0]["input_ids"], data[1]["input_ids"]])
-    with _Count() as c, runtime_of(trainer).autocast():
+    with _OpCount() as c, runtime_of(trainer).autocast():
         model(input_ids=batch, labels=batch).loss.backward()
     model.zero_grad(set_to_none=True)
     return c.n

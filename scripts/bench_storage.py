@@ -115,12 +115,19 @@ class LastStepBytes(TrainerCallback):
 
 
 def build_trainer(name: str, opts: argparse.Namespace, data: Any, callbacks: list[Any], workdir: str) -> Trainer:
-    recipe = recipe_for(name, opts.choices[name])
+    return recipe_trainer(recipe_for(name, opts.choices[name]), opts, data, callbacks, workdir, lr=opts.lr)
+
+
+def recipe_trainer(
+    recipe: Any, opts: argparse.Namespace, data: Any, callbacks: list[Any], workdir: str, *, lr: float
+) -> Trainer:
+    """A Trainer of the default model under ``recipe`` for ``--warmup + --steps + 1`` steps, logging only at the
+    last, with ``callbacks`` before the recipe's (a lockstep timer first)."""
     args = recipe.training_args(
         output_dir=workdir,
         max_steps=opts.warmup + opts.steps + 1,  # +1: a step's end is the next step's begin
         per_device_train_batch_size=opts.batch_size,
-        learning_rate=opts.lr,
+        learning_rate=lr,
         logging_steps=opts.warmup + opts.steps + 1,
         report_to=[],
         save_strategy="no",
