@@ -28,7 +28,7 @@ from hf_mixedprec import metrics as M
 from hf_mixedprec._device import AsyncRead
 from hf_mixedprec.schema import RecipeSpec
 
-__all__ = ["GuardScaler", "LossScaling", "track_steps_for_scheduler"]
+__all__ = ["GuardScaler", "LossScaling", "PhaseScaler", "track_steps_for_scheduler"]
 
 # -- the private torch surface (checked against torch 2.13) ---------------------------------------------------
 
@@ -171,6 +171,70 @@ class GuardScaler(torch.amp.GradScaler):
         _pin_scale(self, 1.0)
 
 
+#: The guard's settings: scale 1, and growth that never comes (its ``update`` does not run torch's anyway).
+_GUARD_STATE = {
+    "scale": 1.0,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 2**30,
+    "_growth_tracker": 0,
+}
+
+
+class PhaseScaler(GuardScaler):
+    """The GradScaler of a phased run with FP16 phases: the scale-1 guard outside them, torch's dynamic loss scaler
+    inside them (:meth:`start` at an FP16 phase's first step, :meth:`retire` at its last).
+
+    One object for the whole run, because Accelerate hands the scaler to the prepared optimizer once
+    (``AcceleratedOptimizer.scaler``) and ``Accelerator.backward`` scales with ``accelerator.scaler``: swapping
+    objects at a boundary would leave one of them holding the old scaler. Both transitions go through
+    ``GradScaler.load_state_dict``, the public way to set a scale, its growth settings and the growth tracker."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__(device)
+        self.scaling = False
+
+    def start(self, ls: Any) -> None:
+        """Begin loss scaling at ``ls.init_scale`` with ``ls``'s growth settings (a fresh scaler's state)."""
+        self.scaling = True
+        torch.amp.GradScaler.load_state_dict(
+            self,
+            {
+                "scale": float(ls.init_scale),
+                "growth_factor": float(ls.growth_factor),
+                "backoff_factor": float(ls.backoff_factor),
+                "growth_interval": int(ls.growth_interval),
+                "_growth_tracker": 0,
+            },
+        )
+
+    def retire(self) -> None:
+        """End loss scaling: back to the guard at scale 1."""
+        self.scaling = False
+        torch.amp.GradScaler.load_state_dict(self, dict(_GUARD_STATE))
+
+    def scale(self, outputs: Any) -> Any:
+        return torch.amp.GradScaler.scale(self, outputs) if self.scaling else outputs
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if self.scaling:
+            return torch.amp.GradScaler.step(self, optimizer, *args, **kwargs)
+        return super().step(optimizer, *args, **kwargs)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        if self.scaling:
+            torch.amp.GradScaler.update(self, new_scale)
+        else:
+            super().update(new_scale)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A checkpoint's loss-scaler state while scaling; the guard keeps scale 1 otherwise."""
+        if self.scaling:
+            torch.amp.GradScaler.load_state_dict(self, state_dict)
+        else:
+            super().load_state_dict(state_dict)
+
+
 def _schedule_steps_per_step(scheduler: Any) -> int:
     """How far one optimizer step moves ``scheduler``: Accelerate's ``AcceleratedScheduler`` steps the wrapped
     schedule once per process per step unless batches are split (``accelerate/scheduler.py``); a plain
@@ -191,6 +255,8 @@ class LossScaling:
         self._note = note
         self.scaler: torch.amp.GradScaler | None = None
         self.guard = False  # a scale-1 GradScaler that only exists to skip steps exactly (bf16/fp8)
+        #: the loss-scale settings in force (the recipe's, or the FP16 phase's); their bounds clamp the scale
+        self.loss_scale = recipe.loss_scale if recipe.phases is None else None
         self.skipped = torch.zeros((), device=device)  # float32: exact up to 2**24 skipped steps
         self.found_inf = torch.zeros((), device=device)  # this step's skip flag (device, float 0/1)
         self.optimizer_skips_itself = False
@@ -204,25 +270,51 @@ class LossScaling:
     def wants_guard(self) -> bool:
         """Whether this run needs the scale-1 :class:`GuardScaler`: every precision but FP16 (whose real
         GradScaler already skips), so that a step with a non-finite loss or gradient, or one a ``skip_step``
-        reaction flags, never reaches the weights or the optimizer state, whatever the reactions are."""
-        return self.recipe.precision != "fp16"
+        reaction flags, never reaches the weights or the optimizer state, whatever the reactions are. A phased
+        recipe always starts with one: its FP16 phases turn it into a loss scaler (:class:`PhaseScaler`)."""
+        return self.recipe.precision != "fp16" or self.recipe.phases is not None
 
     def make_guard_scaler(self) -> torch.amp.GradScaler:
-        """A :class:`GuardScaler` (scale 1) whose only job is skipping flagged steps exactly."""
+        """A :class:`GuardScaler` (scale 1) whose only job is skipping flagged steps exactly; a :class:`PhaseScaler`
+        when a phase of the recipe trains in FP16 (:meth:`enter_phase` switches it)."""
         self.guard = True
-        self.scaler = GuardScaler(self.device.type)
+        fp16_phases = self.recipe.phases is not None and "fp16" in self.recipe.precisions()
+        self.scaler = (PhaseScaler if fp16_phases else GuardScaler)(self.device.type)
         return self.scaler
 
-    def make_grad_scaler(self) -> torch.amp.GradScaler | None:
-        """A real ``torch.amp.GradScaler`` with the recipe's loss-scale settings (fp16 only)."""
-        ls = self.recipe.loss_scale
-        if self.recipe.precision != "fp16" or ls is None:
-            return None
+    def enter_phase(self, spec: RecipeSpec, *, resume: bool = False) -> None:
+        """At a phase boundary (or, with ``resume``, where a checkpoint left the run): an FP16 phase starts the loss
+        scaler afresh at its ``loss_scale.init_scale`` (a resume then loads the checkpoint's scale over it); any
+        other phase retires it to the scale-1 guard. Said in the run's notes at a real boundary."""
+        scaler = self.scaler
+        if not isinstance(scaler, PhaseScaler):
+            return
+        if spec.precision == "fp16" and not scaler.scaling:
+            assert spec.loss_scale is not None
+            self._warn_hysteresis(spec.loss_scale)
+            scaler.start(spec.loss_scale)
+            self.guard, self.loss_scale = False, spec.loss_scale
+            if not resume:
+                self._note(f"fp16 loss scaler started at scale {spec.loss_scale.init_scale:g}")
+        elif spec.precision != "fp16" and scaler.scaling:
+            scaler.retire()
+            self.guard, self.loss_scale = True, None
+            if not resume:
+                self._note("fp16 loss scaler retired (scale 1 guard from here on)")
+
+    def _warn_hysteresis(self, ls: Any) -> None:
         if ls.hysteresis != 1:
             self._note(
                 f"loss_scale.hysteresis {ls.hysteresis} is applied by DeepSpeed only; torch GradScaler backs off on "
                 "every overflow (hysteresis 1)"
             )
+
+    def make_grad_scaler(self) -> torch.amp.GradScaler | None:
+        """A real ``torch.amp.GradScaler`` with the recipe's loss-scale settings (an fp16 recipe without phases)."""
+        ls = self.recipe.loss_scale
+        if self.recipe.precision != "fp16" or ls is None or self.recipe.phases is not None:
+            return None
+        self._warn_hysteresis(ls)
         self.scaler = torch.amp.GradScaler(
             self.device.type,
             init_scale=ls.init_scale,
@@ -284,9 +376,9 @@ class LossScaling:
         """After ``optimizer.step()``: clamp the loss scale to the recipe's bounds, count a skip and start
         reading the skip flag for :meth:`rewind_schedule` when the optimizer skipped inside its step."""
         scale = self.device_scale()
-        if scale is not None and self.recipe.loss_scale is not None:
+        if scale is not None and self.loss_scale is not None:
             # torch's GradScaler has no bounds; the recipe's min_scale/max_scale are applied on the device
-            ls = self.recipe.loss_scale
+            ls = self.loss_scale
             scale.clamp_(min=ls.min_scale, max=ls.max_scale)
         if self.scaler is not None:
             self.skipped.add_(self.found_inf)

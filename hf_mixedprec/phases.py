@@ -197,6 +197,12 @@ class PhaseRunner:
         self.changes = list(state.get("changes", []))  # type: ignore[call-overload]
         self._resumed_index = int(state.get("index", 0))  # type: ignore[call-overload]
 
+    def checkpointed(self) -> RecipeSpec:
+        """After :meth:`load_state_dict`: the recipe of the phase the checkpoint was written in (before :meth:`restore`
+        puts the model back in it)."""
+        i = self._resumed_index
+        return self.schedule.specs[i] if i is not None and 0 <= i < len(self.schedule.specs) else self.active
+
     def restore(self, model: nn.Module, convert: Callable[[RecipeSpec], int]) -> None:
         """After :meth:`load_state_dict`: put ``model`` in the phase the checkpoint was written in (its FP8 state then
         loads into the layers it came from); the next step's :meth:`switch` moves on exactly as the run that wrote

@@ -336,6 +336,7 @@ class MixedPrecisionRuntime:
             self.phases.restore(model, to_fp8)
         else:
             self.phases.switch(model, self.steps, to_fp8)
+        self.amp.enter_phase(self.active, resume=resume)
         self.reactions.recipe = self.active  # a whole-model fallback acts on the phase's precision
         self._recording = (None, False)
 
@@ -504,6 +505,12 @@ def _load_runtime_state(rt: MixedPrecisionRuntime, state: dict[str, Any], model:
     if state.get("version") != STATE_VERSION:
         raise ValueError(f"hf_mixedprec runtime state version {state.get('version')!r} (expected {STATE_VERSION})")
     rt.steps = int(state["steps"])
+    if rt.phases is not None and state.get("phases") is not None:
+        rt.phases.load_state_dict(state["phases"])
+        if model is not None:  # the checkpoint's phase first, so its layers and FP8 state fit
+            rt._switch_phase(model, None, resume=True)
+        else:  # the loss scaler as the checkpoint's phase has it, before its state is loaded below
+            rt.amp.enter_phase(rt.phases.checkpointed(), resume=True)
     if state.get("scaler") is not None and rt.scaler is not None and not rt.guard:
         rt.scaler.load_state_dict(state["scaler"])
     rt.amp.load_counts(state["skipped"], int(state.get("schedule_rewound", 0)), int(state.get("external_skips", 0)))
@@ -522,10 +529,6 @@ def _load_runtime_state(rt: MixedPrecisionRuntime, state: dict[str, Any], model:
             rt.note(f"resumed after a health stop ({state['stopped']}); detector windows start afresh")
         else:
             rt.monitor.load_state_dict(state["monitor"])
-    if rt.phases is not None and state.get("phases") is not None:
-        rt.phases.load_state_dict(state["phases"])
-        if model is not None:  # the checkpoint's phase first, so its layers and FP8 state fit
-            rt._switch_phase(model, None, resume=True)
     rt.reactions.load(state.get("events", []), state.get("moved_layers", []), model)
 
 

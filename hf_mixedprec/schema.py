@@ -479,8 +479,6 @@ class DistributedConfig(_Section):
         return self
 
 
-#: What a phased recipe may schedule: FP16 is not (its loss scaler would have to start mid-run; see PhaseConfig).
-PHASE_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp8")
 #: At most this many phases (each is validated as a recipe of its own).
 MAX_PHASES = 32
 #: ``distributed.strategy`` values under which layers can be swapped in place at a phase boundary.
@@ -512,7 +510,16 @@ class PhaseConfig(_Section):
         description="Where the phase begins: optimizer steps already done (an integer), or a fraction of max_steps "
         "in [0, 1) (resolved as round(fraction * max_steps)). The first phase starts at 0.",
     )
-    precision: Precision = Field(..., description="The phase's precision: fp32, bf16 or fp8 (fp16 is not scheduled).")
+    precision: Precision = Field(
+        ...,
+        description="The phase's precision: fp32, bf16, fp16 or fp8. An fp16 phase starts a dynamic loss scaler at "
+        "its loss_scale.init_scale when it begins and retires it when it ends.",
+    )
+    loss_scale: dict[str, Any] | None = Field(
+        None,
+        description="fp16 phases: keys of the loss_scale section that differ from the recipe's own loss_scale (or "
+        "from the loss_scale defaults when the recipe's precision is not fp16).",
+    )
     fp8: dict[str, Any] | None = Field(
         None,
         description="fp8 phases: keys of the fp8 section that differ from the recipe's own fp8 section (or from the "
@@ -536,12 +543,8 @@ class PhaseConfig(_Section):
             for key in ("fp8", "fp8_history"):
                 if getattr(self, key) is not None:
                     raise _rule(key, f"only applies to an fp8 phase (precision is {self.precision}); remove it")
-        if self.precision not in PHASE_PRECISIONS:
-            raise _rule(
-                "precision",
-                f"{self.precision} cannot be scheduled in a phase (allowed: {', '.join(PHASE_PRECISIONS)}): FP16 needs "
-                "its loss scaler from the first step; train the whole run with an fp16 recipe instead",
-            )
+        if self.precision != "fp16" and self.loss_scale is not None:
+            raise _rule("loss_scale", f"only applies to an fp16 phase (precision is {self.precision}); remove it")
         return self
 
     def label(self, index: int) -> str:
@@ -570,6 +573,9 @@ def _phase_data(base: dict[str, Any], phase: PhaseConfig) -> dict[str, Any]:
     the phase changes the scaling (or backend), as ``extends`` would need them set to null."""
     data = {k: v for k, v in base.items() if k not in ("fp8", "loss_scale", "phases")}
     data["precision"] = phase.precision
+    if phase.precision == "fp16":
+        own = dict(base.get("loss_scale") or {}) if base.get("precision") == "fp16" else {}
+        data["loss_scale"] = {**own, **(phase.loss_scale or {})}
     if phase.precision == "fp8":
         own = dict(base.get("fp8") or {}) if base.get("precision") == "fp8" else {}
         wanted = dict(phase.fp8 or {})
@@ -589,8 +595,6 @@ def _phase_rules(spec: RecipeSpec) -> tuple[RecipeSpec, ...]:
         raise _rule(
             "phases", f"{len(phases)} phase(s) given (allowed: 2 to {MAX_PHASES}; one phase is the recipe itself)"
         )
-    if spec.precision == "fp16":
-        raise _rule("phases", "cannot be combined with precision fp16 (allowed: fp32, bf16 or fp8 as the recipe's own)")
     if spec.distributed.strategy not in PHASE_STRATEGIES:
         raise _rule(
             "phases",

@@ -128,10 +128,6 @@ BAD_PHASES = [
     ),
     ("phases: [{start: 0, precision: bf16}, {start: 1.5, precision: fp8}]", "phases.1.start: 1.5 is out of range"),
     ("phases: [{start: 0, precision: bf16}, {start: '3', precision: fp8}]", "phases.1.start: '3' is not a step count"),
-    (
-        "phases: [{start: 0, precision: bf16}, {start: 3, precision: fp16}]",
-        "phases.1.precision: fp16 cannot be scheduled",
-    ),
     ("phases: [{start: 0, precision: bf16}, {start: 3, precision: fp9}]", "phases.1.precision: 'fp9' is not allowed"),
     (
         "phases: [{start: 0, precision: bf16, fp8: {scaling: current}}, {start: 3, precision: fp8}]",
@@ -147,7 +143,15 @@ BAD_PHASES = [
     ),
     (
         "phases: [{start: 0, precision: bf16}, {start: 3, precision: fp8, loss_scale: {}}]",
-        "phases.1.loss_scale: unknown key",
+        "phases.1.loss_scale: only applies to an fp16 phase (precision is fp8)",
+    ),
+    (
+        "phases: [{start: 0, precision: bf16}, {start: 3, precision: fp16, loss_scale: {init_scale: -1}}]",
+        "phases.1.loss_scale.init_scale: -1",
+    ),
+    (
+        "phases: [{start: 0, precision: bf16}, {start: 3, precision: fp16, loss_scale: {grow: 2}}]",
+        "phases.1.loss_scale.grow: unknown key",
     ),
     (
         "{distributed: {strategy: fsdp2}, phases: [{start: 0, precision: bf16}, {start: 3, precision: fp8}]}",
@@ -293,9 +297,12 @@ def _loop(acc, model, steps: int):
     acc.unwrap_model(model).lm_head.register_forward_hook(
         lambda m, a, out: seen.__setitem__(-1, (*seen[-1], out.dtype))
     )
+    # the step's layers as its forward meets them (the plugin begins a step at its first training forward)
+    acc.unwrap_model(model).register_forward_pre_hook(
+        lambda m, a: seen.append((type(_q_proj(m)).__name__, torch.is_autocast_enabled("cpu")))
+    )
     for i in range(steps):
         batch = {k: torch.stack([data[2 * i][k], data[2 * i + 1][k]]) for k in ("input_ids", "labels")}
-        seen.append((type(_q_proj(model)).__name__, torch.is_autocast_enabled("cpu")))
         out = model(**batch)
         acc.backward(out.loss)
         acc.clip_grad_norm_(model.parameters(), 1.0)
@@ -365,3 +372,74 @@ def test_the_run_report_marks_the_switches(tmp_path):
     assert "phases: phase 1 (fp8) after step 3, anneal (bf16) after step 6" in summarize(doc)["lines"]
     assert doc["series"][M.PHASE] == {"2": 0.0, "4": 1.0, "6": 1.0, "8": 2.0}
     assert {p.name for p in build_plots(tmp_path, doc)} >= {"loss.png", "grad_norm.png"}
+
+
+# -- FP16 phases: the loss scaler starts and retires at the boundaries ---------------------------------------------
+FP16_THEN_BF16 = "phases: [{start: 0, precision: fp16}, {start: 3, precision: bf16}]"
+BF16_FP16_BF16 = """
+phases:
+  - {start: 0, precision: bf16}
+  - {start: 2, precision: fp16, loss_scale: {init_scale: 256, growth_interval: 2}}
+  - {start: 5, precision: bf16}
+"""
+
+
+def test_an_fp16_phase_trains_bit_for_bit_as_the_fp16_recipe_then_hands_over_to_bf16(tmp_path):
+    plain = _trainer(load_recipe_file("v100-fp16").rehearsed(), tmp_path / "plain", steps=3, logging_steps=1)
+    plain.train()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    phased = _recipe(FP16_THEN_BF16, base="v100-fp16")  # the fp16 phase takes the recipe's own loss_scale
+    assert phased.phase_specs()[0].loss_scale == load_recipe_file("v100-fp16").loss_scale
+    short = _trainer(phased, tmp_path / "short", steps=3, logging_steps=1)
+    short.train()
+    want, got = plain.model.state_dict(), short.model.state_dict()
+    assert [n for n in want if not torch.equal(want[n], got[n])] == []
+    rows = lambda t: [(r["loss"], r[M.LOSS_SCALE]) for r in t.state.log_history if "loss" in r]  # noqa: E731
+    assert rows(short) == rows(plain)
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    watch = Watch()
+    longer = _trainer(phased, tmp_path / "longer", steps=5, after=[watch], logging_steps=1)
+    longer.train()
+    assert watch.autocast == {**dict.fromkeys((1, 2, 3), "float16"), **dict.fromkeys((4, 5), "bfloat16")}
+    logged = [r for r in longer.state.log_history if "loss" in r]
+    assert [M.LOSS_SCALE in r for r in logged] == [True] * 3 + [False] * 2  # no loss scale once it is retired
+    notes = runtime_of(longer).notes
+    assert "fp16 loss scaler started at scale 65536" in notes
+    assert "fp16 loss scaler retired (scale 1 guard from here on)" in notes
+
+
+def test_an_overflow_in_an_fp16_phase_backs_the_scale_off_and_one_in_bf16_is_skipped_at_scale_1(tmp_path):
+    from tests.test_resume_decisions import InfGradAt
+
+    trainer = _trainer(
+        _recipe(BF16_FP16_BF16, base="cpu-bf16"),
+        tmp_path,
+        steps=6,
+        callbacks=[InfGradAt(1), InfGradAt(4)],
+        logging_steps=1,
+    )
+    trainer.train()
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    # steps 3-5 are FP16 (growth every 2 clean steps): 256 after step 3, halved by the overflow of step 4
+    assert [r.get(M.LOSS_SCALE) for r in rows] == [None, None, 256.0, 128.0, 128.0, None]
+    assert [r[M.SKIPPED_STEPS] for r in rows] == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+
+
+@pytest.mark.slow
+def test_a_run_resumed_in_or_around_an_fp16_phase_ends_as_the_straight_run(tmp_path):
+    recipe = _recipe(BF16_FP16_BF16, base="cpu-bf16")
+    common = {"logging_steps": 1, "save_strategy": "steps", "save_steps": 1}
+    straight = _trainer(recipe, tmp_path / "straight", steps=7, **common)
+    straight.train()
+    want = straight.model.state_dict()
+    scales = [r.get(M.LOSS_SCALE) for r in straight.state.log_history if "loss" in r]
+    assert scales == [None, None, 256.0, 512.0, 512.0, None, None]
+    for k in (2, 3, 4, 5):  # at the boundary into FP16, inside it (before and after growth), at the boundary out
+        AcceleratorState._reset_state(reset_partial_state=True)
+        resumed = _trainer(recipe, tmp_path / f"resumed-{k}", steps=7, **common)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / f"checkpoint-{k}"))
+        got = resumed.model.state_dict()
+        assert [n for n in want if not torch.equal(want[n], got[n])] == [], k
+        again = [r.get(M.LOSS_SCALE) for r in resumed.state.log_history if "loss" in r]
+        assert again == scales, k  # the checkpoint's rows, then the resumed ones

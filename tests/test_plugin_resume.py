@@ -66,7 +66,23 @@ def _recipes():
         "phases-ahead": resolve_recipe(
             {"name": "p2", "extends": "h100-fp8-anneal-bf16", "phases": _phases(9), **zclip}
         ).rehearsed(),
+        # BF16, then FP16 from step 2 (the scaler grows every 2 steps and backs off at the overflow of step 3; saved
+        # inside the phase), then BF16 from step 9 (the scaler retired after the resume)
+        "phases-fp16": resolve_recipe(
+            {"name": "p3", "extends": "cpu-bf16", "phases": _fp16_phases(2, 9), **zclip}
+        ).rehearsed(),
+        # FP16 from step 0, retired at step 4 before the save
+        "phases-fp16-retired": resolve_recipe(
+            {"name": "p4", "extends": "v100-fp16", "phases": _fp16_phases(0, 4, first="fp16"), **zclip}
+        ).rehearsed(),
     }
+
+
+def _fp16_phases(fp16_at: int, bf16_at: int, first: str = "bf16") -> list[dict]:
+    ls = {"init_scale": 256.0, "growth_interval": 2}
+    out = [{"start": 0, "precision": first}] if fp16_at else []
+    out += [{"start": fp16_at, "precision": "fp16", "loss_scale": ls}, {"start": bf16_at, "precision": "bf16"}]
+    return out
 
 
 def _phases(anneal_at: int) -> list[dict]:
@@ -77,7 +93,17 @@ def _phases(anneal_at: int) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "name", ["cpu-bf16", "v100-fp16", "h100-fp8-delayed", "torchao", "phases-switched", "phases-ahead"]
+    "name",
+    [
+        "cpu-bf16",
+        "v100-fp16",
+        "h100-fp8-delayed",
+        "torchao",
+        "phases-switched",
+        "phases-ahead",
+        "phases-fp16",
+        "phases-fp16-retired",
+    ],
 )
 def test_save_state_load_state_resumes_bitwise(name, tmp_path):
     from accelerate.state import AcceleratorState
@@ -101,6 +127,9 @@ def test_save_state_load_state_resumes_bitwise(name, tmp_path):
     assert _exact(first + rest) == _exact(whole)  # every loss and mp/ metric, bit for bit (NaN included)
     assert whole[-1]["mp/skipped_steps"] == 1.0 and "mp/clip_threshold" in whole[-1]
     assert acc.mp.steps == STEPS
+    if name == "phases-fp16":  # the loss scale exists in the FP16 phase only: grown, backed off, grown again
+        assert [r.get("mp/loss_scale") for r in whole] == [None, None, 256, 128, 128, 256, 256, 512, 512] + [None] * 3
+        assert [r["mp/phase"] for r in whole] == [0] * 2 + [1] * 7 + [2] * 3  # each row is its own step's phase
 
 
 def test_fp8_fallback_moves_the_same_layer_again_before_the_weights_load(tmp_path):

@@ -30,7 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, GradScalerKwargs
 from pydantic import ValidationError
 
-from hf_mixedprec.amp import track_steps_for_scheduler
+from hf_mixedprec.amp import PhaseScaler, track_steps_for_scheduler
 from hf_mixedprec.fp8 import model_parameters
 from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.runtime import MixedPrecisionRuntime
@@ -110,7 +110,7 @@ class MixedPrecisionAccelerator(Accelerator):
         for text in (decided, scaler_note):
             if text:
                 self.mp.note(text)
-        if recipe.precision == "fp16":
+        if recipe.precision == "fp16" and recipe.phases is None:
             if self.scaler is None:  # Accelerate skipped fp16 here (CPU): run its native path ourselves
                 enable_native_fp16(self, self.mp.make_grad_scaler())
                 self.mp.note(
@@ -123,6 +123,7 @@ class MixedPrecisionAccelerator(Accelerator):
             self.scaler = self.mp.make_guard_scaler()
         self.mp.apply_tf32()
         self._clipped_this_step = False
+        self._mp_step_pending = False  # an optimizer step is done and the next has not begun (see _mp_next_step)
         self._mp_replaced: dict[int, torch.optim.Optimizer] = {}  # id(user's optimizer) -> the storage optimizer
         self._mp_storage_of: torch.nn.Module | None = None  # the model the storage was applied to
         # the runtime's state rides in save_state/load_state; its decisions on the model come before the weights load
@@ -174,7 +175,18 @@ class MixedPrecisionAccelerator(Accelerator):
         self._mp_model = model
         if not evaluation_mode:
             self.mp.begin_step(model)
+            self._mp_step_pending = False
+            model.register_forward_pre_hook(self._mp_next_step)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    def _mp_next_step(self, model: torch.nn.Module, args: Any) -> None:
+        """A forward pre-hook: the first training forward after an optimizer step begins the next step (a phase
+        boundary, FP8 sampling). Not right after ``optimizer.step()``: what the loop logs between the two
+        (:meth:`mp_metrics`, ``save_state``) then describes the step just done, as the Trainer callback's rows do."""
+        if self._mp_step_pending and model.training:
+            self._mp_step_pending = False
+            opt = self._optimizers[0].optimizer if self._optimizers else None
+            self.mp.begin_step(model, opt)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
         plan = self.mp.plan
@@ -212,7 +224,7 @@ class MixedPrecisionAccelerator(Accelerator):
                     self.mp.before_optimizer_step(model_parameters(self._mp_model), opt.optimizer)
                 out = inner_step(*args, **kwargs)
                 self.mp.after_optimizer_step(self._mp_model, opt)
-                self.mp.begin_step(self._mp_model, opt.optimizer)
+                self._mp_step_pending = True  # the next step begins at its first training forward
                 self._clipped_this_step = False
                 return out
             return inner_step(*args, **kwargs)
@@ -226,6 +238,18 @@ class MixedPrecisionAccelerator(Accelerator):
         if built is not None:
             scheduler.optimizer = built
         return super().prepare_scheduler(scheduler)
+
+    # -- clipping --------------------------------------------------------------------------------------
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Accelerate's, and in a phased run's FP16 phase the runtime's unscale (Accelerate unscales only when its
+        ``mixed_precision`` is fp16, which a phased recipe's is not; the loss scaler is the runtime's)."""
+        if not isinstance(self.mp.scaler, PhaseScaler):
+            return super().unscale_gradients(optimizer)
+        if not self.mp.guard:
+            chosen = optimizer if optimizer is not None else self._optimizers
+            for opt in chosen if isinstance(chosen, (list, tuple)) else [chosen]:
+                self.mp.ensure_unscaled(getattr(opt, "optimizer", opt))
+        return None
 
     # -- clipping --------------------------------------------------------------------------------------
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:

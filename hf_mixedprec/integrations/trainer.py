@@ -83,7 +83,7 @@ def training_args(recipe: RecipeSpec, *, args_class: type | None = None, **overr
     """
     wanted: dict[str, Any] = {"bf16": recipe.autocast_precision() in ("bf16", "fp8"), "fp16": False}
     on_cuda = torch.cuda.is_available() and not overrides.get("use_cpu", False)
-    if recipe.precision == "fp16":
+    if recipe.precision == "fp16" and recipe.phases is None:  # a phased recipe's FP16 autocast is the runtime's
         wanted["fp16"] = on_cuda
     if recipe.distributed.strategy == "deepspeed" or overrides.get("deepspeed"):
         from hf_mixedprec.integrations.deepspeed import deepspeed_clip_value
@@ -269,7 +269,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             acc.native_amp = False
             autocast_by_accelerate = True
         scaler = None
-        if recipe.precision == "fp16":
+        if recipe.precision == "fp16" and rt.phases is None:
             scaler = rt.make_grad_scaler()
             if acc.native_amp and acc.mixed_precision == "fp16":
                 acc.scaler = scaler  # same path, the recipe's loss-scale settings
