@@ -4,6 +4,7 @@ loopback), because `accelerate launch --cpu` / MULTI_CPU starts a single process
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -297,3 +298,20 @@ def test_deepspeed_fp16_refused_before_any_rank_starts(tmp_path):
     assert "(allowed: precision bf16, e.g. a recipe that extends cpu-bf16" in lines[0]
     assert "distributed.strategy none/ddp with --rehearse" in lines[0]
     assert not list(tmp_path.glob("started.rank*")) and not cfg.exists()  # no rank started, nothing written
+
+
+@pytest.mark.slow
+def test_an_fp32_deepspeed_recipe_trains_on_two_cpu_ranks(tmp_path):
+    """An FP32 recipe under DeepSpeed on CPU: recipe.training_args says it is a CPU run, so Trainer counts the
+    launch's 2 ranks as DeepSpeed does (it counted 1, and DeepSpeed's batch check failed: 4 != 4 * 1 * 2)."""
+    recipe = tmp_path / "cpu-fp32-zero1.yaml"
+    recipe.write_text("name: cpu-fp32-zero1\nextends: cpu-bf16\nprecision: fp32\ndistributed: {strategy: deepspeed}\n")
+    out = tmp_path / "run"
+    r = _cli(
+        "--recipe", str(recipe), "--num-processes", "2", str(REPO / "scripts" / "finetune_trainer.py"),
+        "--max-steps", "2", "--batch-size", "2", "--seq-len", "32", "--output-dir", str(out), timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rank in (0, 1):
+        rows = [row for row in json.loads((out / f"log_history.rank{rank}.json").read_text()) if "loss" in row]
+        assert [row["step"] for row in rows] == [1, 2] and all(math.isfinite(row["loss"]) for row in rows)

@@ -106,8 +106,10 @@ def training_args(recipe: RecipeSpec, *, args_class: type | None = None, **overr
             )
     if recipe.tf32 and on_cuda:
         wanted["tf32"] = True
-    if not on_cuda and wanted["bf16"] and "use_cpu" not in overrides:
-        wanted["use_cpu"] = True  # TrainingArguments refuses bf16 without a GPU unless told it is a CPU run
+    if not on_cuda and "use_cpu" not in overrides and not torch.backends.mps.is_available():
+        # a CPU run, said so: TrainingArguments refuses bf16 without a GPU otherwise, and under DeepSpeed its
+        # process state would count one process where DeepSpeed counts the launch's ranks (its batch check fails)
+        wanted["use_cpu"] = True
     wanted.update(overrides)
     return (args_class or TrainingArguments)(**wanted)
 
