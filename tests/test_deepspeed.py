@@ -88,13 +88,19 @@ def _scenarios() -> dict[str, Any]:  # pragma: no cover - runs in the subprocess
             )
 
     def run(
-        cfg: dict[str, Any], *, steps: int, inject: set[int] = frozenset(), bf16: bool = False, extra: Any = ()
+        cfg: dict[str, Any],
+        *,
+        steps: int,
+        inject: set[int] = frozenset(),
+        bf16: bool = False,
+        fp32: bool = False,
+        extra: Any = (),
     ) -> dict[str, Any]:
         probe = Probe(set(inject))
         args = TrainingArguments(
             output_dir=os.environ["DS_TEST_OUT"],
             deepspeed=cfg,
-            fp16=not bf16,
+            fp16=not (bf16 or fp32),
             bf16=bf16,
             use_cpu=True,
             max_steps=steps,
@@ -170,6 +176,12 @@ def _scenarios() -> dict[str, Any]:  # pragma: no cover - runs in the subprocess
     out["bf16_storage"] = run(low_cfg, steps=2, bf16=True)
     out["bf16_default_zero1"] = run(
         deepspeed_config(resolve_recipe({**low.to_dict(), "storage": {}}))[0], steps=2, bf16=True
+    )
+
+    # an fp32 recipe's callbacks under Trainer(deepspeed=...): accepted, as under `launch`
+    fp32 = resolve_recipe({"name": "ds-fp32", "extends": "cpu-bf16", "precision": "fp32"})
+    out["fp32_with_recipe_callbacks"] = run(
+        deepspeed_config(fp32, zero_stage=1)[0], steps=2, fp32=True, extra=fp32.callbacks()
     )
 
     # DeepSpeed's scaler on its own (needs the process group the runs above initialised)
@@ -318,6 +330,12 @@ def test_overflow_hysteresis_2_delays_backoff(runs: dict[str, Any]) -> None:
     for r in run["records"]:
         _check_consistent(r)
         assert r["weight_unchanged"] == (r["step"] in (2, 3))
+
+
+def test_an_fp32_recipe_runs_under_trainers_deepspeed_argument(runs: dict[str, Any]) -> None:
+    run = runs["fp32_with_recipe_callbacks"]
+    assert len(run["losses"]) == 2 and all(math.isfinite(x) for x in run["losses"])
+    assert run["param_dtype"] == "torch.float32" and run["after_train"] is None  # no loss scaler in FP32
 
 
 def test_bf16_has_no_scaler(runs: dict[str, Any]) -> None:

@@ -646,10 +646,10 @@ def _check_args(recipe: RecipeSpec, args: TrainingArguments, deepspeed: bool = F
             f"TrainingArguments.bf16=True contradicts recipe {recipe.name!r} (precision {p}); "
             "remove bf16=True or build the arguments with recipe.training_args(...)"
         )
-    if getattr(args, "deepspeed", None) and p not in ("fp16", "bf16"):
+    if getattr(args, "deepspeed", None) and p not in ("fp16", "bf16", "fp32"):
         raise ValueError(
             f"recipe {recipe.name!r} (precision {p}) cannot run under DeepSpeed here "
-            "(allowed: fp16 or bf16 recipes; build the config with deepspeed_config(recipe))"
+            "(allowed: fp32, fp16 or bf16 recipes; build the config with deepspeed_config(recipe))"
         )
     return notes
 
