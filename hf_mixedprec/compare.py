@@ -718,6 +718,17 @@ def _load(name: str) -> tuple[Recipe, bool]:
         return load_recipe(name, rehearse=True), True
 
 
+def _check_strategy(rec: Recipe) -> None:
+    """compare trains every recipe in this one process: a DeepSpeed recipe would train without DeepSpeed."""
+    if rec.distributed.strategy == "deepspeed":
+        raise UsageError(
+            f"--recipes: {rec.name!r} has distributed.strategy deepspeed, but compare trains each recipe in one "
+            "process without DeepSpeed, so it would not compare what the recipe runs (allowed: recipes with "
+            "distributed.strategy none or ddp; compare the same precision with a copy of the recipe that sets "
+            "distributed.strategy none)"
+        )
+
+
 def _output_folder(out: Path, overwrite: bool) -> Path:
     """``out``, created; refused (before any data is prepared) when it is no folder or holds an earlier comparison."""
     if out.exists() and not out.is_dir():
@@ -753,6 +764,12 @@ def _check_args(
         raise UsageError(
             f"--recipes: {','.join(recipes)!r} must list at least one recipe, comma-separated (allowed: built-in "
             "names, YAML paths, e.g. a100-bf16,v100-fp16)"
+        )
+    twice = sorted({r.strip() for r in recipes if [x.strip() for x in recipes].count(r.strip()) > 1})
+    if twice:
+        raise UsageError(
+            f"--recipes: {', '.join(twice)} listed more than once (allowed: each recipe once; every recipe is already "
+            "compared with the same baseline, start and batches)"
         )
     _check_numbers(
         **{"max-steps": (max_steps, 1), "batch-size": (batch_size, 1), "seq-len": (seq_len, 2), "lr": (lr, 0.0)}
@@ -798,8 +815,10 @@ def run_compare(
 
     crit = criteria or Criteria()
     _check_args(recipes, max_steps, batch_size, seq_len, crit, lr, eval_split, model, data)
-    out = _output_folder(Path(output_dir), overwrite)
     loaded = [_load(r.strip()) for r in recipes]
+    for rec, _ in loaded:
+        _check_strategy(rec)
+    out = _output_folder(Path(output_dir), overwrite)
     every = max(1, max_steps // 10)
     loaded = [(_sample_updates(_sample_fp8(rec, every), every), rehearsed) for rec, rehearsed in loaded]
     base_recipe, base_rehearsed = _load(baseline)

@@ -58,6 +58,40 @@ def test_compare_refuses_a_folder_holding_an_earlier_comparison_before_training(
     assert _output_folder(out, overwrite=True) == out
 
 
+@pytest.mark.parametrize(
+    "recipes,message",
+    [
+        (
+            "ds",
+            "--recipes: 'ds-bf16' has distributed.strategy deepspeed, but compare trains each recipe in one process",
+        ),
+        ("cpu-bf16,a100-bf16, cpu-bf16", "--recipes: cpu-bf16 listed more than once"),
+    ],
+)
+def test_compare_refuses_a_deepspeed_recipe_and_a_repeated_one_in_one_line_before_any_work(
+    tmp_path, capsys, recipes, message
+):
+    from hf_mixedprec.cli import main
+
+    ds = tmp_path / "ds.yaml"
+    ds.write_text("name: ds-bf16\nextends: cpu-bf16\ndistributed: {strategy: deepspeed, zero_stage: 1}\n")
+    out = tmp_path / "cmp"
+    args = ["compare", "--recipes", recipes.replace("ds", str(ds), 1) if recipes == "ds" else recipes]
+    assert main([*args, "--max-steps", "2", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists()  # refused before the folder was made or any data prepared
+
+
+def test_the_plugin_refuses_a_deepspeed_recipe_without_deepspeed_before_building_an_accelerator(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    recipe = resolve_recipe({"name": "ds", "extends": "cpu-bf16", "distributed": {"strategy": "deepspeed"}})
+    with pytest.raises(
+        ValueError, match=r"'ds' has distributed\.strategy deepspeed, but this Accelerator runs without"
+    ):
+        recipe.accelerator(cpu=True)
+
+
 def test_a_loss_scale_at_its_floor_is_not_called_settled():
     from hf_mixedprec.compare import RunResult
 

@@ -100,6 +100,7 @@ class MixedPrecisionAccelerator(Accelerator):
         rehearse = recipe.rehearse if rehearse is None else rehearse
         if not rehearse:
             check_recipe(recipe, detect())
+        _check_deepspeed_plugin(recipe, kwargs)
         decided = _mixed_precision_decision(recipe, kwargs.get("mixed_precision"))
         kwargs["mixed_precision"] = accelerate_precision(recipe)
         handlers = list(kwargs.pop("kwargs_handlers", None) or [])
@@ -310,6 +311,22 @@ class _RuntimeCheckpoint:
             self._restored = False
             return
         acc.mp.load_state_dict(state, model=getattr(acc, "_mp_model", None))
+
+
+def _check_deepspeed_plugin(recipe: RecipeSpec, kwargs: dict[str, Any]) -> None:
+    """A DeepSpeed recipe needs an Accelerator that runs DeepSpeed (a ``deepspeed_plugin``, or the
+    ``ACCELERATE_USE_DEEPSPEED`` an ``accelerate launch`` DeepSpeed config sets); otherwise the loop would train
+    without it, silently."""
+    if recipe.distributed.strategy != "deepspeed":
+        return
+    asked = kwargs.get("deepspeed_plugin") is not None or kwargs.get("deepspeed_plugins") is not None
+    if asked or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").strip().lower() == "true":
+        return
+    raise ValueError(
+        f"recipe {recipe.name!r} has distributed.strategy deepspeed, but this Accelerator runs without DeepSpeed (no "
+        "deepspeed_plugin, no DeepSpeed config from accelerate launch), so the loop would train without it (allowed: "
+        "`hf-mixedprec launch --recipe RECIPE.yaml your_script.py`, or a recipe with distributed.strategy none)"
+    )
 
 
 def _mixed_precision_decision(recipe: RecipeSpec, argument: Any) -> str | None:
