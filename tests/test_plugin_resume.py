@@ -56,6 +56,9 @@ def _recipes():
         "cpu-bf16": resolve_recipe({"name": "b", "extends": "cpu-bf16", **zclip}),
         "v100-fp16": resolve_recipe({"name": "f", "extends": "v100-fp16", **zclip}).rehearsed(),
         "h100-fp8-delayed": resolve_recipe({"name": "d", "extends": "h100-fp8-delayed", **zclip}).rehearsed(),
+        "fp8-current": resolve_recipe(
+            {"name": "c", "extends": "h100-fp8-current", "fp8": {"backend": "emulated"}, **zclip}
+        ).rehearsed(),
         "torchao": resolve_recipe(
             {"name": "t", "extends": "h100-fp8-current", "fp8": {"backend": "torchao"}, **zclip}
         ).rehearsed(),
@@ -98,6 +101,7 @@ def _phases(anneal_at: int) -> list[dict]:
         "cpu-bf16",
         "v100-fp16",
         "h100-fp8-delayed",
+        "fp8-current",
         "torchao",
         "phases-switched",
         "phases-ahead",

@@ -125,6 +125,8 @@ class MixedPrecisionAccelerator(Accelerator):
         self.mp.apply_tf32()
         self._clipped_this_step = False
         self._mp_step_pending = False  # an optimizer step is done and the next has not begun (see _mp_next_step)
+        #: the rows :meth:`mp_metrics` returned, with their step and the loop's values (the run report's series)
+        self.mp_log: list[dict[str, Any]] = []
         self._mp_replaced: dict[int, torch.optim.Optimizer] = {}  # id(user's optimizer) -> the storage optimizer
         self._mp_storage_of: torch.nn.Module | None = None  # the model the storage was applied to
         # the runtime's state rides in save_state/load_state; its decisions on the model come before the weights load
@@ -263,18 +265,29 @@ class MixedPrecisionAccelerator(Accelerator):
         self._clipped_this_step = True
         return res.total_norm if res is not None else torch.zeros(())
 
-    def mp_metrics(self) -> dict[str, float]:
-        """The recipe's metrics (``mp/...``) after checking the health detectors; reads device values, so
-        call it only when you log. Check :attr:`should_stop` afterwards."""
+    def mp_metrics(self, **row: float) -> dict[str, float]:
+        """The recipe's metrics (``mp/...``) of the step just done, after checking the health detectors; reads device
+        values, so call it only when you log. Check :attr:`should_stop` afterwards.
+
+        The metrics, with the step and the loop's own values given as ``row`` (``mp_metrics(loss=loss.item())``),
+        are kept as one log row in :attr:`mp_log` (the run report's series:
+        ``hf_mixedprec.run_report.write_run_report(dir, log_history=accelerator.mp_log, runtime=accelerator.mp)``)
+        and ride in ``save_state``."""
         opt = self._optimizers[0] if self._optimizers else None
         self.mp.rewind_schedule(opt, self._schedulers[0] if self._schedulers else None)
         self.mp.check(self._mp_model, opt)
-        return self.mp.metrics()
+        out = self.mp.metrics()
+        self.mp_log.append({**row, **out, "step": self.mp.steps})
+        return out
 
     @property
     def should_stop(self) -> str | None:
         """Why a health reaction asked to stop (save a checkpoint, then stop), or None."""
         return self.mp.stop_requested
+
+
+#: The key of the plugin's log rows beside the runtime's state in ``save_state``'s checkpoint.
+LOG_KEY = "plugin_log"
 
 
 class _RuntimeCheckpoint:
@@ -294,7 +307,7 @@ class _RuntimeCheckpoint:
 
     def state_dict(self) -> dict[str, Any]:
         acc = self._acc()
-        return acc.mp.state_dict() if acc is not None else {}
+        return {**acc.mp.state_dict(), LOG_KEY: list(acc.mp_log)} if acc is not None else {}
 
     def before_load(self, models: list[torch.nn.Module], input_dir: str) -> None:
         acc = self._acc()
@@ -302,7 +315,7 @@ class _RuntimeCheckpoint:
         if acc is None or not os.path.isfile(path):  # Accelerate refuses the mismatch itself
             return
         state = torch.load(path, map_location="cpu", weights_only=True)  # lists, numbers and strings only
-        acc.mp.load_state_dict(state, model=getattr(acc, "_mp_model", None))
+        self._restore(acc, state)
         self._restored = True
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -310,7 +323,16 @@ class _RuntimeCheckpoint:
         if self._restored or acc is None:
             self._restored = False
             return
+        self._restore(acc, state)
+
+    @staticmethod
+    def _restore(acc: MixedPrecisionAccelerator, state: dict[str, Any]) -> None:
+        state = dict(state)
+        acc.mp_log = list(state.pop(LOG_KEY, []))
         acc.mp.load_state_dict(state, model=getattr(acc, "_mp_model", None))
+        # the step after the checkpoint begins at its first forward (its phase, its FP8 sampling), as in the run
+        # that wrote it; the step begun at prepare() was the run's first
+        acc._mp_step_pending = True
 
 
 def _check_deepspeed_plugin(recipe: RecipeSpec, kwargs: dict[str, Any]) -> None:
