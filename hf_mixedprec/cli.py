@@ -387,6 +387,10 @@ def _finetune_command(argv: Sequence[str] | None) -> list[str] | None:
     return [PROG, "finetune", *kept]
 
 
+#: ``report`` reads at most this much of ``health.json`` (a 1M-step run logged every step is about 100 MiB).
+MAX_HEALTH_BYTES = 256 * 2**20
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from hf_mixedprec.run_report import HEALTH_FILE, build_plots, check_document, summarize
 
@@ -399,10 +403,20 @@ def cmd_report(args: argparse.Namespace) -> int:
             f"RUN_DIR: {args.run_dir!r} has no {HEALTH_FILE} (allowed: a directory written by `{PROG} finetune` or "
             "hf_mixedprec.run_report.write_run_report)"
         )
+    size = path.stat().st_size
+    if size > MAX_HEALTH_BYTES:
+        raise UsageError(
+            f"RUN_DIR: {path} is {size / 2**20:,.0f} MiB (allowed: at most {MAX_HEALTH_BYTES // 2**20} MiB; a run's "
+            "report is a few MiB at most)"
+        )
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise UsageError(f"RUN_DIR: {path} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise UsageError(f"RUN_DIR: {path} is nested too deeply to be a health report") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"RUN_DIR: {path} is not UTF-8 text (byte {exc.start})") from None
     problem = check_document(doc)
     if problem is not None:
         raise UsageError(f"RUN_DIR: {path} {problem}")
@@ -889,6 +903,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     try:
+        from hf_mixedprec.loader import check_process_env
+
+        check_process_env()
         return int(args.func(args) or 0)
     except RecipeError as exc:
         for p in exc.problems:

@@ -731,6 +731,9 @@ def _check_strategy(rec: Recipe) -> None:
 
 def _output_folder(out: Path, overwrite: bool) -> Path:
     """``out``, created; refused (before any data is prepared) when it is no folder or holds an earlier comparison."""
+    from hf_mixedprec.run_control import check_not_dangling
+
+    check_not_dangling("--output-dir", out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output-dir: {out} exists and is not a folder (allowed: a folder, new or empty)")
     earlier = [f for f in (COMPARE_FILE, TABLE_FILE) if (out / f).exists()]

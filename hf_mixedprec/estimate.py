@@ -288,11 +288,13 @@ def load_model_config(
         return default_model_config(seq_len=seq_len)
     if model is not None:
         check_model_dir(str(model))
+        _check_sizes(_raw_config(Path(model) / "config.json"), f"--model: {str(model)!r}")
         cfg = read_model_config(str(model))
     else:
         path = Path(config or "")
         if not path.is_file():
             raise UsageError(f"--config: {str(path)!r} is not a file (allowed: a model's config.json)")
+        _check_sizes(_raw_config(path), f"--config: {str(path)!r}")
         try:
             data = json.loads(path.read_text())
             cfg = AutoConfig.for_model(**data) if "model_type" in data else None
@@ -302,6 +304,66 @@ def load_model_config(
             raise UsageError(f"--config: {str(path)!r} has no 'model_type' (allowed: a transformers config.json)")
     cfg.name_or_path = str(model if model is not None else config)
     return cfg
+
+
+#: Config keys that are sizes or counts (top level, or in a multimodal model's ``text_config``): each must be an
+#: integer >= 1 when given (>= 0 for the expert counts).
+SIZE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_positions",
+    "n_inner",
+)
+#: The most layers ``estimate`` builds (the largest published LLMs have under 130); building costs about 0.1 s per
+#: layer and recipe on a 2-core CPU, so this bounds a hostile config's work at a few minutes.
+MAX_LAYERS = 1024
+_MAX_CONFIG_BYTES = 16 * 2**20
+
+
+def _raw_config(path: Path) -> dict[str, Any]:
+    """A config file's JSON, read with bounds (size, nesting); {} when it is not there (the loader says so)."""
+    if not path.is_file():
+        return {}
+    if path.stat().st_size > _MAX_CONFIG_BYTES:
+        raise UsageError(f"{path}: {path.stat().st_size:,} bytes is not a model config (allowed: at most 16 MiB)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise UsageError(f"{path}: not a JSON model config ({type(exc).__name__})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _check_sizes(data: dict[str, Any], where: str) -> None:
+    """Every size in a model config is an integer >= 1, and the layer count one ``estimate`` can build in bounded
+    time (:data:`MAX_LAYERS`); else one line naming the flag, the file, the key and the value."""
+    for scope, part in (("", data), ("text_config.", data.get("text_config"))):
+        if not isinstance(part, dict):
+            continue
+        for key in SIZE_KEYS:
+            value = part.get(key)
+            if value is None:
+                continue
+            low = 0 if "expert" in key else 1  # 0 experts: a dense model of a MoE family
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise UsageError(f"{where}: {scope}{key} {value!r} is not a size (allowed: an integer >= {low})")
+            if key in ("num_hidden_layers", "n_layer") and value > MAX_LAYERS:
+                raise UsageError(
+                    f"{where}: {scope}{key} {value:,} is more layers than estimate builds (allowed: 1 to "
+                    f"{MAX_LAYERS:,}; about 0.1 s per layer and recipe)"
+                )
 
 
 def parse_gpu(spec: str) -> tuple[str, int]:

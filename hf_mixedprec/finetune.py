@@ -52,7 +52,7 @@ from hf_mixedprec._text import root_cause
 from hf_mixedprec.demo import TRAINED_VOCAB, default_model_config
 from hf_mixedprec.errors import UsageError
 from hf_mixedprec.model_dir import check_model_dir, read_model_config
-from hf_mixedprec.recipe import RECIPE_ENV, Recipe, builtin_recipe_names, load_recipe, load_recipe_file
+from hf_mixedprec.recipe import RECIPE_ENV, Recipe, builtin_recipe_names, load_recipe
 
 __all__ = [
     "DEFAULTS",
@@ -333,8 +333,9 @@ def _precheck_recipe(recipe: str | Recipe | None, rehearse: bool | None) -> None
     name = recipe or os.environ.get(RECIPE_ENV) or "auto"
     if name == "auto":
         return
-    loaded = load_recipe_file(name)
-    from hf_mixedprec.loader import rehearse_from_env
+    from hf_mixedprec.loader import load_recipe_named, rehearse_from_env
+
+    loaded = load_recipe_named(recipe)
 
     if not (rehearse if rehearse is not None else rehearse_from_env()):
         from hf_mixedprec.hardware import check_recipe, detect
@@ -403,6 +404,9 @@ def _peak_memory(device: torch.device) -> tuple[float, str]:
 def check_output_dir(output_dir: str) -> None:
     """``--output-dir`` must be a folder this process can create and write: checked before any work, without
     creating it (a probe file in its nearest existing folder), so that a mistake costs and leaves nothing."""
+    from hf_mixedprec.run_control import check_not_dangling
+
+    check_not_dangling("--output-dir", output_dir)
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output-dir: {output_dir!r} is a file (allowed: a folder, new or existing)")
@@ -598,7 +602,9 @@ def _prepare_run_folder(out: Path, *, overwrite: bool, resume: str | None) -> st
 
     if overwrite and (removed := clear_previous_run(out)):
         print(f"finetune: --overwrite: removed the previous run's {', '.join(removed)}", file=sys.stderr)
-    return str(latest_checkpoint(out)) if resume == "latest" else resume
+    if resume != "latest":
+        return resume
+    return str(latest_checkpoint(out, note=lambda text: print(f"finetune: {text}", file=sys.stderr)))
 
 
 @dataclass

@@ -13,14 +13,22 @@ import logging
 import os
 from typing import TypeVar
 
-from hf_mixedprec.errors import EnvValueError
+from hf_mixedprec.errors import EnvValueError, Problem, RecipeError
 from hf_mixedprec.hardware import HardwareInfo, auto_recipe_name, check_recipe, detect
 from hf_mixedprec.recipe_files import load_recipe_file
 from hf_mixedprec.schema import RECIPE_ENV, RecipeSpec
 
 R = TypeVar("R", bound=RecipeSpec)
 
-__all__ = ["REHEARSE_ENV", "EnvValueError", "load_recipe", "rehearse_from_env", "resolve_auto"]
+__all__ = [
+    "REHEARSE_ENV",
+    "EnvValueError",
+    "check_process_env",
+    "load_recipe",
+    "load_recipe_named",
+    "rehearse_from_env",
+    "resolve_auto",
+]
 
 #: Set to 1 to rehearse recipes this machine cannot run natively.
 REHEARSE_ENV = "HF_MIXEDPREC_REHEARSE"
@@ -36,6 +44,60 @@ def rehearse_from_env() -> bool:
     if raw in _FALSE:
         return False
     raise EnvValueError(f"{REHEARSE_ENV}={raw!r} is not a boolean (allowed: 1, 0, true, false, yes, no, on, off)")
+
+
+#: Process-placement variables torchrun / ``accelerate launch`` set and torch, Accelerate and transformers read with
+#: a bare ``int(...)``: checked first, so a bad value is one line naming it instead of a traceback from inside them.
+PROCESS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_PORT")
+#: Accelerate's values for ``ACCELERATE_MIXED_PRECISION`` (``accelerate.utils.PrecisionType``).
+ACCELERATE_PRECISIONS = ("no", "fp16", "bf16", "fp8")
+
+
+def check_process_env() -> None:
+    """Refuse, in one line naming the variable, a process variable that is not a count (:data:`PROCESS_ENV`), a
+    rank outside its world, a port outside 1..65535, or an ``ACCELERATE_MIXED_PRECISION`` Accelerate has no name
+    for (it would be dropped on the Trainer path and fail deep inside Accelerate on another)."""
+    values: dict[str, int] = {}
+    for var in PROCESS_ENV:
+        raw = os.environ.get(var)
+        if raw is None:
+            continue
+        if not raw.strip().isdigit() or len(raw.strip()) > 9:
+            raise EnvValueError(
+                f"{var}={raw[:40]!r} is not a process count or index (allowed: an integer >= 0, as torchrun and "
+                "accelerate launch set it; or unset for one process)"
+            )
+        values[var] = int(raw)
+    port = values.get("MASTER_PORT")
+    if port is not None and not 1 <= port <= 65535:
+        raise EnvValueError(f"MASTER_PORT={port} is not a port (allowed: 1 to 65535)")
+    for rank, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if rank in values and size in values and values[rank] >= values[size]:
+            raise EnvValueError(
+                f"{rank}={values[rank]} is not a rank of {size}={values[size]} (allowed: 0 to {values[size] - 1})"
+            )
+    if "WORLD_SIZE" in values and values["WORLD_SIZE"] < 1:
+        raise EnvValueError("WORLD_SIZE=0 is not a world (allowed: an integer >= 1)")
+    mp = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if mp is not None and mp.strip().lower() not in ACCELERATE_PRECISIONS:
+        raise EnvValueError(
+            f"ACCELERATE_MIXED_PRECISION={mp[:40]!r} is not a precision Accelerate knows (allowed: "
+            f"{', '.join(ACCELERATE_PRECISIONS)}; or unset, and the recipe decides)"
+        )
+
+
+def load_recipe_named(name: str | os.PathLike[str] | None, *, cls: type[R] = RecipeSpec) -> R:  # type: ignore[assignment]
+    """:func:`load_recipe_file` of ``name``, or of ``HF_MIXEDPREC_RECIPE`` when ``name`` is None; a problem with the
+    variable's recipe names the variable (``HF_MIXEDPREC_RECIPE=/old/run.yaml: file not found ...``)."""
+    if name is not None:
+        return load_recipe_file(name, cls=cls)
+    value = os.environ.get(RECIPE_ENV) or "auto"
+    try:
+        return load_recipe_file(value, cls=cls)
+    except RecipeError as exc:
+        if not os.environ.get(RECIPE_ENV):
+            raise
+        raise RecipeError(Problem(f"{RECIPE_ENV}={p.source}", p.key, p.message) for p in exc.problems) from None
 
 
 log = logging.getLogger("hf_mixedprec")
@@ -67,6 +129,7 @@ def load_recipe(
     :class:`~hf_mixedprec.errors.RecipeError` for invalid recipes (every problem, one line each) and
     :class:`~hf_mixedprec.hardware.HardwareRefusal` when ``check_hardware`` and this machine cannot run it.
     """
+    from_env = name_or_path is None
     if name_or_path is None:
         name_or_path = os.environ.get(RECIPE_ENV) or "auto"
     info = hardware
@@ -77,7 +140,7 @@ def load_recipe(
             log.warning("hf_mixedprec: %s", note)
         recipe = load_recipe_file(name, cls=cls)
     else:
-        recipe = load_recipe_file(name_or_path, cls=cls)
+        recipe = load_recipe_named(None if from_env else name_or_path, cls=cls)
     if rehearse is None:
         rehearse = rehearse_from_env()
     if rehearse:

@@ -12,17 +12,20 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
 from hf_mixedprec import metrics as M
+from hf_mixedprec.checkpoints import newest_verified
 from hf_mixedprec.errors import UsageError
 
 __all__ = ["Interrupt", "Progress", "clear_previous_run", "latest_checkpoint", "previous_run_files"]
@@ -76,15 +79,30 @@ def clear_previous_run(out: Path) -> list[str]:
     return removed
 
 
-def latest_checkpoint(out: Path) -> Path:
-    """The newest ``checkpoint-N`` folder of a run (``--resume latest``)."""
-    found = [p for _, p in _checkpoints(out) if (p / "trainer_state.json").is_file()]
-    if not found:
+def latest_checkpoint(out: Path, note: Callable[[str], None] | None = None) -> Path:
+    """The newest complete ``checkpoint-N`` folder of a run (``--resume latest``): its manifest verifies
+    (:mod:`hf_mixedprec.checkpoints`); ``note`` hears about each newer folder passed over, and why."""
+    choice = newest_verified(out)
+    if choice.path is not None:
+        if choice.note() and note is not None:
+            note(f"CHECKPOINT: {choice.note()}")
+        return choice.path
+    elif choice.skipped:
+        raise UsageError(f"--resume: latest: {choice.note()} in {str(out)!r} (allowed: --overwrite to start afresh)")
+    raise UsageError(
+        f"--resume: latest: {str(out)!r} has no checkpoint-N folder (allowed: a checkpoint folder, or latest "
+        "with the --output-dir of a run that saved checkpoints)"
+    )
+
+
+def check_not_dangling(flag: str, path: str | Path) -> None:
+    """Refuse ``path`` when it is a symbolic link to nothing: every later ``mkdir`` of it fails ("File exists")."""
+    p = Path(path)
+    if p.is_symlink() and not p.exists():
         raise UsageError(
-            f"--resume: latest: {str(out)!r} has no checkpoint-N folder (allowed: a checkpoint folder, or latest "
-            "with the --output-dir of a run that saved checkpoints)"
+            f"{flag}: {str(path)!r} is a symbolic link to {os.readlink(p)!r}, which does not exist (allowed: create "
+            "the folder it points to first, or give another folder)"
         )
-    return found[-1]
 
 
 def check_run_folder(out: Path, *, overwrite: bool, resume: str | None) -> None:

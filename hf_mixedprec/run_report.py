@@ -17,6 +17,7 @@ from hf_mixedprec import metrics as M
 from hf_mixedprec._optional import available, require
 from hf_mixedprec._text import shorten
 from hf_mixedprec.plan_map import format_rows, map_rows
+from hf_mixedprec.schema import MAX_STEPS
 
 __all__ = ["HEALTH_FILE", "build_plots", "health_document", "summarize", "write_run_report"]
 
@@ -98,6 +99,18 @@ def _rule_groups(groups: list[dict[str, Any]], series: dict[str, dict[str, Any]]
     return out
 
 
+#: How :func:`_clean` writes the values JSON has no number for.
+NON_FINITE = ("inf", "-inf", "nan")
+
+
+def _step_key(k: Any) -> bool:
+    return isinstance(k, str) and k.isdigit() and len(k) <= 10 and int(k) <= MAX_STEPS
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -112,11 +125,25 @@ def check_document(doc: Any) -> str | None:
     if not isinstance(series, dict):
         return f"field 'series' is a {type(series).__name__} (allowed: a mapping of name -> {{step: value}})"
     for key, data in series.items():
-        if not isinstance(data, dict) or not all(isinstance(k, str) and k.lstrip("-").isdigit() for k in data):
-            return f"field 'series.{shorten(str(key), 40)}' is not a mapping of step -> value"
+        where = f"field 'series.{shorten(str(key), 40)}'"
+        if not isinstance(data, dict) or not all(_step_key(k) for k in data):
+            return f"{where} is not a mapping of step -> value (allowed: steps 0 to {MAX_STEPS:,})"
+        for step, value in data.items():
+            if not (_number(value) or value is None or value in NON_FINITE):
+                return (
+                    f"{where} at step {step}: {shorten(repr(value), 40)} is not a number "
+                    f"(allowed: a number, null, {', '.join(map(repr, NON_FINITE))})"
+                )
     events = doc.get("events", [])
     if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
         return "field 'events' is not a list of mappings"
+    for i, e in enumerate(events):
+        step = e.get("step", 0)
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEPS:
+            return f"field 'events.{i}.step' is {shorten(repr(step), 40)} (allowed: a step, 0 to {MAX_STEPS:,})"
+        for name in ("detector", "message", "reaction", "layer"):
+            if e.get(name) is not None and not isinstance(e[name], str):
+                return f"field 'events.{i}.{name}' is a {type(e[name]).__name__} (allowed: a string)"
     notes = doc.get("notes", [])
     if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
         return "field 'notes' is not a list of strings"

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM, Trainer
 
 import hf_mixedprec
+from hf_mixedprec.checkpoints import MANIFEST, MARK
 from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
 from hf_mixedprec.integrations.trainer import runtime_of
 from hf_mixedprec.runtime import FP8_STATE_FILE
@@ -132,10 +133,23 @@ def test_a_resume_from_the_checkpoint_ends_bit_for_bit_as_the_straight_run(strai
     assert "restart from scratch" not in text and "missing keys" not in text
 
 
+def _as_saved_before_manifests(ckpt) -> None:
+    """Make ``ckpt`` what an hf_mixedprec without manifests wrote: no manifest, and none promised."""
+    import json
+
+    (ckpt / MANIFEST).unlink()
+    doc = json.loads((ckpt / "trainer_state.json").read_text())
+    for value in doc["stateful_callbacks"].values():
+        for item in value if isinstance(value, list) else [value]:
+            item.get("attributes", {}).pop(MARK, None)
+    (ckpt / "trainer_state.json").write_text(json.dumps(doc))
+
+
 def test_a_checkpoint_without_the_fp8_file_resumes_with_a_loud_warning(straight, tmp_path, logs):
     ckpt = tmp_path / "ckpt"
     _copy_checkpoint(_checkpoint(straight, SAVE), ckpt)
     (ckpt / FP8_STATE_FILE).unlink()
+    _as_saved_before_manifests(ckpt)  # an older hf_mixedprec's checkpoint, before the FP8 file existed
     resumed = _resume(tmp_path, ckpt)
     said = [r for r in logs.records if "restart from scratch" in r.getMessage()]
     assert said and said[0].levelno == logging.WARNING and FP8_STATE_FILE in said[0].getMessage()
@@ -152,6 +166,7 @@ def test_an_older_checkpoint_with_the_fp8_state_in_its_weights_still_resumes_exa
     weights = {**load_file(ckpt / "model.safetensors"), **load_file(ckpt / FP8_STATE_FILE)}
     save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
     (ckpt / FP8_STATE_FILE).unlink()
+    _as_saved_before_manifests(ckpt)
     resumed = _resume(tmp_path, ckpt)
     _assert_same_end(straight, resumed)
     assert "restart from scratch" not in " ".join(r.getMessage() for r in logs.records)

@@ -15,6 +15,7 @@ import os
 import torch
 from torch import nn
 
+from hf_mixedprec.checkpoints import atomic_write
 from hf_mixedprec.fp8.emulated import iter_emulated
 
 __all__ = [
@@ -84,10 +85,11 @@ def save_fp8_state(
     state.update({EXTRA_PREFIX + k: t.detach().to("cpu", copy=True) for k, t in (extra or {}).items()})
     if not state:
         return None
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     path = os.path.join(folder, FP8_STATE_FILE)
-    save_file(state, path, metadata={"format": "pt", "hf_mixedprec_fp8": str(FP8_STATE_VERSION)})
+    # whole or not at all: a kill mid-write leaves no truncated file behind
+    atomic_write(path, save(state, metadata={"format": "pt", "hf_mixedprec_fp8": str(FP8_STATE_VERSION)}))
     return path
 
 

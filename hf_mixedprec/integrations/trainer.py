@@ -41,11 +41,18 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from hf_mixedprec.checkpoints import MANIFEST_VERSION, MARK
 from hf_mixedprec.fp8 import model_parameters
 from hf_mixedprec.fp8.state import read_fp8_state_file
 from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.health import HealthMonitor
-from hf_mixedprec.integrations.accelerate_plugin import accelerate_precision, backpropagated_loss, enable_native_fp16
+from hf_mixedprec.integrations.accelerate_plugin import (
+    _mixed_precision_decision,
+    accelerate_precision,
+    backpropagated_loss,
+    enable_native_fp16,
+)
+from hf_mixedprec.integrations.checkpointing import finish_checkpoint, manage_checkpoints
 from hf_mixedprec.module_policy import assign_rules
 from hf_mixedprec.recipe_files import resolve_recipe
 from hf_mixedprec.runtime import MixedPrecisionRuntime, fp8_state_dict, load_fp8_state, save_fp8_state
@@ -201,7 +208,8 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         payload = self.runtime.state_dict() if self.runtime is not None else self.restored
         return {
             "args": {"recipe": self.recipe.to_dict(), "rehearse": self.rehearse},
-            "attributes": {"restored": payload},
+            # MARK: this checkpoint's manifest follows (one without it was killed before the end of its save)
+            "attributes": {"restored": payload, MARK: MANIFEST_VERSION},
         }
 
     # -- setup -------------------------------------------------------------------------------------------
@@ -256,6 +264,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         self.runtime = rt
         for text in notes:
             rt.note(text)
+        manage_checkpoints(trainer, rt.note)
         acc = trainer.accelerator
         rt.apply_tf32()
         _ATTACHED[model] = (rt, weakref.ref(trainer))
@@ -421,6 +430,10 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
 
     def on_save(self, args: TrainingArguments, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
         _save_fp8_state(self._runtime(model), model, args, state)  # FP8 recipes never run under DeepSpeed
+        if self.trainer is not None:  # every file is written: the manifest marks the checkpoint complete
+            finish_checkpoint(
+                self.trainer, os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            )
 
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         if not self.deepspeed:
@@ -615,7 +628,11 @@ def _check_args(recipe: RecipeSpec, args: TrainingArguments, deepspeed: bool = F
     """Refuse arguments that contradict the recipe; fix library defaults that do (returned as notes). ``deepspeed``:
     whether the Trainer runs under DeepSpeed (``TrainingArguments.deepspeed`` or an ``accelerate launch`` config)."""
     p = recipe.precision
-    notes: list[str] = []
+    # ACCELERATE_MIXED_PRECISION (what `accelerate launch` exports) is TrainingArguments' mixed_precision when neither
+    # fp16 nor bf16 is set: it must agree with the recipe, as it must for the plugin (a conflict is refused). Under
+    # DeepSpeed the DeepSpeed config decides the precision (a launch exports 'no' for Accelerate's own)
+    decided = None if deepspeed else _mixed_precision_decision(recipe, None)
+    notes: list[str] = [decided] if decided else []
     if recipe.distributed.strategy == "deepspeed" and not deepspeed:
         raise ValueError(
             f"recipe {recipe.name!r} has distributed.strategy deepspeed, but this Trainer runs without DeepSpeed (no "

@@ -1,0 +1,106 @@
+"""Trainer checkpoints that a kill cannot leave half-trusted (see :mod:`hf_mixedprec.checkpoints`).
+
+The Trainer callback installs this on its Trainer:
+
+- ``Trainer._save_checkpoint`` (wrapped on the instance) first removes a ``checkpoint-N`` folder an earlier, killed
+  save left incomplete, and defers Trainer's rotation (``save_total_limit``): Trainer rotates inside
+  ``_save_checkpoint``, before ``on_save`` writes the FP8 state, so an older complete checkpoint could be deleted
+  while the new one is still unfinished.
+- :func:`finish_checkpoint`, at the end of the callback's ``on_save``: the manifest, written last, then the deferred
+  rotation.
+- ``Trainer.train`` (wrapped on the instance) verifies what it resumes from before anything loads:
+  ``resume_from_checkpoint=True`` takes the newest complete checkpoint (passing over damaged newer ones, loudly), and
+  a named checkpoint that does not verify is refused in one line (:class:`CheckpointDamaged`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from hf_mixedprec.checkpoints import CheckpointDamaged, newest_verified, verify, write_manifest
+
+__all__ = ["finish_checkpoint", "manage_checkpoints", "resume_target"]
+
+#: The attribute of a Trainer whose rotation is deferred: the ``save_total_limit`` it asked for.
+_DEFERRED = "_hf_mixedprec_save_total_limit"
+
+
+def manage_checkpoints(trainer: Any, note: Callable[[str], None]) -> None:
+    """Wrap ``trainer``'s checkpoint save and ``train`` (see the module docs); once per Trainer."""
+    if hasattr(trainer, _DEFERRED):
+        return
+    setattr(trainer, _DEFERRED, None)
+    save, train = trainer._save_checkpoint, trainer.train
+
+    def save_checkpoint(model: Any, trial: Any) -> Any:
+        args = trainer.args
+        folder = Path(trainer._get_output_dir(trial=trial)) / f"checkpoint-{trainer.state.global_step}"
+        if args.should_save and folder.is_dir() and verify(folder) is not None:
+            shutil.rmtree(folder)  # what a killed save left: written afresh, no stale file survives in it
+        limit, args.save_total_limit = args.save_total_limit, None
+        setattr(trainer, _DEFERRED, limit)
+        try:
+            return save(model, trial)
+        finally:
+            args.save_total_limit = limit
+
+    def train_verified(resume_from_checkpoint: Any = None, *a: Any, **kw: Any) -> Any:
+        target = resume_target(trainer.args.output_dir, resume_from_checkpoint, note)
+        return train(target, *a, **kw)
+
+    trainer._save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+    trainer.train = train_verified  # type: ignore[method-assign]
+
+
+def finish_checkpoint(trainer: Any, folder: str | os.PathLike[str]) -> None:
+    """After every file of ``folder`` is written (every rank's): its manifest, then Trainer's deferred rotation."""
+    args = trainer.args
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()  # the other ranks' files (their RNG states) are written before the manifest lists them
+    if not args.should_save or not Path(folder).is_dir():
+        return
+    write_manifest(folder)
+    limit = getattr(trainer, _DEFERRED, None)
+    if limit:
+        from transformers.trainer_utils import rotate_checkpoints
+
+        rotate_checkpoints(
+            output_dir=str(Path(folder).parent),
+            save_total_limit=limit,
+            best_model_checkpoint=trainer.state.best_model_checkpoint,
+            use_mtime=True,
+        )
+
+
+def resume_target(out: str | os.PathLike[str] | None, wanted: Any, note: Callable[[str], None]) -> Any:
+    """What Trainer should resume from for ``resume_from_checkpoint=wanted``: unchanged for None/False; for True
+    the newest complete checkpoint (a note names each damaged newer one); a named checkpoint only when it verifies
+    (else :class:`CheckpointDamaged`, naming the newest that does). Checkpoints saved without manifests pass as
+    Trainer would take them (:func:`hf_mixedprec.checkpoints.unmanaged`)."""
+    if wanted is None or wanted is False or out is None:
+        return wanted
+    if wanted is True:
+        choice = newest_verified(out)
+        if choice.path is None and not choice.skipped:
+            return True  # nothing saved: Trainer's own error
+        if choice.path is None:
+            raise CheckpointDamaged(f"resume_from_checkpoint=True: {choice.note()} in {str(out)!r}")
+        if choice.note():
+            note(f"CHECKPOINT: {choice.note()}")
+        return str(choice.path)
+    folder = Path(str(wanted))
+    why = verify(folder) if folder.is_dir() else None  # a folder that is not there: Trainer's own error
+    if why is None:
+        return wanted
+    other = newest_verified(folder.parent).path
+    raise CheckpointDamaged(
+        f"resume_from_checkpoint: {str(folder)!r} is damaged: {why} (allowed: a complete checkpoint"
+        + (f", e.g. {other.name}" if other is not None else "")
+        + "; resume_from_checkpoint=True takes the newest complete one)"
+    )

@@ -1,0 +1,223 @@
+"""Checkpoints that survive a kill: the manifest written last, verified before a resume; damaged checkpoints are
+passed over loudly (``--resume latest``, ``resume_from_checkpoint=True``) or refused in one line (a named one),
+before any step trains; rotation never removes the last complete checkpoint before a newer one is complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_mixedprec.checkpoints import MANIFEST, CheckpointDamaged, newest_verified, verify, write_manifest
+from hf_mixedprec.cli import main
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+
+REPO = Path(__file__).resolve().parents[1]
+HARNESS = REPO / "tests" / "kill_at_write.py"
+FINETUNE = [
+    "--max-steps", "4", "--save-steps", "2", "--save-total-limit", "1", "--seq-len", "16", "--batch-size", "2",
+    "--eval-split", "0", "--no-save",
+]  # fmt: skip
+
+
+def _complete(folder: Path, mark: bool = True) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"w" * 1000)
+    (folder / "optimizer.pt").write_bytes(b"o" * 500)
+    attrs = {"hf_mixedprec_manifest": 1} if mark else {}
+    (folder / "trainer_state.json").write_text(json.dumps({"stateful_callbacks": {"C": {"attributes": attrs}}}))
+    write_manifest(folder)
+    return folder
+
+
+# -- what a folder is -------------------------------------------------------------------------------------------------
+def test_verify_names_the_file_and_what_is_wrong(tmp_path):
+    ok = _complete(tmp_path / "checkpoint-2")
+    assert verify(ok) is None
+    cases = {
+        "truncated": (lambda f: (f / "optimizer.pt").write_bytes(b"o" * 100), "optimizer.pt: 100 bytes where 500"),
+        "garbage": (lambda f: (f / "optimizer.pt").write_bytes(b"x" * 500), "optimizer.pt: its content changed"),
+        "missing": (lambda f: (f / "model.safetensors").unlink(), "model.safetensors: missing"),
+        "no manifest": (lambda f: (f / MANIFEST).unlink(), f"{MANIFEST} is missing (the save did not finish)"),
+        "bad manifest": (lambda f: (f / MANIFEST).write_text("{"), f"{MANIFEST} is unreadable"),
+        "no state": (
+            lambda f: [(f / MANIFEST).unlink(), (f / "trainer_state.json").unlink()],
+            "trainer_state.json is missing or unreadable (the save did not finish)",
+        ),
+    }
+    for i, (name, (damage, said)) in enumerate(cases.items()):
+        folder = _complete(tmp_path / f"case-{i}")
+        damage(folder)
+        assert said in (verify(folder) or ""), name
+    # a checkpoint saved without manifests (no promise in its trainer state) is taken as Trainer takes it
+    old = _complete(tmp_path / "old", mark=False)
+    (old / MANIFEST).unlink()
+    assert verify(old) is None
+
+
+def test_the_newest_complete_checkpoint_is_chosen_and_the_damaged_newer_ones_named(tmp_path):
+    _complete(tmp_path / "checkpoint-2")
+    _complete(tmp_path / "checkpoint-4")
+    (tmp_path / "checkpoint-4" / "optimizer.pt").write_bytes(b"")
+    (tmp_path / "checkpoint-6").mkdir()  # killed right after the folder was made
+    choice = newest_verified(tmp_path)
+    assert choice.path == tmp_path / "checkpoint-2"
+    assert choice.note() == (
+        "checkpoint-6 is damaged: trainer_state.json is missing or unreadable (the save did not finish); "
+        "checkpoint-4 is damaged: optimizer.pt: 0 bytes where 500 were written; resuming from checkpoint-2"
+    )
+
+
+# -- the Trainer callback -------------------------------------------------------------------------------------------
+def _trainer(out: Path, steps: int = 8, limit: int | None = 2):
+    from transformers import Trainer
+
+    from hf_mixedprec.demo import tiny_llama
+    from hf_mixedprec.recipe import load_recipe
+    from tests.test_integration import Bytes
+
+    recipe = load_recipe("cpu-bf16")
+    args = recipe.training_args(
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        save_strategy="steps",
+        save_steps=2,
+        save_total_limit=limit,
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+    return Trainer(model=tiny_llama(), args=args, train_dataset=Bytes(), callbacks=recipe.callbacks())
+
+
+def test_the_trainer_passes_over_a_damaged_newest_checkpoint_and_ends_as_the_straight_run(tmp_path):
+    import shutil
+
+    from accelerate.state import AcceleratorState
+
+    from hf_mixedprec.integrations.trainer import runtime_of
+
+    straight = _trainer(tmp_path / "straight", limit=None)
+    straight.train()
+    want = straight.model.state_dict()
+    saved = sorted(p.name for p in (tmp_path / "straight").glob("checkpoint-*"))
+    assert saved == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    assert all(verify(tmp_path / "straight" / p) is None for p in saved)
+    run = tmp_path / "run"  # a run cut after step 6, whose disk lost the last write of its checkpoint-6
+    for step in (4, 6):
+        shutil.copytree(tmp_path / "straight" / f"checkpoint-{step}", run / f"checkpoint-{step}")
+    (run / "checkpoint-6" / "optimizer.pt").write_bytes(b"garbage")
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    named = _trainer(run)
+    with pytest.raises(CheckpointDamaged, match=r"checkpoint-6' is damaged: optimizer\.pt: 7 bytes where"):
+        named.train(resume_from_checkpoint=str(run / "checkpoint-6"))
+    assert named.state.global_step == 0  # refused before anything loaded or trained
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    resumed = _trainer(run)
+    resumed.train(resume_from_checkpoint=True)
+    notes = runtime_of(resumed).notes
+    assert any(
+        n.startswith("CHECKPOINT: checkpoint-6 is damaged: optimizer.pt") and "resuming from checkpoint-4" in n
+        for n in notes
+    )
+    got = resumed.model.state_dict()
+    assert [k for k in want if not torch.equal(want[k], got[k])] == []
+
+
+def test_finetune_refuses_a_damaged_checkpoint_it_is_told_to_resume_in_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["finetune", "--output-dir", str(out), *FINETUNE]) == 0
+    (out / "checkpoint-4" / "model.safetensors").write_bytes(b"")
+    capsys.readouterr()
+    code = main(["finetune", "--output-dir", str(out), *FINETUNE, "--resume", str(out / "checkpoint-4")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "Traceback" not in "\n".join(err)
+    assert "checkpoint-4' is damaged: model.safetensors: 0 bytes where" in err[-1]
+    assert not any("finetune: step" in line for line in err)  # no step trained before the refusal
+
+
+# -- SIGKILL at every moment of a save --------------------------------------------------------------------------------
+def _harness(out: Path, at: int, cmd: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    env = {
+        **os.environ,
+        "KILL_IN": str(out / "checkpoint-4"),
+        "KILL_AT_WRITE": str(at),
+        "KILL_COUNT": str(out.parent / f"{out.name}.count"),
+        "PYTHONPATH": str(REPO),
+        "CUDA_VISIBLE_DEVICES": "",
+        **(extra_env or {}),
+    }
+    return subprocess.Popen(
+        [sys.executable, str(HARNESS), *cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _kill_all(runs: list[tuple[Path, int]], cmd_of) -> None:
+    """Start the killed runs two at a time (the machine has 2 cores); each must die of SIGKILL."""
+    for i in range(0, len(runs), 2):
+        procs = [(out, _harness(out, at, cmd_of(out))) for out, at in runs[i : i + 2]]
+        for out, proc in procs:
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode == -9, (out, err[-2000:])
+
+
+@pytest.mark.slow
+def test_finetune_killed_at_any_write_of_a_checkpoint_resumes_latest_from_a_complete_one(tmp_path, capsys):
+    straight = tmp_path / "straight"
+    proc = _harness(straight, 0, ["finetune", "--output-dir", str(straight), *FINETUNE])
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    files = int((tmp_path / "straight.count").read_text())  # entries of checkpoint-4, manifest included
+    assert files >= 10
+    want = load_file(straight / "checkpoint-4" / "model.safetensors")
+
+    # every other write (the suite's time budget), and the last: the moment before the manifest lands
+    runs = [(tmp_path / f"kill-{k}", k) for k in sorted({*range(1, files + 1, 2), files})]
+    _kill_all(runs, lambda out: ["finetune", "--output-dir", str(out), *FINETUNE])
+    for out, k in runs:
+        assert (out / "checkpoint-2").is_dir(), f"kill {k}: the last complete checkpoint was rotated away"
+        capsys.readouterr()
+        code = main(["finetune", "--output-dir", str(out), *FINETUNE, "--resume", "latest"])
+        err = capsys.readouterr().err
+        assert code == 0, (k, err[-2000:])
+        complete = "checkpoint-4 is damaged" not in err
+        assert complete or "resuming from checkpoint-2" in err, (k, err[-2000:])
+        got = load_file(out / "checkpoint-4" / "model.safetensors")
+        assert [n for n in want if not torch.equal(want[n], got[n])] == [], f"kill {k}: the resumed run diverged"
+
+
+@pytest.mark.slow
+def test_a_trainer_script_killed_mid_save_resumes_with_resume_from_checkpoint_true(tmp_path):
+    script = str(REPO / "scripts" / "finetune_trainer.py")
+    args = ["--recipe", "cpu-bf16", "--max-steps", "4", "--save-steps", "2", "--batch-size", "2", "--seq-len", "16"]
+    straight = tmp_path / "straight"
+    proc = _harness(straight, 0, [script, "--output-dir", str(straight), *args])
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    files = int((tmp_path / "straight.count").read_text())
+    want = [r["loss"] for r in json.loads((straight / "log_history.rank0.json").read_text()) if "loss" in r]
+
+    runs = [(tmp_path / f"kill-{k}", k) for k in (2, files - 1)]  # early in the save, and before the manifest
+    _kill_all(runs, lambda out: [script, "--output-dir", str(out), *args])
+    for out, k in runs:
+        resumed = subprocess.run(
+            [sys.executable, script, "--output-dir", str(out), *args, "--resume"],
+            env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert resumed.returncode == 0, (k, resumed.stderr[-2000:])
+        assert "checkpoint-4 is damaged" in resumed.stderr and "resuming from checkpoint-2" in resumed.stderr, k
+        rows = json.loads((out / "log_history.rank0.json").read_text())
+        assert [r["loss"] for r in rows if "loss" in r] == want, f"kill {k}: the resumed run diverged"

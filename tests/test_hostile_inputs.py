@@ -1,0 +1,131 @@
+"""Every input checked where it enters: environment variables, output folders, data files, health.json and estimate
+configs that nobody here wrote. Each mistake is one line naming the variable, flag or key, exit 2, no traceback, and
+nothing trained or written before it."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_mixedprec.cli import main
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    lines = err.splitlines()
+    assert len(lines) == 1, err[-2000:]
+    return lines[0]
+
+
+# -- environment ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "env,said",
+    [
+        ({"LOCAL_RANK": "abc"}, "LOCAL_RANK='abc' is not a process count or index"),
+        ({"RANK": "-1"}, "RANK='-1' is not a process count or index"),
+        ({"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 is not a rank of WORLD_SIZE=2 (allowed: 0 to 1)"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 is not a world"),
+        ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a port (allowed: 1 to 65535)"),
+        ({"ACCELERATE_MIXED_PRECISION": "fp17"}, "ACCELERATE_MIXED_PRECISION='fp17' is not a precision Accelerate"),
+        ({"HF_MIXEDPREC_RECIPE": "/no/such/run.yaml"}, "HF_MIXEDPREC_RECIPE=/no/such/run.yaml: file not found"),
+        ({"HF_MIXEDPREC_REHEARSE": "maybe"}, "HF_MIXEDPREC_REHEARSE='maybe' is not a boolean"),
+    ],
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
+)
+def test_a_bad_environment_variable_is_one_line_naming_it(env, said, tmp_path, capsys, monkeypatch):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "run"
+    line = _refused(["finetune", "--max-steps", "2", "--output-dir", str(out)], capsys)
+    assert said in line
+    assert not out.exists()  # nothing prepared, nothing written
+
+
+def test_the_trainer_refuses_an_accelerate_mixed_precision_that_contradicts_the_recipe(tmp_path, monkeypatch):
+    from transformers import Trainer
+
+    from hf_mixedprec.demo import tiny_llama
+    from hf_mixedprec.recipe import load_recipe
+    from tests.test_integration import Bytes
+
+    recipe = load_recipe("cpu-bf16")
+    args = recipe.training_args(output_dir=str(tmp_path), max_steps=1, report_to=[])
+    for value in ("fp17", "fp16"):  # TrainingArguments took it as mixed_precision; it was dropped or overridden
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", value)
+        with pytest.raises(ValueError, match=f"ACCELERATE_MIXED_PRECISION='{value}' contradicts recipe 'cpu-bf16'"):
+            Trainer(model=tiny_llama(), args=args, train_dataset=Bytes(), callbacks=recipe.callbacks())
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=Bytes(), callbacks=recipe.callbacks())
+    assert trainer.accelerator.mixed_precision == "bf16"
+
+
+# -- output folders ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["finetune", "compare"])
+def test_an_output_folder_that_is_a_dangling_link_is_refused_before_any_work(command, tmp_path, capsys):
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "gone" / "deeper")
+    args = ["--recipes", "cpu-bf16"] if command == "compare" else []
+    line = _refused([command, *args, "--max-steps", "2", "--output-dir", str(link)], capsys)
+    assert f"--output-dir: {str(link)!r} is a symbolic link to" in line and "which does not exist" in line
+    assert not (tmp_path / "gone").exists()
+
+
+# -- health.json, as `report` reads it ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "content,said",
+    [
+        ('{"version":1,"series":{"loss":{"1":"abc"}}}', "field 'series.loss' at step 1: 'abc' is not a number"),
+        ('{"version":1,"series":{"loss":{"-1":1.0}}}', "field 'series.loss' is not a mapping of step -> value"),
+        ('{"version":1,"series":{"loss":{"99999999999":1}}}', "(allowed: steps 0 to 1,000,000,000)"),
+        ('{"version":1,"series":{},"events":[{"step":"a"}]}', "field 'events.0.step' is 'a'"),
+        ('{"version":1,"series":{},"events":[{"step":1,"layer":[1]}]}', "field 'events.0.layer' is a list"),
+        ("[" * 100_000 + "]" * 100_000, "is nested too deeply to be a health report"),
+        (b"\xff\xfe{}", "is not UTF-8 text (byte 0)"),
+    ],
+    ids=["string-value", "negative-step", "absurd-step", "event-step", "event-layer", "deep", "not-utf8"],
+)
+def test_report_checks_every_value_of_health_json(content, said, tmp_path, capsys):
+    path = tmp_path / "health.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert said in _refused(["report", str(tmp_path)], capsys)
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_report_refuses_a_health_json_too_big_to_be_one_without_reading_it(tmp_path, capsys, monkeypatch):
+    import hf_mixedprec.cli as cli
+
+    monkeypatch.setattr(cli, "MAX_HEALTH_BYTES", 1000)
+    (tmp_path / "health.json").write_text('{"version": 1, "series": {}, "notes": ["' + "x" * 2000 + '"]}')
+    assert "(allowed: at most 0 MiB" in _refused(["report", str(tmp_path)], capsys)
+
+
+def test_report_still_reads_what_a_run_writes_inf_nan_and_null_included(tmp_path, capsys):
+    (tmp_path / "health.json").write_text('{"version":1,"series":{"loss":{"1":"inf","2":null,"3":"nan","4":2.5}}}')
+    assert main(["report", str(tmp_path)]) == 0
+
+
+# -- estimate configs -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "change,said",
+    [
+        ({"hidden_size": -5}, "hidden_size -5 is not a size (allowed: an integer >= 1)"),
+        ({"hidden_size": "64"}, "hidden_size '64' is not a size"),
+        ({"num_hidden_layers": 10**6}, "num_hidden_layers 1,000,000 is more layers than estimate builds"),
+        ({"text_config": {"vocab_size": 0}}, "text_config.vocab_size 0 is not a size"),
+    ],
+    ids=["negative", "string", "huge-layer-count", "nested"],
+)
+def test_estimate_refuses_a_config_size_naming_the_file_and_key_in_bounded_time(change, said, tmp_path, capsys):
+    import json
+    import time
+    from pathlib import Path
+
+    base = json.loads((Path(__file__).parents[1] / "examples/model_configs/tiny-llama/config.json").read_text())
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**base, **change}))
+    start = time.perf_counter()
+    line = _refused(["estimate", "--recipes", "cpu-bf16", "--config", str(cfg), "--seq-len", "64"], capsys)
+    assert f"--config: {str(cfg)!r}: {said}" in line and time.perf_counter() - start < 10
