@@ -39,6 +39,7 @@ import resource
 import shlex
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,39 @@ def check_data_path(data: str) -> str:
     return _data_kind(path)
 
 
+#: ``check_utf8`` reads the file in pieces of this many bytes (memory stays bounded whatever the file's size).
+_UTF8_CHUNK = 1 << 20
+NEWLINE = b"\n"
+
+
+def check_utf8(data: str) -> None:
+    """Refuse a text, JSON or CSV file that is not UTF-8, naming the line and byte of the first bad byte: datasets
+    reads such a file without complaint and fails later, deep in pyarrow, when the text is taken out."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line, offset = 1, 0
+    with open(data, "rb") as f:
+        while chunk := f.read(_UTF8_CHUNK):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as exc:
+                bad = exc.start
+                at_line = line + chunk[:bad].count(NEWLINE)
+                raise UsageError(
+                    f"--data: {data!r} is not UTF-8 text: byte {offset + bad:,} (line {at_line:,}) "
+                    f"is {chunk[bad]:#04x} (allowed: UTF-8 text; convert it first, e.g. iconv -f latin1 -t utf-8)"
+                ) from None
+            line += chunk.count(NEWLINE)
+            offset += len(chunk)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise UsageError(
+            f"--data: {data!r} is not UTF-8 text: it ends inside a character (allowed: UTF-8 text)"
+        ) from None
+
+
 def _strings(values: Any) -> list[str]:
     return [v.strip() for v in values if isinstance(v, str) and v.strip()]
 
@@ -151,6 +185,8 @@ def load_texts(data: str | None = None, text_field: str | None = None) -> TextDa
         )
     if kind != "save_to_disk" and Path(data).stat().st_size == 0:
         raise UsageError(f"--data: {data!r} is empty: 0 usable examples (allowed: {DATA_ALLOWED} with text in it)")
+    if kind in ("txt", "json", "csv"):
+        check_utf8(data)
     import datasets
 
     datasets.disable_progress_bars()
@@ -183,8 +219,11 @@ def load_texts(data: str | None = None, text_field: str | None = None) -> TextDa
             f"--text-field: {field!r} is not a column of {data!r} (allowed: {', '.join(ds.column_names) or 'none'})"
         )
     texts: list[str] = []
-    for batch in ds.select_columns([field]).iter(batch_size=1000):
-        texts += _strings(batch[field])
+    try:
+        for batch in ds.select_columns([field]).iter(batch_size=1000):
+            texts += _strings(batch[field])
+    except UnicodeDecodeError as exc:  # text pyarrow stored without checking (e.g. inside a parquet file)
+        raise UsageError(f"--data: {data!r} holds text that is not UTF-8 ({exc.reason} at byte {exc.start})") from None
     if not texts:
         raise UsageError(
             f"--data: {data!r} has 0 usable examples ({ds.num_rows} rows, none with a non-empty string in {field!r})"
@@ -288,17 +327,53 @@ class PackedBlocks(torch.utils.data.Dataset):
         return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
 
 
+#: An example longer than this many characters is tokenized in pieces of about this size, cut at whitespace, so the
+#: tokenizer's memory is bounded by the piece, not by the example (tokens at a cut may differ from one pass).
+MAX_PIECE_CHARS = 1 << 16
+#: At most this many characters go to the tokenizer in one call.
+_BATCH_CHARS = 1 << 22
+
+
+def _pieces(text: str) -> Iterator[str]:
+    start = 0
+    while len(text) - start > MAX_PIECE_CHARS:
+        end = start + MAX_PIECE_CHARS
+        cut = max(
+            text.rfind(" ", start + MAX_PIECE_CHARS // 2, end), text.rfind("\n", start + MAX_PIECE_CHARS // 2, end)
+        )
+        end = cut if cut > start else end
+        yield text[start:end]
+        start = end
+    yield text[start:]
+
+
+def _piece_batches(texts: list[str]) -> Iterator[list[tuple[str, bool]]]:
+    """(piece, last piece of its example) in batches of at most 1000 pieces and :data:`_BATCH_CHARS` characters."""
+    batch: list[tuple[str, bool]] = []
+    size = 0
+    for text in texts:
+        parts = list(_pieces(text))
+        for j, piece in enumerate(parts):
+            if batch and (len(batch) >= 1000 or size + len(piece) > _BATCH_CHARS):
+                yield batch
+                batch, size = [], 0
+            batch.append((piece, j == len(parts) - 1))
+            size += len(piece)
+    if batch:
+        yield batch
+
+
 def pack_blocks(
     texts: list[str], tokenizer: Any, seq_len: int, *, source: str = "the data"
 ) -> tuple[PackedBlocks, int]:
     """Tokenize, add EOS after each example, concatenate and cut into ``seq_len`` blocks; also the token count."""
     eos = tokenizer.eos_token_id
     chunks: list[np.ndarray] = []
-    for i in range(0, len(texts), 1000):
-        enc = tokenizer(texts[i : i + 1000], add_special_tokens=False, verbose=False)["input_ids"]
-        for ids in enc:
+    for batch in _piece_batches(texts):
+        enc = tokenizer([piece for piece, _ in batch], add_special_tokens=False, verbose=False)["input_ids"]
+        for ids, (_, last) in zip(enc, batch, strict=True):
             chunks.append(np.asarray(ids, dtype=np.int64))
-            if eos is not None:
+            if last and eos is not None:
                 chunks.append(np.asarray([eos], dtype=np.int64))
     flat = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
     n_blocks = flat.size // seq_len

@@ -129,3 +129,64 @@ def test_estimate_refuses_a_config_size_naming_the_file_and_key_in_bounded_time(
     start = time.perf_counter()
     line = _refused(["estimate", "--recipes", "cpu-bf16", "--config", str(cfg), "--seq-len", "64"], capsys)
     assert f"--config: {str(cfg)!r}: {said}" in line and time.perf_counter() - start < 10
+
+
+# -- data files -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name,content,where",
+    [
+        ("bad.jsonl", b'{"text": "hello world"}\n{"text": "caf\xe9"}\n', "byte 37 (line 2) is 0xe9"),
+        ("bad.txt", b"hello\n\ncaf\xe9 au lait\n", "byte 10 (line 3) is 0xe9"),
+        ("bad.csv", b"text\nfine\n\xff\xfe\n", "byte 10 (line 3) is 0xff"),
+        ("cut.txt", "hello \u00e9".encode()[:-1], "it ends inside a character"),
+    ],
+    ids=["jsonl", "txt", "csv", "truncated"],
+)
+def test_data_that_is_not_utf8_is_one_line_naming_where(name, content, where, tmp_path, capsys):
+    data = tmp_path / name
+    data.write_bytes(content)
+    out = tmp_path / "run"
+    line = _refused(["finetune", "--data", str(data), "--max-steps", "2", "--output-dir", str(out)], capsys)
+    assert f"--data: {str(data)!r} is not UTF-8 text" in line and where in line
+    assert not out.exists()
+
+
+def test_one_very_long_example_is_tokenized_in_bounded_pieces_losing_no_text():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    import hf_mixedprec.finetune as ft
+
+    words = ["alpha", "beta", "gamma", "delta"]
+    long = " ".join(words[i % 4] for i in range(200_000))  # about 1.1 M characters, one example
+    pieces = list(ft._pieces(long))
+    assert "".join(pieces) == long and len(pieces) > 10
+    assert max(map(len, pieces)) <= ft.MAX_PIECE_CHARS
+    assert all(p.startswith(" ") for p in pieces[1:])  # each cut falls on whitespace, never inside a word
+
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", "</s>", *words])}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", unk_token="[UNK]")
+    seen: list[int] = []
+    inner = tok.__call__
+
+    def counting(texts, **kw):
+        seen.append(sum(map(len, texts)))
+        return inner(texts, **kw)
+
+    blocks, n_tokens = ft.pack_blocks(["alpha beta", long], _Calls(tok, counting), seq_len=8)
+    assert n_tokens == 2 + 1 + 200_000 + 1  # every word of both examples, one EOS after each
+    assert max(seen) <= ft._BATCH_CHARS + ft.MAX_PIECE_CHARS
+    flat = blocks.blocks.flatten().tolist()
+    assert flat[:3] == [2, 3, 1] and flat.count(1) == 1  # one EOS ends the short example; the long one's is cut off
+
+
+class _Calls:
+    """A tokenizer whose calls go through ``fn`` (PreTrainedTokenizerFast's ``__call__`` is looked up on the class)."""
+
+    def __init__(self, tok, fn):
+        self._tok, self._fn = tok, fn
+        self.eos_token_id = tok.eos_token_id
+
+    def __call__(self, texts, **kw):
+        return self._fn(texts, **kw)
