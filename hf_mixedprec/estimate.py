@@ -361,7 +361,7 @@ def _check_sizes(data: dict[str, Any], where: str) -> None:
                 raise UsageError(f"{where}: {scope}{key} {value!r} is not a size (allowed: an integer >= {low})")
             if key in ("num_hidden_layers", "n_layer") and value > MAX_LAYERS:
                 raise UsageError(
-                    f"{where}: {scope}{key} {value:,} is more layers than estimate builds (allowed: 1 to "
+                    f"{where}: {scope}{key} {value:,} is more layers than estimate and plan build (allowed: 1 to "
                     f"{MAX_LAYERS:,}; about 0.1 s per layer and recipe)"
                 )
 

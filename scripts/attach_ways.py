@@ -17,6 +17,10 @@ Each Trainer computes its loss outside the model (label smoothing), as many real
 
 from __future__ import annotations
 
+import hf_mixedprec  # first: it quiets known backend noise before transformers imports torchao
+
+# isort: split
+
 import argparse
 import os
 from collections.abc import Callable
@@ -26,7 +30,6 @@ from accelerate.state import AcceleratorState
 from torch.utils.data import Dataset
 from transformers import Trainer
 
-import hf_mixedprec
 from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
 from hf_mixedprec.integrations.trainer import MixedPrecisionCallback, attach
 from hf_mixedprec.recipe import RECIPE_ENV

@@ -25,6 +25,8 @@ aten call).
 
 from __future__ import annotations
 
+# isort: split
+
 import argparse
 import json
 import os

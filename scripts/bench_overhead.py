@@ -54,6 +54,10 @@ step, a logging step and an FP8-sampled step, on Llamas of ``--layers`` blocks (
 
 from __future__ import annotations
 
+import hf_mixedprec  # first: it quiets known backend noise before transformers imports torchao
+
+# isort: split
+
 import argparse
 import contextlib
 import itertools
@@ -75,7 +79,6 @@ import torch.utils._python_dispatch
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-import hf_mixedprec
 from hf_mixedprec._stdio import stdout_to_stderr
 from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
 from hf_mixedprec.hardware import HardwareRefusal

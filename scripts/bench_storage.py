@@ -26,6 +26,8 @@ model was built.
 
 from __future__ import annotations
 
+# isort: split
+
 import argparse
 import contextlib
 import json

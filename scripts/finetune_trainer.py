@@ -11,6 +11,10 @@ from the launcher; otherwise from --recipe (default: auto).
 
 from __future__ import annotations
 
+import hf_mixedprec  # first: it quiets known backend noise before transformers imports torchao
+
+# isort: split
+
 import argparse
 import json
 import os
@@ -21,7 +25,6 @@ import torch
 from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback
 
-import hf_mixedprec
 from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
 
 

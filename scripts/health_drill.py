@@ -18,6 +18,10 @@ and prints the same summary as `hf-mixedprec report`. A run stopped by a health 
 
 from __future__ import annotations
 
+import hf_mixedprec  # first: it quiets known backend noise before transformers imports torchao
+
+# isort: split
+
 import argparse
 import json
 import sys
@@ -27,7 +31,6 @@ import torch
 from torch.utils.data import Dataset
 from transformers import PrinterCallback, Trainer, TrainerCallback
 
-import hf_mixedprec
 from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
 from hf_mixedprec.integrations.trainer import runtime_of
 from hf_mixedprec.run_report import HEALTH_FILE, summarize, write_run_report

@@ -205,6 +205,24 @@ Trainer(model=tiny_llama(0), args=args, train_dataset=Bytes(n=8, seq_len=32), ca
     assert "Setting accelerator to CPU" not in r.stdout and "'loss'" in r.stdout  # Trainer's own log rows stay
 
 
+def test_the_example_scripts_start_without_backend_noise():
+    """The scripts a user copies import hf_mixedprec before transformers, so torchao's kernel-load lines and torch's
+    Enum notes (printed when transformers imports torchao) are quieted as for `import hf_mixedprec`."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    procs = [
+        subprocess.Popen([sys.executable, str(root / "scripts" / s), "--help"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=root)
+        for s in ("finetune_trainer.py", "finetune_accelerate.py")
+    ]  # fmt: skip
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and out.startswith("usage:") and err == "", err[-2000:]
+
+
 # -- after a fallback switched recipes, the printed resume command names the recipe the checkpoint was written under
 def test_the_resume_command_after_a_fallback_names_the_fallback_recipe():
     from hf_mixedprec.finetune import resume_command

@@ -113,7 +113,7 @@ def test_report_still_reads_what_a_run_writes_inf_nan_and_null_included(tmp_path
     [
         ({"hidden_size": -5}, "hidden_size -5 is not a size (allowed: an integer >= 1)"),
         ({"hidden_size": "64"}, "hidden_size '64' is not a size"),
-        ({"num_hidden_layers": 10**6}, "num_hidden_layers 1,000,000 is more layers than estimate builds"),
+        ({"num_hidden_layers": 10**6}, "num_hidden_layers 1,000,000 is more layers than estimate and plan build"),
         ({"text_config": {"vocab_size": 0}}, "text_config.vocab_size 0 is not a size"),
     ],
     ids=["negative", "string", "huge-layer-count", "nested"],
@@ -190,3 +190,56 @@ class _Calls:
 
     def __call__(self, texts, **kw):
         return self._fn(texts, **kw)
+
+
+# -- every subcommand -------------------------------------------------------------------------------------------------
+def _hostile_cases(tmp) -> list[tuple[str, list[str], dict[str, str], str]]:
+    """(case, argv, environment, what the one line says): at least one hostile input of each kind for each
+    subcommand, files made in ``tmp``."""
+    import json
+    from pathlib import Path
+
+    base = json.loads((Path(__file__).parents[1] / "examples/model_configs/tiny-llama/config.json").read_text())
+    huge = tmp / "huge.json"
+    huge.write_text(json.dumps({**base, "num_hidden_layers": 10**6}))
+    deep = tmp / "deep.yaml"
+    deep.write_text("name: x\nextends: " + "[" * 100 + "]" * 100 + "\n")
+    latin = tmp / "latin.txt"
+    latin.write_bytes(b"caf\xe9\n")
+    health = tmp / "run"
+    health.mkdir()
+    (health / "health.json").write_text('{"version":1,"series":{"loss":{"1":"x"}}}')
+    link = tmp / "dangling"
+    link.symlink_to(tmp / "nowhere")
+    bad_env = {"LOCAL_RANK": "abc"}
+    return [
+        ("recipes-env", ["recipes"], bad_env, "LOCAL_RANK='abc'"),
+        ("schema-env", ["schema"], {"MASTER_PORT": "0"}, "MASTER_PORT=0 is not a port"),
+        ("detect-env", ["detect"], {"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is not a rank of WORLD_SIZE=2"),
+        ("show-missing", ["show", str(tmp / "none.yaml")], {}, "file not found"),
+        ("validate-deep", ["validate", str(deep)], {}, "nested deeper than"),
+        ("launch-count", ["launch", "--recipe", "cpu-bf16", "--num-processes", "0", "x.py"], {}, "--num-processes"),
+        ("simulate-steps", ["simulate", "--recipe", "h100-fp8-delayed", "--steps", "-3"], {}, "--steps: -3"),
+        ("finetune-data", ["finetune", "--data", str(latin), "--output-dir", str(tmp / "o1")], {}, "not UTF-8"),
+        ("compare-link", ["compare", "--recipes", "cpu-bf16", "--output-dir", str(link)], {}, "symbolic link"),
+        ("estimate-layers", ["estimate", "--recipes", "cpu-bf16", "--config", str(huge)], {}, "more layers"),
+        ("plan-layers", ["plan", "--recipe", "cpu-bf16", "--config", str(huge)], {}, "more layers"),
+        ("report-value", ["report", str(health)], {}, "is not a number"),
+        ("finetune-recipe-env", ["finetune", "--output-dir", str(tmp / "o2")], {"HF_MIXEDPREC_RECIPE": "/x.yaml"}, "HF_MIXEDPREC_RECIPE=/x.yaml"),
+    ]  # fmt: skip
+
+
+def test_every_subcommand_answers_hostile_input_in_one_line_with_exit_2(tmp_path, capsys, monkeypatch):
+    from hf_mixedprec.cli import build_parser
+
+    cases = _hostile_cases(tmp_path)
+    commands = set(build_parser()._subparsers._group_actions[0].choices)
+    assert {argv[0] for _, argv, _, _ in cases} == commands  # every subcommand has a case
+    for case, argv, env, said in cases:
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            code = main(argv)
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "Traceback" not in err, (case, err[-1500:])
+        assert said in err.splitlines()[-1], (case, err[-1500:])
