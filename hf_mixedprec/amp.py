@@ -282,14 +282,15 @@ class LossScaling:
         self.scaler = (PhaseScaler if fp16_phases else GuardScaler)(self.device.type)
         return self.scaler
 
-    def enter_phase(self, spec: RecipeSpec, *, resume: bool = False) -> None:
+    def enter_phase(self, spec: RecipeSpec, *, resume: bool = False, new_phase: bool = False) -> None:
         """At a phase boundary (or, with ``resume``, where a checkpoint left the run): an FP16 phase starts the loss
-        scaler afresh at its ``loss_scale.init_scale`` (a resume then loads the checkpoint's scale over it); any
-        other phase retires it to the scale-1 guard. Said in the run's notes at a real boundary."""
+        scaler afresh at its ``loss_scale.init_scale`` with its own settings, also right after another FP16 phase
+        (``new_phase``; a resume then loads the checkpoint's scale over it); any other phase retires it to the
+        scale-1 guard. Said in the run's notes at a real boundary."""
         scaler = self.scaler
         if not isinstance(scaler, PhaseScaler):
             return
-        if spec.precision == "fp16" and not scaler.scaling:
+        if spec.precision == "fp16" and (not scaler.scaling or new_phase):
             assert spec.loss_scale is not None
             self._warn_hysteresis(spec.loss_scale)
             scaler.start(spec.loss_scale)

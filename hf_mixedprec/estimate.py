@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_mixedprec._text import root_cause
+from hf_mixedprec._text import root_cause, shorten
 from hf_mixedprec.errors import MixedPrecisionError, UsageError
 from hf_mixedprec.plan import PrecisionPlan, build_plan
 from hf_mixedprec.recipe import Recipe, fp32_recipe, load_recipe
@@ -357,8 +357,14 @@ def _check_sizes(data: dict[str, Any], where: str) -> None:
             if value is None:
                 continue
             low = 0 if "expert" in key else 1  # 0 experts: a dense model of a MoE family
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise UsageError(f"{where}: {scope}{key} {value!r} is not a size (allowed: an integer >= {low})")
+            # some families give a size per layer (Gemma 3n's intermediate_size, Ernie 4.5's moe_intermediate_size)
+            values = value if isinstance(value, list) and value and key != "num_hidden_layers" else [value]
+            for v in values:
+                if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                    raise UsageError(
+                        f"{where}: {scope}{key} {shorten(repr(value), 60)} is not a size (allowed: an integer >= "
+                        f"{low}, or a list of them per layer)"
+                    )
             if key in ("num_hidden_layers", "n_layer") and value > MAX_LAYERS:
                 raise UsageError(
                     f"{where}: {scope}{key} {value:,} is more layers than estimate and plan build (allowed: 1 to "

@@ -146,14 +146,16 @@ def check_utf8(data: str) -> None:
     line, offset = 1, 0
     with open(data, "rb") as f:
         while chunk := f.read(_UTF8_CHUNK):
+            held = decoder.getstate()[0]  # the start of a character the last chunk ended inside
             try:
                 decoder.decode(chunk)
             except UnicodeDecodeError as exc:
+                seen = held + chunk  # what the decoder's positions count in
                 bad = exc.start
-                at_line = line + chunk[:bad].count(NEWLINE)
+                at_line = line + seen[:bad].count(NEWLINE)
                 raise UsageError(
-                    f"--data: {data!r} is not UTF-8 text: byte {offset + bad:,} (line {at_line:,}) "
-                    f"is {chunk[bad]:#04x} (allowed: UTF-8 text; convert it first, e.g. iconv -f latin1 -t utf-8)"
+                    f"--data: {data!r} is not UTF-8 text: byte {offset - len(held) + bad:,} (line {at_line:,}) "
+                    f"is {seen[bad]:#04x} (allowed: UTF-8 text; convert it first, e.g. iconv -f latin1 -t utf-8)"
                 ) from None
             line += chunk.count(NEWLINE)
             offset += len(chunk)

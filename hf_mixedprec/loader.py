@@ -62,7 +62,8 @@ def check_process_env() -> None:
         raw = os.environ.get(var)
         if raw is None:
             continue
-        if not raw.strip().isdigit() or len(raw.strip()) > 9:
+        text = raw.strip()
+        if not (text.isascii() and text.isdigit()) or len(text) > 9:
             raise EnvValueError(
                 f"{var}={raw[:40]!r} is not a process count or index (allowed: an integer >= 0, as torchrun and "
                 "accelerate launch set it; or unset for one process)"

@@ -334,9 +334,10 @@ class MixedPrecisionRuntime:
 
         if resume:
             self.phases.restore(model, to_fp8)
+            entered = False
         else:
-            self.phases.switch(model, self.steps, to_fp8)
-        self.amp.enter_phase(self.active, resume=resume)
+            entered = self.phases.switch(model, self.steps, to_fp8) is not None
+        self.amp.enter_phase(self.active, resume=resume, new_phase=entered)
         self.reactions.recipe = self.active  # a whole-model fallback acts on the phase's precision
         self._recording = (None, False)
 

@@ -242,3 +242,25 @@ def test_the_resume_command_after_a_fallback_names_the_fallback_recipe():
         == "hf-mixedprec finetune --recipe cpu-bf16 --resume c"
     )
     assert resume_command(cmd, None, fallback) is None
+
+
+def test_a_deep_copy_of_a_prepared_model_does_not_copy_the_accelerator():
+    """An EMA copy (``copy.deepcopy(accelerator.unwrap_model(model))``) copies the model's hooks: the plugin's step hook
+    holds the accelerator weakly, so the copy neither drags the accelerator (optimizer, loaders, process groups) along
+    nor begins the run's steps when it trains."""
+    import copy
+    import gc
+
+    import torch
+
+    from hf_mixedprec.integrations.accelerate_plugin import MixedPrecisionAccelerator
+
+    acc = load_recipe("cpu-bf16").accelerator(cpu=True)
+    model = tiny_llama()
+    model, _ = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    ema = copy.deepcopy(acc.unwrap_model(model))
+    alive = [o for o in gc.get_objects() if isinstance(o, MixedPrecisionAccelerator)]
+    assert alive == [acc]
+    acc._mp_step_pending = True
+    ema(input_ids=torch.zeros(1, 4, dtype=torch.long))
+    assert acc._mp_step_pending  # the copy's forward is not the run's next step

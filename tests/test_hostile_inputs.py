@@ -25,6 +25,7 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     "env,said",
     [
         ({"LOCAL_RANK": "abc"}, "LOCAL_RANK='abc' is not a process count or index"),
+        ({"LOCAL_RANK": "\u00b2"}, "LOCAL_RANK='\u00b2' is not a process count or index"),
         ({"RANK": "-1"}, "RANK='-1' is not a process count or index"),
         ({"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 is not a rank of WORLD_SIZE=2 (allowed: 0 to 1)"),
         ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 is not a world"),
@@ -44,22 +45,37 @@ def test_a_bad_environment_variable_is_one_line_naming_it(env, said, tmp_path, c
     assert not out.exists()  # nothing prepared, nothing written
 
 
-def test_the_trainer_refuses_an_accelerate_mixed_precision_that_contradicts_the_recipe(tmp_path, monkeypatch):
+def test_the_trainer_refuses_an_unknown_accelerate_mixed_precision_and_says_when_the_recipe_replaces_it(
+    tmp_path, monkeypatch
+):
     from transformers import Trainer
 
     from hf_mixedprec.demo import tiny_llama
-    from hf_mixedprec.recipe import load_recipe
+    from hf_mixedprec.integrations.trainer import runtime_of
+    from hf_mixedprec.recipe import load_recipe, resolve_recipe
     from tests.test_integration import Bytes
 
-    recipe = load_recipe("cpu-bf16")
-    args = recipe.training_args(output_dir=str(tmp_path), max_steps=1, report_to=[])
-    for value in ("fp17", "fp16"):  # TrainingArguments took it as mixed_precision; it was dropped or overridden
-        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", value)
-        with pytest.raises(ValueError, match=f"ACCELERATE_MIXED_PRECISION='{value}' contradicts recipe 'cpu-bf16'"):
-            Trainer(model=tiny_llama(), args=args, train_dataset=Bytes(), callbacks=recipe.callbacks())
+    def build(recipe):
+        args = recipe.training_args(output_dir=str(tmp_path), max_steps=1, report_to=[])
+        return Trainer(model=tiny_llama(), args=args, train_dataset=Bytes(), callbacks=recipe.callbacks())
+
+    bf16 = load_recipe("cpu-bf16")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp17")  # it was dropped without a word
+    with pytest.raises(ValueError, match="ACCELERATE_MIXED_PRECISION='fp17' is not a precision Accelerate knows"):
+        build(bf16)
+    # `accelerate launch` without a config exports 'no': TrainingArguments' bf16=True wins, nothing to say
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    trainer = build(bf16)
+    assert trainer.accelerator.mixed_precision == "bf16" and not any(
+        "ACCELERATE" in n for n in runtime_of(trainer).notes
+    )
+    # an FP32 recipe sets neither flag, so the variable became mixed_precision: replaced, and said
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
-    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=Bytes(), callbacks=recipe.callbacks())
-    assert trainer.accelerator.mixed_precision == "bf16"
+    trainer = build(resolve_recipe({"name": "f32", "extends": "cpu-bf16", "precision": "fp32"}))
+    assert trainer.accelerator.mixed_precision == "no"
+    assert "ACCELERATE_MIXED_PRECISION='bf16' is replaced by recipe 'f32''s precision (mixed_precision='no')" in (
+        runtime_of(trainer).notes
+    )
 
 
 # -- output folders ---------------------------------------------------------------------------------------------------
@@ -111,12 +127,14 @@ def test_report_still_reads_what_a_run_writes_inf_nan_and_null_included(tmp_path
 @pytest.mark.parametrize(
     "change,said",
     [
-        ({"hidden_size": -5}, "hidden_size -5 is not a size (allowed: an integer >= 1)"),
+        ({"hidden_size": -5}, "hidden_size -5 is not a size (allowed: an integer >= 1, or a list"),
         ({"hidden_size": "64"}, "hidden_size '64' is not a size"),
         ({"num_hidden_layers": 10**6}, "num_hidden_layers 1,000,000 is more layers than estimate and plan build"),
         ({"text_config": {"vocab_size": 0}}, "text_config.vocab_size 0 is not a size"),
+        ({"intermediate_size": [256, -1]}, "intermediate_size [256, -1] is not a size"),
+        ({"RANK-like": 0, "hidden_size": 64, "num_hidden_layers": "²"}, "num_hidden_layers '²' is not a size"),
     ],
-    ids=["negative", "string", "huge-layer-count", "nested"],
+    ids=["negative", "string", "huge-layer-count", "nested", "per-layer-list", "unicode-digit"],
 )
 def test_estimate_refuses_a_config_size_naming_the_file_and_key_in_bounded_time(change, said, tmp_path, capsys):
     import json
@@ -243,3 +261,19 @@ def test_every_subcommand_answers_hostile_input_in_one_line_with_exit_2(tmp_path
         err = capsys.readouterr().err.strip()
         assert code == 2 and "Traceback" not in err, (case, err[-1500:])
         assert said in err.splitlines()[-1], (case, err[-1500:])
+
+
+@pytest.mark.parametrize(
+    "content,where",
+    [(b"abcdef\xc3\xa9\xffxyz", "byte 8 (line 1) is 0xff"), (b"abcdefg\xc3\xffxyz", "byte 7 (line 1) is 0xc3")],
+    ids=["after-a-character-cut-by-the-read", "inside-it"],
+)
+def test_the_utf8_check_names_the_right_byte_across_its_reads(content, where, tmp_path, monkeypatch):
+    import hf_mixedprec.finetune as ft
+    from hf_mixedprec.errors import UsageError
+
+    monkeypatch.setattr(ft, "_UTF8_CHUNK", 8)  # reads of 8 bytes: the two-byte character spans two of them
+    data = tmp_path / "x.txt"
+    data.write_bytes(content)
+    with pytest.raises(UsageError, match=where.replace("(", r"\(").replace(")", r"\)")):
+        ft.check_utf8(str(data))

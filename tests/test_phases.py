@@ -443,3 +443,18 @@ def test_a_run_resumed_in_or_around_an_fp16_phase_ends_as_the_straight_run(tmp_p
         assert [n for n in want if not torch.equal(want[n], got[n])] == [], k
         again = [r.get(M.LOSS_SCALE) for r in resumed.state.log_history if "loss" in r]
         assert again == scales, k  # the checkpoint's rows, then the resumed ones
+
+
+def test_a_second_fp16_phase_starts_its_own_scaler_with_its_own_settings(tmp_path):
+    recipe = _recipe(
+        """
+phases:
+  - {start: 0, precision: fp16, loss_scale: {init_scale: 256, growth_interval: 1}}
+  - {start: 2, precision: fp16, loss_scale: {init_scale: 64, growth_interval: 1, max_scale: 128}}
+""",
+        base="v100-fp16",
+    )
+    trainer = _trainer(recipe, tmp_path, steps=4, logging_steps=1)
+    trainer.train()
+    scales = [r[M.LOSS_SCALE] for r in trainer.state.log_history if "loss" in r]
+    assert scales == [512.0, 1024.0, 128.0, 128.0]  # 256 grown twice; then 64 grown to the new phase's ceiling

@@ -179,14 +179,14 @@ class MixedPrecisionAccelerator(Accelerator):
         if not evaluation_mode:
             self.mp.begin_step(model)
             self._mp_step_pending = False
-            model.register_forward_pre_hook(self._mp_next_step)
+            model.register_forward_pre_hook(_next_step_hook(self))
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     def _mp_next_step(self, model: torch.nn.Module, args: Any) -> None:
         """A forward pre-hook: the first training forward after an optimizer step begins the next step (a phase
         boundary, FP8 sampling). Not right after ``optimizer.step()``: what the loop logs between the two
         (:meth:`mp_metrics`, ``save_state``) then describes the step just done, as the Trainer callback's rows do."""
-        if self._mp_step_pending and model.training:
+        if self._mp_step_pending and model.training and model is self._mp_model:
             self._mp_step_pending = False
             opt = self._optimizers[0].optimizer if self._optimizers else None
             self.mp.begin_step(model, opt)
@@ -288,6 +288,19 @@ class MixedPrecisionAccelerator(Accelerator):
 
 #: The key of the plugin's log rows beside the runtime's state in ``save_state``'s checkpoint.
 LOG_KEY = "plugin_log"
+
+
+def _next_step_hook(accelerator: MixedPrecisionAccelerator) -> Any:
+    """The forward pre-hook behind :meth:`MixedPrecisionAccelerator._mp_next_step`, holding the accelerator weakly: a
+    bound method would make ``copy.deepcopy(model)`` (an EMA copy) and ``torch.save(model)`` copy the accelerator."""
+    ref = weakref.ref(accelerator)
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        acc = ref()
+        if acc is not None:
+            acc._mp_next_step(module, args)
+
+    return hook
 
 
 class _RuntimeCheckpoint:

@@ -29,6 +29,8 @@ __all__ = ["finish_checkpoint", "manage_checkpoints", "resume_target"]
 
 #: The attribute of a Trainer whose rotation is deferred: the ``save_total_limit`` it asked for.
 _DEFERRED = "_hf_mixedprec_save_total_limit"
+#: The attribute holding the folder of the checkpoint being saved, for :func:`finish_checkpoint`.
+_FOLDER = "_hf_mixedprec_checkpoint_folder"
 
 
 def manage_checkpoints(trainer: Any, note: Callable[[str], None]) -> None:
@@ -42,7 +44,11 @@ def manage_checkpoints(trainer: Any, note: Callable[[str], None]) -> None:
         args = trainer.args
         folder = Path(trainer._get_output_dir(trial=trial)) / f"checkpoint-{trainer.state.global_step}"
         if args.should_save and folder.is_dir() and verify(folder) is not None:
-            shutil.rmtree(folder)  # what a killed save left: written afresh, no stale file survives in it
+            # what a killed save left: written afresh, no stale file survives in it
+            shutil.rmtree(folder, ignore_errors=True)
+        if _distributed():
+            dist.barrier()  # no rank writes its files into the folder before it is gone
+        setattr(trainer, _FOLDER, folder)  # where on_save finds it (a search trial's run folder included)
         limit, args.save_total_limit = args.save_total_limit, None
         setattr(trainer, _DEFERRED, limit)
         try:
@@ -58,10 +64,19 @@ def manage_checkpoints(trainer: Any, note: Callable[[str], None]) -> None:
     trainer.train = train_verified  # type: ignore[method-assign]
 
 
-def finish_checkpoint(trainer: Any, folder: str | os.PathLike[str]) -> None:
-    """After every file of ``folder`` is written (every rank's): its manifest, then Trainer's deferred rotation."""
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def finish_checkpoint(trainer: Any) -> None:
+    """After every file of the checkpoint just saved is written (every rank's): its manifest, then Trainer's deferred
+    rotation. Nothing when this Trainer's saves are not managed (:func:`manage_checkpoints` was not installed)."""
     args = trainer.args
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    folder = getattr(trainer, _FOLDER, None)
+    if folder is None:
+        return
+    setattr(trainer, _FOLDER, None)
+    if _distributed():
         dist.barrier()  # the other ranks' files (their RNG states) are written before the manifest lists them
     if not args.should_save or not Path(folder).is_dir():
         return

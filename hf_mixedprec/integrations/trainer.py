@@ -47,12 +47,13 @@ from hf_mixedprec.fp8.state import read_fp8_state_file
 from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.health import HealthMonitor
 from hf_mixedprec.integrations.accelerate_plugin import (
-    _mixed_precision_decision,
+    MIXED_PRECISION_ENV,
     accelerate_precision,
     backpropagated_loss,
     enable_native_fp16,
 )
 from hf_mixedprec.integrations.checkpointing import finish_checkpoint, manage_checkpoints
+from hf_mixedprec.loader import ACCELERATE_PRECISIONS
 from hf_mixedprec.module_policy import assign_rules
 from hf_mixedprec.recipe_files import resolve_recipe
 from hf_mixedprec.runtime import MixedPrecisionRuntime, fp8_state_dict, load_fp8_state, save_fp8_state
@@ -431,9 +432,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
     def on_save(self, args: TrainingArguments, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
         _save_fp8_state(self._runtime(model), model, args, state)  # FP8 recipes never run under DeepSpeed
         if self.trainer is not None:  # every file is written: the manifest marks the checkpoint complete
-            finish_checkpoint(
-                self.trainer, os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            )
+            finish_checkpoint(self.trainer)
 
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         if not self.deepspeed:
@@ -628,11 +627,7 @@ def _check_args(recipe: RecipeSpec, args: TrainingArguments, deepspeed: bool = F
     """Refuse arguments that contradict the recipe; fix library defaults that do (returned as notes). ``deepspeed``:
     whether the Trainer runs under DeepSpeed (``TrainingArguments.deepspeed`` or an ``accelerate launch`` config)."""
     p = recipe.precision
-    # ACCELERATE_MIXED_PRECISION (what `accelerate launch` exports) is TrainingArguments' mixed_precision when neither
-    # fp16 nor bf16 is set: it must agree with the recipe, as it must for the plugin (a conflict is refused). Under
-    # DeepSpeed the DeepSpeed config decides the precision (a launch exports 'no' for Accelerate's own)
-    decided = None if deepspeed else _mixed_precision_decision(recipe, None)
-    notes: list[str] = [decided] if decided else []
+    notes: list[str] = _env_precision_notes(recipe, args, deepspeed)
     if recipe.distributed.strategy == "deepspeed" and not deepspeed:
         raise ValueError(
             f"recipe {recipe.name!r} has distributed.strategy deepspeed, but this Trainer runs without DeepSpeed (no "
@@ -669,6 +664,29 @@ def _check_args(recipe: RecipeSpec, args: TrainingArguments, deepspeed: bool = F
             "(allowed: fp32, fp16 or bf16 recipes; build the config with deepspeed_config(recipe))"
         )
     return notes
+
+
+def _env_precision_notes(recipe: RecipeSpec, args: TrainingArguments, deepspeed: bool) -> list[str]:
+    """``ACCELERATE_MIXED_PRECISION`` (what ``accelerate launch`` exports, ``no`` without a config): a name Accelerate
+    does not know is refused wherever it is set. A known one is TrainingArguments' ``mixed_precision`` only when
+    neither ``fp16`` nor ``bf16`` is set (those flags win, and ``training_args`` sets them from the recipe); then a
+    value other than the recipe's is replaced by the recipe's precision, said in a note. Under DeepSpeed its config
+    decides."""
+    raw = os.environ.get(MIXED_PRECISION_ENV)
+    if raw is None:
+        return []
+    value = raw.strip().lower()
+    if value not in ACCELERATE_PRECISIONS:
+        raise ValueError(
+            f"{MIXED_PRECISION_ENV}={raw[:40]!r} is not a precision Accelerate knows (allowed: "
+            f"{', '.join(ACCELERATE_PRECISIONS)}; or unset, and recipe {recipe.name!r} decides)"
+        )
+    wanted = accelerate_precision(recipe)
+    if deepspeed or args.fp16 or args.bf16 or value == wanted or (value == "fp8" and "fp8" in recipe.precisions()):
+        return []
+    return [
+        f"{MIXED_PRECISION_ENV}={value!r} is replaced by recipe {recipe.name!r}'s precision (mixed_precision={wanted!r})"
+    ]
 
 
 def _phased_autocast(rt: MixedPrecisionRuntime, model: Any, acc: Any, late: bool) -> None:
