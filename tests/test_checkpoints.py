@@ -147,77 +147,71 @@ def test_finetune_refuses_a_damaged_checkpoint_it_is_told_to_resume_in_one_line(
 
 
 # -- SIGKILL at every moment of a save --------------------------------------------------------------------------------
-def _harness(out: Path, at: int, cmd: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def _harness(out: Path, at: int | str, cmd: list[str]) -> subprocess.Popen[str]:
+    """``cmd`` under tests/kill_at_write.py: killed as the ``at``-th entry of ``out``/checkpoint-4 appears, or with
+    ``at="manifest"`` as its manifest is to be written; ``at=0``: not killed, the most entries counted."""
     env = {
         **os.environ,
         "KILL_IN": str(out / "checkpoint-4"),
-        "KILL_AT_WRITE": str(at),
+        "KILL_AT_WRITE": str(at) if isinstance(at, int) else "0",
+        "KILL_AT_NAME": at if isinstance(at, str) else "",
         "KILL_COUNT": str(out.parent / f"{out.name}.count"),
         "PYTHONPATH": str(REPO),
         "CUDA_VISIBLE_DEVICES": "",
-        **(extra_env or {}),
     }
     return subprocess.Popen(
         [sys.executable, str(HARNESS), *cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 
-def _kill_all(runs: list[tuple[Path, int]], cmd_of) -> None:
-    """Start the killed runs two at a time (the machine has 2 cores); each must die of SIGKILL."""
+def _run_all(runs: list[tuple[Path, int | str]], cmd_of) -> None:
+    """Start the runs two at a time (the machine has 2 cores); a killed one must die of SIGKILL, the others finish."""
     for i in range(0, len(runs), 2):
-        procs = [(out, _harness(out, at, cmd_of(out))) for out, at in runs[i : i + 2]]
-        for out, proc in procs:
+        procs = [(out, at, _harness(out, at, cmd_of(out))) for out, at in runs[i : i + 2]]
+        for out, at, proc in procs:
             _, err = proc.communicate(timeout=300)
-            assert proc.returncode == -9, (out, err[-2000:])
+            assert proc.returncode == (0 if at == 0 else -9), (out, err[-2000:])
+
+
+BEFORE_MANIFEST = "manifest"  # killed as the manifest is to be written: every other file of the checkpoint is
 
 
 @pytest.mark.slow
 def test_finetune_killed_at_any_write_of_a_checkpoint_resumes_latest_from_a_complete_one(tmp_path, capsys):
     straight = tmp_path / "straight"
-    proc = _harness(straight, 0, ["finetune", "--output-dir", str(straight), *FINETUNE])
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
-    files = int((tmp_path / "straight.count").read_text())  # entries of checkpoint-4, manifest included
-    assert files >= 10
+    # the first file, one in the middle, and the moment every file but the manifest is written (the suite's time
+    # budget), killed while the straight run goes alongside
+    runs: list[tuple[Path, int | str]] = [(straight, 0), (tmp_path / "kill-1", 1), (tmp_path / "kill-5", 5)]
+    runs.append((tmp_path / "kill-manifest", BEFORE_MANIFEST))
+    _run_all(runs, lambda out: ["finetune", "--output-dir", str(out), *FINETUNE])
+    assert int((tmp_path / "straight.count").read_text()) >= 10  # checkpoint-4's files, manifest included
     want = load_file(straight / "checkpoint-4" / "model.safetensors")
-
-    # the first file, one in the middle, and the last (the moment the manifest lands): the suite's time budget
-    runs = [(tmp_path / f"kill-{k}", k) for k in sorted({1, files // 2, files})]
-    _kill_all(runs, lambda out: ["finetune", "--output-dir", str(out), *FINETUNE])
-    for out, k in runs:
-        assert (out / "checkpoint-2").is_dir(), f"kill {k}: the last complete checkpoint was rotated away"
+    for out, at in runs[1:]:
+        assert (out / "checkpoint-2").is_dir(), f"kill {at}: the last complete checkpoint was rotated away"
+        assert verify(out / "checkpoint-4") is not None, f"kill {at}: the killed save looks complete"
         capsys.readouterr()
         code = main(["finetune", "--output-dir", str(out), *FINETUNE, "--resume", "latest"])
         err = capsys.readouterr().err
-        assert code == 0, (k, err[-2000:])
-        complete = "checkpoint-4 is damaged" not in err
-        assert complete or "resuming from checkpoint-2" in err, (k, err[-2000:])
+        assert code == 0 and "checkpoint-4 is damaged" in err and "resuming from checkpoint-2" in err, (at, err[-2000:])
         got = load_file(out / "checkpoint-4" / "model.safetensors")
-        assert [n for n in want if not torch.equal(want[n], got[n])] == [], f"kill {k}: the resumed run diverged"
+        assert [n for n in want if not torch.equal(want[n], got[n])] == [], f"kill {at}: the resumed run diverged"
 
 
 @pytest.mark.slow
 def test_a_trainer_script_killed_mid_save_resumes_with_resume_from_checkpoint_true(tmp_path):
     script = str(REPO / "scripts" / "finetune_trainer.py")
     args = ["--recipe", "cpu-bf16", "--max-steps", "4", "--save-steps", "2", "--batch-size", "2", "--seq-len", "16"]
-    straight = tmp_path / "straight"
-    proc = _harness(straight, 0, [script, "--output-dir", str(straight), *args])
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
-    files = int((tmp_path / "straight.count").read_text())
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    _run_all([(straight, 0), (killed, BEFORE_MANIFEST)], lambda out: [script, "--output-dir", str(out), *args])
     want = [r["loss"] for r in json.loads((straight / "log_history.rank0.json").read_text()) if "loss" in r]
-
-    runs = [(tmp_path / f"kill-{files - 1}", files - 1)]  # every file written but the manifest
-    _kill_all(runs, lambda out: [script, "--output-dir", str(out), *args])
-    for out, k in runs:
-        resumed = subprocess.run(
-            [sys.executable, script, "--output-dir", str(out), *args, "--resume"],
-            env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert resumed.returncode == 0, (k, resumed.stderr[-2000:])
-        assert "checkpoint-4 is damaged" in resumed.stderr and "resuming from checkpoint-2" in resumed.stderr, k
-        rows = json.loads((out / "log_history.rank0.json").read_text())
-        assert [r["loss"] for r in rows if "loss" in r] == want, f"kill {k}: the resumed run diverged"
+    resumed = subprocess.run(
+        [sys.executable, script, "--output-dir", str(killed), *args, "--resume"],
+        env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "checkpoint-4 is damaged" in resumed.stderr and "resuming from checkpoint-2" in resumed.stderr
+    rows = json.loads((killed / "log_history.rank0.json").read_text())
+    assert [r["loss"] for r in rows if "loss" in r] == want, "the resumed run diverged"
