@@ -46,6 +46,8 @@ MARK = "hf_mixedprec_manifest"
 TRAINER_STATE = "trainer_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _CHUNK = 1 << 20
+#: Folders this process verified, with their files' sizes and modification times then.
+_VERIFIED: set[tuple[str, tuple[tuple[str, int, int], ...]]] = set()
 
 
 class CheckpointDamaged(MixedPrecisionError):
@@ -139,14 +141,24 @@ def verify(folder: str | os.PathLike[str]) -> str | None:
         entries = [(str(name), int(e["size"]), str(e["sha256"])) for name, e in files.items()]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"{MANIFEST} is unreadable ({type(exc).__name__})"
-    for name, size, digest in entries:
+    # every file's size and modification time: a folder this process verified, untouched since, is not hashed again
+    # (``--resume latest`` chooses a checkpoint, then Trainer's resume checks it)
+    seen: list[tuple[str, int, int]] = []
+    for name, size, _ in entries:
         p = folder / name
         if not p.is_file():
             return f"{name}: missing"
-        if p.stat().st_size != size:
-            return f"{name}: {p.stat().st_size:,} bytes where {size:,} were written"
-        if _sha256(p) != digest:
+        st = p.stat()
+        if st.st_size != size:
+            return f"{name}: {st.st_size:,} bytes where {size:,} were written"
+        seen.append((name, st.st_size, st.st_mtime_ns))
+    key = (str(folder.resolve()), tuple(seen))
+    if key in _VERIFIED:
+        return None
+    for name, _, digest in entries:
+        if _sha256(folder / name) != digest:
             return f"{name}: its content changed after it was written (SHA-256 differs)"
+    _VERIFIED.add(key)
     return None
 
 

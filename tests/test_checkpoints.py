@@ -215,3 +215,19 @@ def test_a_trainer_script_killed_mid_save_resumes_with_resume_from_checkpoint_tr
     assert "checkpoint-4 is damaged" in resumed.stderr and "resuming from checkpoint-2" in resumed.stderr
     rows = json.loads((killed / "log_history.rank0.json").read_text())
     assert [r["loss"] for r in rows if "loss" in r] == want, "the resumed run diverged"
+
+
+def test_a_checkpoint_verified_once_is_not_hashed_again_until_a_file_changes(tmp_path, monkeypatch):
+    import os
+
+    import hf_mixedprec.checkpoints as ck
+
+    folder = _complete(tmp_path / "checkpoint-2")
+    hashed: list[str] = []
+    inner = ck._sha256
+    monkeypatch.setattr(ck, "_sha256", lambda p: hashed.append(p.name) or inner(p))
+    assert verify(folder) is None and verify(folder) is None
+    assert sorted(hashed) == ["model.safetensors", "optimizer.pt", "trainer_state.json"]  # once each
+    (folder / "optimizer.pt").write_bytes(b"x" * 500)  # same size, other content, a later modification time
+    os.utime(folder / "optimizer.pt", ns=(1, 10**18))
+    assert "optimizer.pt: its content changed" in (verify(folder) or "")
