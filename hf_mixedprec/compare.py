@@ -732,9 +732,7 @@ def _check_strategy(rec: Recipe) -> None:
 def _output_folder(out: Path, overwrite: bool) -> Path:
     """``out``, created; refused (before any data is prepared) when it is no folder or holds an earlier comparison."""
     from hf_mixedprec.finetune import check_output_dir
-    from hf_mixedprec.run_control import check_not_dangling
 
-    check_not_dangling("--output-dir", out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output-dir: {out} exists and is not a folder (allowed: a folder, new or empty)")
     earlier = [f for f in (COMPARE_FILE, TABLE_FILE) if (out / f).exists()]
@@ -743,7 +741,7 @@ def _output_folder(out: Path, overwrite: bool) -> Path:
             f"--output-dir: {out} already holds a comparison ({', '.join(earlier)}), which this one would overwrite "
             "(allowed: another --output-dir, or --overwrite to replace it)"
         )
-    check_output_dir(str(out))  # writable (a probe file), before any data is prepared
+    check_output_dir(str(out))  # no dangling link, writable (a probe file), before any data is prepared
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

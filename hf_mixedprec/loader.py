@@ -23,6 +23,7 @@ R = TypeVar("R", bound=RecipeSpec)
 __all__ = [
     "REHEARSE_ENV",
     "EnvValueError",
+    "accelerate_precision_env",
     "check_process_env",
     "load_recipe",
     "load_recipe_named",
@@ -79,12 +80,22 @@ def check_process_env() -> None:
             )
     if "WORLD_SIZE" in values and values["WORLD_SIZE"] < 1:
         raise EnvValueError("WORLD_SIZE=0 is not a world (allowed: an integer >= 1)")
-    mp = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    if mp is not None and mp.strip().lower() not in ACCELERATE_PRECISIONS:
+    accelerate_precision_env()
+
+
+def accelerate_precision_env() -> str | None:
+    """``ACCELERATE_MIXED_PRECISION`` (what ``accelerate launch`` exports), lower-cased; None when unset. A name
+    Accelerate has no precision for is an :class:`EnvValueError` naming the variable."""
+    raw = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value not in ACCELERATE_PRECISIONS:
         raise EnvValueError(
-            f"ACCELERATE_MIXED_PRECISION={mp[:40]!r} is not a precision Accelerate knows (allowed: "
+            f"ACCELERATE_MIXED_PRECISION={raw[:40]!r} is not a precision Accelerate knows (allowed: "
             f"{', '.join(ACCELERATE_PRECISIONS)}; or unset, and the recipe decides)"
         )
+    return value
 
 
 def load_recipe_named(name: str | os.PathLike[str] | None, *, cls: type[R] = RecipeSpec) -> R:  # type: ignore[assignment]

@@ -53,7 +53,7 @@ from hf_mixedprec.integrations.accelerate_plugin import (
     enable_native_fp16,
 )
 from hf_mixedprec.integrations.checkpointing import finish_checkpoint, manage_checkpoints
-from hf_mixedprec.loader import ACCELERATE_PRECISIONS
+from hf_mixedprec.loader import accelerate_precision_env
 from hf_mixedprec.module_policy import assign_rules
 from hf_mixedprec.recipe_files import resolve_recipe
 from hf_mixedprec.runtime import MixedPrecisionRuntime, fp8_state_dict, load_fp8_state, save_fp8_state
@@ -672,15 +672,9 @@ def _env_precision_notes(recipe: RecipeSpec, args: TrainingArguments, deepspeed:
     neither ``fp16`` nor ``bf16`` is set (those flags win, and ``training_args`` sets them from the recipe); then a
     value other than the recipe's is replaced by the recipe's precision, said in a note. Under DeepSpeed its config
     decides."""
-    raw = os.environ.get(MIXED_PRECISION_ENV)
-    if raw is None:
+    value = accelerate_precision_env()
+    if value is None:
         return []
-    value = raw.strip().lower()
-    if value not in ACCELERATE_PRECISIONS:
-        raise ValueError(
-            f"{MIXED_PRECISION_ENV}={raw[:40]!r} is not a precision Accelerate knows (allowed: "
-            f"{', '.join(ACCELERATE_PRECISIONS)}; or unset, and recipe {recipe.name!r} decides)"
-        )
     wanted = accelerate_precision(recipe)
     if deepspeed or args.fp16 or args.bf16 or value == wanted or (value == "fp8" and "fp8" in recipe.precisions()):
         return []
