@@ -291,10 +291,9 @@ class EmulatedFP8GEMM(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            out_dtype = torch.get_autocast_dtype(device_type)
-        else:
-            out_dtype = x.dtype
+        if not torch.amp.is_autocast_available(device_type):  # e.g. meta: no autocast to step out of
+            return _EmulatedFP8Fn.apply(x, self.weight, self.bias, self, x.dtype)
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         with torch.autocast(device_type=device_type, enabled=False):
             return _EmulatedFP8Fn.apply(x, self.weight, self.bias, self, out_dtype)
 

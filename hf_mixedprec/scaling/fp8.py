@@ -197,12 +197,13 @@ def current_scale(
     if eps > 0.0:
         below = a < _float32_ceil(eps)  # exact "a < eps" since the threshold is float32-representable
         # float64 quotient -> float32: inf (not an error) where it is beyond float32's range
-        eps_scale = torch.tensor(f.max / eps, dtype=torch.float64).to(device=a.device, dtype=torch.float32)
-        scale = torch.where(below, eps_scale, scale)
+        # rounded on the host, filled on the device: a host tensor here is a host-to-device copy per call on a GPU
+        eps_scale = float(torch.tensor(f.max / eps, dtype=torch.float64).to(torch.float32))
+        scale = scale.masked_fill(below, eps_scale)
         valid = valid | below
     if not (0.0 < value_for_inf <= FLOAT32_MAX):
         raise ValueError(f"value_for_inf={value_for_inf!r} must be a positive finite float32 value")
-    scale = torch.where(torch.isinf(scale), torch.tensor(value_for_inf, dtype=torch.float32), scale)
+    scale = scale.masked_fill(torch.isinf(scale), value_for_inf)
     if power_2:
         scale = _floor_pow2(scale)
     return torch.where(valid, scale, torch.ones_like(scale))
@@ -217,7 +218,11 @@ def delayed_scaled_max(
     A sequence gives one value per entry of the quantizers' last dim (e.g. input, weight and gradient of many
     layers stacked as ``[n, 3]``, with E4M3, E4M3, E5M2).
     """
-    return torch.tensor(_scaled_max_values(fmt, margin), dtype=torch.float32, device=device)
+    values = _scaled_max_values(fmt, margin)
+    # filled on the device (torch.tensor(list, device=...) would copy host data over: a host sync on a GPU)
+    if isinstance(values, list):
+        return torch.stack([torch.full((), v, dtype=torch.float32, device=device) for v in values])
+    return torch.full((), values, dtype=torch.float32, device=device)
 
 
 def _scaled_max_values(fmt: FP8Format | Sequence[FP8Format], margin: int) -> float | list[float]:
@@ -295,12 +300,7 @@ def delayed_update(
         used = a
 
     if scaled_max is None:
-        values = _scaled_max_values(fmt, margin)  # type: ignore[arg-type]
-        scaled_max = (
-            torch.full_like(used, values)
-            if isinstance(values, float)
-            else torch.tensor(values, dtype=torch.float32, device=used.device)
-        )
+        scaled_max = delayed_scaled_max(fmt, margin=margin, device=used.device)  # type: ignore[arg-type]
     cand = torch.div(scaled_max.expand_as(used), used)
     cand = torch.where(torch.isinf(cand), FLOAT32_MAX, cand)
     ok = update & torch.isfinite(used) & (used > 0)

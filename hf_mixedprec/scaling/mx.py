@@ -102,7 +102,7 @@ def mx_scale_codes(amax: torch.Tensor, *, fmt: FP8Format = "e4m3", rounding: str
 
 def _rceil_codes(a: torch.Tensor, fp8_max: float) -> torch.Tensor:
     """TE's ``float_to_e8m0(amax * max_norm_rcp)`` (round toward +inf to a power of two), elementwise."""
-    rcp = torch.tensor(1.0 / fp8_max, dtype=torch.float32, device=a.device)  # fl32(1 / fp8_max): TE 1.0f / max
+    rcp = torch.full((), 1.0 / fp8_max, dtype=torch.float32, device=a.device)  # fl32(1 / fp8_max): TE 1.0f / max
     r = torch.where(torch.isfinite(a), a, torch.zeros_like(a)) * rcp  # one float32 product, rounded to nearest
     bits = r.view(torch.int32)
     exp_field = (bits >> _F32_MANTISSA_BITS) & 0xFF
