@@ -510,7 +510,7 @@ def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = T
     final = eval_loss if eval_loss is not None else (sum(tail) / len(tail) if tail else math.nan)
     steps = tr.state.global_step
     tokens = steps * setup.batch_size * setup.seq_len * tr.args.world_size
-    peak, _ = _peak_memory(device)
+    peak_mib, _ = _peak_memory(device)  # MiB (finetune's unit); RunResult keeps bytes
     run = RunResult(
         recipe=rec.name,
         precision="->".join(rec.precisions()),  # a phased recipe: each phase's, in order
@@ -529,7 +529,7 @@ def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = T
         fp8_layers=_fp8_layers(logs),
         fidelity=fidelity,
         tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
-        peak_memory_bytes=int(peak) if device.type == "cuda" else None,
+        peak_memory_bytes=round(peak_mib * 2**20) if device.type == "cuda" else None,
         cost_note=_cost_note(rec, device, rehearsed),
         notes=list(rt.notes) if rt is not None else [],
         eval_curve=curve,

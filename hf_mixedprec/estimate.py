@@ -496,7 +496,9 @@ def _enable_checkpointing(model: Any) -> None:
 def _fp8_buffers(model: nn.Module) -> int:
     from hf_mixedprec import fp8
 
-    return storage_bytes(b for _, layer in fp8.iter_monitored(model) for b in layer.buffers())
+    # a backend's layer (torchao) is sampled by a probe beside it; the emulated layer is its own monitor
+    layers = [layer if isinstance(layer, nn.Module) else layer.module for _, layer in fp8.iter_monitored(model)]
+    return storage_bytes(b for layer in layers if layer is not None for b in layer.buffers())
 
 
 def _plan_has_states(plan: PrecisionPlan) -> bool:

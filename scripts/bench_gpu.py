@@ -85,12 +85,20 @@ VARIANTS: dict[str, str] = {
     "fp8-emulated": "fp8 emulated (hf_mixedprec, current scaling)",
     "accel-bf16": "bf16 Accelerator (plain)",
     "accel-bf16-hf_mixedprec": "bf16 Accelerator + hf_mixedprec",
+    "accel-bf16-compile": "bf16 Accelerator (plain) + compile",
+    "accel-bf16-hf_mixedprec-compile": "bf16 Accelerator + hf_mixedprec (a100-bf16) + compile",
+    "accel-fp8-hf_mixedprec-compile": "fp8 Accelerator + hf_mixedprec (h100-fp8-current, backend auto) + compile",
+    "accel-fp8-ao-compile": "fp8 Accelerator's own torchao path (AORecipeKwargs) + compile",
 }
 #: The row each variant is compared with.
 REFERENCE: dict[str, str] = {
     "fp8-torchao-tensorwise": "bf16-compile",
     "fp8-torchao-rowwise": "bf16-compile",
     "accel-bf16-hf_mixedprec": "accel-bf16",
+    "accel-bf16-compile": "bf16-compile",
+    "accel-bf16-hf_mixedprec-compile": "accel-bf16-compile",
+    "accel-fp8-hf_mixedprec-compile": "bf16-compile",
+    "accel-fp8-ao-compile": "bf16-compile",
 }
 
 
@@ -156,13 +164,21 @@ def autocast(ctx: Ctx, dtype: torch.dtype | None) -> contextlib.AbstractContextM
 
 
 def maybe_compile(model: nn.Module, ctx: Ctx, row: dict[str, Any]) -> nn.Module:
+    """Compile each decoder layer in place (regional compilation: the layers share one compiled graph, so compile
+    time does not grow with depth); the embedding, final norm, lm_head and loss stay eager in every compiled row."""
     if ctx.dry_run and not ctx.cuda:
         note = "torch.compile skipped: --dry-run on CPU (eager; this row is not a compile measurement)"
         row["notes"].append(note)
         print(f"note: {row['variant']}: {note}", file=sys.stderr)
         return model
     row["compiled"] = True
-    return torch.compile(model)
+    inner = getattr(model, "module", model)  # an Accelerate/DDP wrapper
+    layers = inner.get_decoder().layers if hasattr(inner, "get_decoder") else None
+    if layers is None:
+        return torch.compile(model)
+    for layer in layers:
+        layer.compile()
+    return model
 
 
 def timed(ctx: Ctx, step: Callable[[torch.Tensor], None]) -> list[float]:
@@ -280,10 +296,13 @@ def _reset_accelerate() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _accelerate_loop(accelerator: Any, ctx: Ctx) -> list[float]:
+def _accelerate_loop(accelerator: Any, ctx: Ctx, row: dict[str, Any] | None = None) -> list[float]:
+    """``row`` given: the prepared model is compiled (:func:`maybe_compile`)."""
     model = build_model(ctx)
     opt = make_optimizer(model, ctx)
     model, opt = accelerator.prepare(model, opt)
+    if row is not None:
+        model = maybe_compile(model, ctx, row)
 
     def step(batch: torch.Tensor) -> None:
         loss = model(input_ids=batch, labels=batch).loss
@@ -316,6 +335,52 @@ def v_accel_ours(ctx: Ctx, row: dict[str, Any]) -> list[float]:
     return _accelerate_loop(make_accelerator(recipe, cpu=not ctx.cuda), ctx)
 
 
+def v_accel_plain_compile(ctx: Ctx, row: dict[str, Any]) -> list[float]:
+    from accelerate import Accelerator
+
+    _reset_accelerate()
+    return _accelerate_loop(Accelerator(mixed_precision="bf16", cpu=not ctx.cuda), ctx, row)
+
+
+def _ours(name: str, ctx: Ctx, row: dict[str, Any]) -> list[float]:
+    import hf_mixedprec
+    from hf_mixedprec.integrations.accelerate_plugin import make_accelerator
+
+    _reset_accelerate()
+    rehearse = not ctx.cuda and name.startswith("h100-fp8")  # a CPU dry run rehearses it (emulated FP8 layers)
+    recipe = hf_mixedprec.load_recipe(name, rehearse=rehearse)
+    if rehearse:
+        row["notes"].append("rehearsed on CPU (emulated FP8), not an FP8 timing")
+    accelerator = make_accelerator(recipe, cpu=not ctx.cuda)
+    times = _accelerate_loop(accelerator, ctx, row)
+    runtime = getattr(accelerator, "mp", None)
+    report = getattr(runtime, "fp8_report", None)
+    backend = getattr(report, "backend", None)
+    row["notes"].append(f"recipe {name}" + (f", FP8 backend {backend}" if backend else ""))
+    return times
+
+
+def v_accel_ours_compile(ctx: Ctx, row: dict[str, Any]) -> list[float]:
+    return _ours("a100-bf16" if ctx.cuda else "cpu-bf16", ctx, row)
+
+
+def v_accel_ours_fp8_compile(ctx: Ctx, row: dict[str, Any]) -> list[float]:
+    return _ours("h100-fp8-current", ctx, row)
+
+
+def v_accel_ao_fp8_compile(ctx: Ctx, row: dict[str, Any]) -> list[float]:
+    try:
+        from accelerate import Accelerator
+        from accelerate.utils import AORecipeKwargs
+    except ImportError as exc:
+        raise Skip(f"this Accelerate has no AORecipeKwargs ({exc})") from exc
+    if not (ctx.cuda and torch.cuda.get_device_capability(ctx.device) >= (8, 9)):
+        raise Skip("Accelerate's torchao FP8 path needs CUDA with compute capability >= 8.9")
+    _reset_accelerate()
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()])
+    return _accelerate_loop(accelerator, ctx, row)
+
+
 RUNNERS: dict[str, Callable[[Ctx, dict[str, Any]], list[float]]] = {
     "fp32": v_fp32,
     "bf16": v_bf16,
@@ -326,6 +391,10 @@ RUNNERS: dict[str, Callable[[Ctx, dict[str, Any]], list[float]]] = {
     "fp8-emulated": v_fp8_emulated,
     "accel-bf16": v_accel_plain,
     "accel-bf16-hf_mixedprec": v_accel_ours,
+    "accel-bf16-compile": v_accel_plain_compile,
+    "accel-bf16-hf_mixedprec-compile": v_accel_ours_compile,
+    "accel-fp8-hf_mixedprec-compile": v_accel_ours_fp8_compile,
+    "accel-fp8-ao-compile": v_accel_ao_fp8_compile,
 }
 
 

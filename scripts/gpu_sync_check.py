@@ -40,12 +40,15 @@ SMALL_LLAMA: dict[str, Any] = {
 
 
 def _origin(stack: list[traceback.FrameSummary]) -> str:
-    """The package of the innermost frame that belongs to one of :data:`PACKAGES` (hf_mixedprec wins when it is
-    on the stack at all below Trainer: a sync inside torch called by hf_mixedprec is hf_mixedprec's)."""
+    """Whose sync it is: the innermost frame of hf_mixedprec or transformers decides (a sync inside torch or
+    accelerate called by hf_mixedprec is hf_mixedprec's; one made by Trainer's own code is transformers', also
+    where Trainer itself was called through hf_mixedprec's ``Trainer.train`` wrapper, which is further out on the
+    stack); with neither on the stack, the innermost frame of accelerate or torch, else "other"."""
     for frame in reversed(stack):
         path = frame.filename.replace("\\", "/")
-        if "/hf_mixedprec/" in path:
-            return "hf_mixedprec"
+        for pkg in ("hf_mixedprec", "transformers"):
+            if f"/{pkg}/" in path:
+                return pkg
     for frame in reversed(stack):
         path = frame.filename.replace("\\", "/")
         for pkg in PACKAGES[1:]:
@@ -54,13 +57,25 @@ def _origin(stack: list[traceback.FrameSummary]) -> str:
     return "other"
 
 
-def run_one(recipe_name: str, use_recipe: bool, steps: int, logging_steps: int, batch: int, seq: int) -> dict:
+def run_one(
+    recipe_name: str,
+    use_recipe: bool,
+    steps: int,
+    logging_steps: int,
+    batch: int,
+    seq: int,
+    *,
+    rehearse: bool | None = None,
+) -> dict:
+    """One Trainer run, its syncs per step counted by origin. ``rehearse``: run an FP8 recipe's emulated layers
+    (default: yes, for an FP8 recipe) or its real backend (``False``: ``auto`` picks torchao without TE)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from hf_mixedprec.recipe import load_recipe_file
 
     recipe = load_recipe_file(recipe_name)
-    rehearse = recipe.precision == "fp8"  # no Transformer Engine in this image: FP8 is rehearsed (emulated)
+    if rehearse is None:
+        rehearse = recipe.precision == "fp8"
     if rehearse:
         recipe = recipe.rehearsed()
     counts: dict[str, collections.Counter] = {"non_logging": collections.Counter(), "logging": collections.Counter()}
@@ -132,7 +147,7 @@ def run_one(recipe_name: str, use_recipe: bool, steps: int, logging_steps: int, 
         torch.cuda.set_sync_debug_mode(0)
     n_log = steps // logging_steps
     return {
-        "recipe": recipe_name + (" (rehearsed)" if rehearse else ""),
+        "recipe": recipe_name + (" (rehearsed)" if rehearse else (" (real FP8)" if recipe.precision == "fp8" else "")),
         "side": "hf_mixedprec" if use_recipe else "plain Trainer",
         "steps_non_logging": steps - n_log,
         "steps_logging": n_log,

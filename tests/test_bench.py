@@ -24,6 +24,10 @@ GPU_VARIANTS = {
     "fp8-emulated",
     "accel-bf16",
     "accel-bf16-hf_mixedprec",
+    "accel-bf16-compile",
+    "accel-bf16-hf_mixedprec-compile",
+    "accel-fp8-hf_mixedprec-compile",
+    "accel-fp8-ao-compile",
 }
 
 
@@ -62,6 +66,56 @@ def test_bench_gpu_dry_run(tmp_path):
             assert r["status"] == "skipped" or any("emulate=True" in n for n in r["notes"]), key
     ratio = doc["callback_overhead_ratio"]
     assert ratio is not None and math.isfinite(ratio) and ratio > 0
+
+
+def test_gpu_acceptance_cpu_smoke(tmp_path):
+    """The GPU kit runs end to end on tiny shapes and writes every field it promises (its figures need a GPU)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/gpu_acceptance.py",
+            "--cpu-smoke",
+            "--out",
+            str(tmp_path),
+            "--sections",
+            "sync,8b,compare",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "acceptance.json").read_text())
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_acceptance
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    assert set(gpu_acceptance.FIELDS) <= set(doc)
+    assert doc["cpu_smoke"] is True and doc["machine"]["torch"]
+    # no CUDA: every sync case is a skipped row that says why (the meta-device test guards it here)
+    assert {(r["recipe"], r["rehearsed"]) for r in doc["sync"]} == set(gpu_acceptance.SYNC_CASES)
+    assert all(r["status"] == "skipped" and "test_no_host_sync_device" in r["reason"] for r in doc["sync"])
+    (size,) = doc["throughput"]
+    rows = {r["key"]: r for r in size["rows"]}
+    assert list(rows) == gpu_acceptance.VARIANTS_8B
+    for key, r in rows.items():
+        assert r["status"] in ("ok", "skipped"), (key, r.get("reason"))
+        if r["status"] == "ok":
+            assert r["tokens_per_s"] > 0 and r["steps"] == size["steps"], key
+            assert r["estimate_gib"] > 0, (key, r.get("estimate_error"))  # estimate ran for the same shapes
+    assert rows["accel-fp8-ao-compile"]["status"] == "skipped"  # Accelerate's torchao path needs an FP8 GPU
+    assert "FP8 backend emulated" in "; ".join(rows["accel-fp8-hf_mixedprec-compile"]["notes"])
+    assert set(size["ratios"]) >= {"fp8_ours_vs_bf16_compile", "fp8_ours_vs_accelerate_ao"}
+    assert size["ratios"]["fp8_ours_vs_bf16_compile"] > 0
+    (run,) = doc["compare"]["runs"]
+    assert doc["compare"]["exit_code"] == 0 and run["recipe"] == "cpu-bf16" and run["verdict"] == "pass"
+    assert doc["verdict"] == {"zero_syncs_from_hf_mixedprec": None, "errors": []}
+    md = (tmp_path / "acceptance.md").read_text()
+    assert "| variant | status | tokens/s" in md and "fp8_ours_vs_accelerate_ao" in md
 
 
 def test_bench_gpu_without_gpu_refuses_full_run():

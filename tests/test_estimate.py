@@ -361,3 +361,17 @@ def test_the_default_model_is_the_one_finetune_builds():
     model = small_llama(vocab_size=TRAINED_VOCAB, max_position_embeddings=1024)
     assert est.parameters == sum(p.numel() for p in model.parameters())
     assert est.recipes[0].memory.weights == 4 * est.parameters  # a seq_len above 512 grows the positions, as finetune
+
+
+def test_estimate_with_the_torchao_backend():
+    """A recipe naming fp8.backend torchao is estimated with torchao's layers (sampled by probes beside them)."""
+    from hf_mixedprec.demo import tiny_llama_config
+    from hf_mixedprec.estimate import estimate_memory
+    from hf_mixedprec.recipe import resolve_recipe
+
+    ao = resolve_recipe({"name": "ao", "extends": "h100-fp8-current", "fp8": {"backend": "torchao"}})
+    est = estimate_memory(tiny_llama_config(), [ao, "a100-bf16"], batch_size=2, seq_len=64)
+    fp8, bf16 = est.recipes
+    assert fp8.fp8_backend == "torchao" and fp8.fp8_layers == 14
+    assert fp8.memory.weights == bf16.memory.weights and fp8.memory.optimizer == bf16.memory.optimizer
+    assert 0 < fp8.memory.activations < bf16.memory.activations  # torchao saves FP8 casts of the inputs

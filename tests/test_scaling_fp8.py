@@ -383,7 +383,8 @@ def _run_everything(x: torch.Tensor) -> list[torch.Tensor]:
     scale = current_scale(amax, fmt="e4m3", power_2=True)
     q = quantize_fp8(x, scale, "e4m3")
     out = [amax, scale, dequantize_fp8(q, scale)]
-    out += list(delayed_update(torch.zeros(3, 2), torch.ones(2), torch.stack([amax, amax * 0]), fmt="e5m2"))
+    hist, prev = torch.zeros(3, 2, device=x.device), torch.ones(2, device=x.device)
+    out += list(delayed_update(hist, prev, torch.stack([amax, amax * 0]), fmt="e5m2"))
     for rounding in ("floor", "rceil"):
         d, s = quantize_mxfp8(x, rounding=rounding)
         out += [d.float(), s, dequantize_mxfp8(d, s)]

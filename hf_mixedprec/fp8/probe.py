@@ -51,6 +51,11 @@ class LayerProbe:
         self._module = weakref.ref(module)
         self._handle = module.register_forward_hook(self._forward_hook)
 
+    @property
+    def module(self) -> nn.Module | None:
+        """The backend layer this probe samples (None once it is gone)."""
+        return self._module()
+
     def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not (self.record_stats and module.training and args and isinstance(args[0], torch.Tensor)):
             return
