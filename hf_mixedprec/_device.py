@@ -26,7 +26,9 @@ class Constants:
         t = self._values.get(value)
         if t is None:
             t = torch.full((), value, dtype=torch.float32, device=device)
-            if type(t) is torch.Tensor:  # a fake tensor (estimate's FakeTensorMode) must not outlive its mode
+            # a fake tensor (estimate's FakeTensorMode) must not outlive its mode; under torch.compile the cache
+            # is not written (a write there is a side effect that breaks the graph), the compiled graph holds t
+            if type(t) is torch.Tensor and not torch.compiler.is_compiling():
                 self._values[value] = t
         return t
 

@@ -429,8 +429,8 @@ def _fp8_backend(recipe: Recipe, target: str) -> str:
     on this CPU what a rehearsal runs (torchao emulated for ``backend: torchao``, else the emulated layers)."""
     assert recipe.fp8 is not None
     choice = recipe.fp8.backend
-    if target == "cpu":
-        return "torchao" if choice == "torchao" else "emulated"
+    if target == "cpu":  # torchao emulates itself off FP8 hardware; native runs torch._scaled_mm on a CPU too
+        return choice if choice in ("torchao", "native") else "emulated"
     return "transformer_engine" if choice == "auto" else choice
 
 
@@ -548,7 +548,7 @@ def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.
         if optimizer is not None:
             optimizer.step()
             step.optimizer, step.states = _state_bytes(optimizer)
-        if recipe.precision == "fp8" and step.backend == "emulated":
+        if recipe.precision == "fp8" and step.backend in ("emulated", "native"):
             from hf_mixedprec.fp8.emulated import fp8_step
 
             fp8_step(model)

@@ -142,8 +142,11 @@ _ALLOWED_BLOCK_SIZE = {"mxfp8": (32,), "blockwise": (128,)}
 class FP8Config(_Section):
     """FP8 training settings (only with ``precision: fp8``)."""
 
-    backend: Literal["auto", "transformer_engine", "torchao", "emulated"] = Field(
-        "auto", description="Who runs the FP8 math: auto picks transformer_engine on CUDA, else refuses loudly."
+    backend: Literal["auto", "transformer_engine", "torchao", "native", "emulated"] = Field(
+        "auto",
+        description="Who runs the FP8 math: auto picks transformer_engine on CUDA, else torchao for current scaling, "
+        "else refuses loudly; native: hf_mixedprec's quantizers on torch._scaled_mm (delayed, current); emulated: "
+        "exact FP8 values with float32 GEMMs, anywhere.",
     )
     scaling: Literal["delayed", "current", "mxfp8", "blockwise"] = Field(
         "delayed",
@@ -196,7 +199,13 @@ class FP8Config(_Section):
         backend = data.get("backend", "auto")
         if backend == "torchao":
             _torchao_rules(data, scaling)
-        elif data.get("torchao_recipe") is not None:
+        elif backend == "native" and scaling not in ("delayed", "current"):
+            raise _rule(
+                "backend",
+                f"native runs delayed and current scaling (per-tensor scales on torch._scaled_mm), not {scaling!r}; "
+                "use emulated (any device) or transformer_engine for it",
+            )
+        if backend != "torchao" and data.get("torchao_recipe") is not None:
             raise _rule("torchao_recipe", f"only applies to backend torchao (backend is {backend!r}); remove it")
         applicable = FP8_SCALING_DEFAULTS[scaling]
         for key in _FP8_SCALING_ONLY:

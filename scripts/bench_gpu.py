@@ -89,6 +89,9 @@ VARIANTS: dict[str, str] = {
     "accel-bf16-hf_mixedprec-compile": "bf16 Accelerator + hf_mixedprec (a100-bf16) + compile",
     "accel-fp8-hf_mixedprec-compile": "fp8 Accelerator + hf_mixedprec (h100-fp8-current, backend auto) + compile",
     "accel-fp8-ao-compile": "fp8 Accelerator's own torchao path (AORecipeKwargs) + compile",
+    "fp8-native-delayed": "fp8 native delayed (hf_mixedprec quantizers, torch._scaled_mm) + compile",
+    "fp8-native-current": "fp8 native current (hf_mixedprec quantizers, torch._scaled_mm) + compile",
+    "accel-fp8-native-hf_mixedprec-compile": "fp8 Accelerator + hf_mixedprec (h100-fp8-delayed, backend native) + compile",
 }
 #: The row each variant is compared with.
 REFERENCE: dict[str, str] = {
@@ -99,6 +102,9 @@ REFERENCE: dict[str, str] = {
     "accel-bf16-hf_mixedprec-compile": "accel-bf16-compile",
     "accel-fp8-hf_mixedprec-compile": "bf16-compile",
     "accel-fp8-ao-compile": "bf16-compile",
+    "fp8-native-delayed": "bf16-compile",
+    "fp8-native-current": "bf16-compile",
+    "accel-fp8-native-hf_mixedprec-compile": "bf16-compile",
 }
 
 
@@ -290,6 +296,24 @@ def v_fp8_emulated(ctx: Ctx, row: dict[str, Any]) -> list[float]:
     return plain_loop(model, ctx, dtype=torch.bfloat16, after=fp8_step)
 
 
+def _native(name: str) -> Callable[[Ctx, dict[str, Any]], list[float]]:
+    def run(ctx: Ctx, row: dict[str, Any]) -> list[float]:
+        from hf_mixedprec.fp8 import convert, fp8_step
+        from hf_mixedprec.fp8.native import native_available
+        from hf_mixedprec.recipe import resolve_recipe
+
+        ok, why = native_available(ctx.device)
+        if not ok:
+            raise Skip(f"torch's FP8 GEMM does not run here: {why}")
+        recipe = resolve_recipe({"name": f"{name}-native", "extends": name, "fp8": {"backend": "native"}})
+        model = build_model(ctx)
+        report = convert(model, recipe, backend="native")
+        row["notes"].append(f"{len(report.converted)} layers in FP8 (recipe {name}, backend native)")
+        return plain_loop(maybe_compile(model, ctx, row), ctx, dtype=torch.bfloat16, after=fp8_step)
+
+    return run
+
+
 def _reset_accelerate() -> None:
     from accelerate.state import AcceleratorState
 
@@ -342,13 +366,20 @@ def v_accel_plain_compile(ctx: Ctx, row: dict[str, Any]) -> list[float]:
     return _accelerate_loop(Accelerator(mixed_precision="bf16", cpu=not ctx.cuda), ctx, row)
 
 
-def _ours(name: str, ctx: Ctx, row: dict[str, Any]) -> list[float]:
+def _ours(name: str, ctx: Ctx, row: dict[str, Any], backend: str | None = None) -> list[float]:
     import hf_mixedprec
     from hf_mixedprec.integrations.accelerate_plugin import make_accelerator
+    from hf_mixedprec.recipe import resolve_recipe
 
     _reset_accelerate()
     rehearse = not ctx.cuda and name.startswith("h100-fp8")  # a CPU dry run rehearses it (emulated FP8 layers)
-    recipe = hf_mixedprec.load_recipe(name, rehearse=rehearse)
+    if backend is not None:
+        recipe = resolve_recipe({"name": f"{name}-{backend}", "extends": name, "fp8": {"backend": backend}})
+        if rehearse:  # off FP8 hardware only the hardware check is skipped: native runs torch._scaled_mm on CPU
+            recipe = recipe.rehearsed()
+        rehearse = False
+    else:
+        recipe = hf_mixedprec.load_recipe(name, rehearse=rehearse)
     if rehearse:
         row["notes"].append("rehearsed on CPU (emulated FP8), not an FP8 timing")
     accelerator = make_accelerator(recipe, cpu=not ctx.cuda)
@@ -366,6 +397,10 @@ def v_accel_ours_compile(ctx: Ctx, row: dict[str, Any]) -> list[float]:
 
 def v_accel_ours_fp8_compile(ctx: Ctx, row: dict[str, Any]) -> list[float]:
     return _ours("h100-fp8-current", ctx, row)
+
+
+def v_accel_ours_native_compile(ctx: Ctx, row: dict[str, Any]) -> list[float]:
+    return _ours("h100-fp8-delayed", ctx, row, backend="native")
 
 
 def v_accel_ao_fp8_compile(ctx: Ctx, row: dict[str, Any]) -> list[float]:
@@ -395,6 +430,9 @@ RUNNERS: dict[str, Callable[[Ctx, dict[str, Any]], list[float]]] = {
     "accel-bf16-hf_mixedprec-compile": v_accel_ours_compile,
     "accel-fp8-hf_mixedprec-compile": v_accel_ours_fp8_compile,
     "accel-fp8-ao-compile": v_accel_ao_fp8_compile,
+    "fp8-native-delayed": _native("h100-fp8-delayed"),
+    "fp8-native-current": _native("h100-fp8-current"),
+    "accel-fp8-native-hf_mixedprec-compile": v_accel_ours_native_compile,
 }
 
 

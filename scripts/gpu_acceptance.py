@@ -68,6 +68,9 @@ VARIANTS_8B = [
     "fp8-torchao-tensorwise",
     "accel-fp8-hf_mixedprec-compile",
     "accel-fp8-ao-compile",
+    "fp8-native-delayed",
+    "fp8-native-current",
+    "accel-fp8-native-hf_mixedprec-compile",
 ]
 VARIANTS_1B = [
     "bf16",
@@ -79,6 +82,8 @@ VARIANTS_1B = [
     "fp8-torchao-tensorwise",
     "accel-fp8-hf_mixedprec-compile",
     "accel-fp8-ao-compile",
+    "fp8-native-delayed",
+    "accel-fp8-native-hf_mixedprec-compile",
 ]
 #: the recipe whose ``estimate`` each variant's measured peak is set against (the same storage and compute)
 ESTIMATE_RECIPE = {
@@ -91,6 +96,9 @@ ESTIMATE_RECIPE = {
     "fp8-torchao-tensorwise": "torchao",
     "accel-fp8-hf_mixedprec-compile": "torchao",
     "accel-fp8-ao-compile": "torchao",
+    "fp8-native-delayed": "native",
+    "fp8-native-current": "native",
+    "accel-fp8-native-hf_mixedprec-compile": "native",
 }
 #: what the kit keeps of each ``compare`` run
 COMPARE_KEYS = ("recipe", "verdict", "final_loss", "final_delta_pct", "skip_rate", "tokens_per_s", "peak_memory_bytes")
@@ -144,10 +152,9 @@ def _estimate(config: dict[str, Any], key: str, batch: int, seq: int) -> dict[st
     if which is None:
         return {}
     recipe: Any = which
-    if which == "torchao":
-        recipe = resolve_recipe(
-            {"name": "h100-fp8-torchao", "extends": "h100-fp8-current", "fp8": {"backend": "torchao"}}
-        )
+    if which in ("torchao", "native"):
+        base = "h100-fp8-current" if which == "torchao" else "h100-fp8-delayed"
+        recipe = resolve_recipe({"name": f"{base}-{which}", "extends": base, "fp8": {"backend": which}})
     cfg = LlamaConfig(**config)
     try:
         est = estimate_memory(cfg, [recipe], batch_size=batch, seq_len=seq)
@@ -173,6 +180,7 @@ def throughput_size(label: str, config: dict[str, Any], variants: list[str], o: 
 
         params = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**config)).parameters())
     rows = []
+    variants = [v for v in variants if not o.variants or v in o.variants]
     for key in variants:
         if time.monotonic() > o.deadline:
             rows.append({"key": key, "variant": bench_gpu.VARIANTS[key], "status": "skipped", "reason": "budget"})
@@ -205,6 +213,9 @@ def throughput_size(label: str, config: dict[str, Any], variants: list[str], o: 
             "fp8_ours_vs_accelerate_ao": ratio("accel-fp8-hf_mixedprec-compile", "accel-fp8-ao-compile"),
             "fp8_ours_vs_torchao_by_hand": ratio("accel-fp8-hf_mixedprec-compile", "fp8-torchao-tensorwise"),
             "torchao_by_hand_vs_bf16_compile": ratio("fp8-torchao-tensorwise", "bf16-compile"),
+            "fp8_native_delayed_vs_bf16_compile": ratio("fp8-native-delayed", "bf16-compile"),
+            "fp8_native_delayed_vs_torchao_by_hand": ratio("fp8-native-delayed", "fp8-torchao-tensorwise"),
+            "fp8_native_ours_vs_bf16_compile": ratio("accel-fp8-native-hf_mixedprec-compile", "bf16-compile"),
             "callbacks_overhead_eager": ratio("accel-bf16-hf_mixedprec", "accel-bf16", "ms_per_step_median"),
             "callbacks_overhead_compiled": ratio(
                 "accel-bf16-hf_mixedprec-compile", "accel-bf16-compile", "ms_per_step_median"
@@ -328,7 +339,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="timed steps per throughput row (default 8)")
     ap.add_argument("--layers-8b", type=int, default=4, help="decoder layers at Llama-3-8B shapes (default 4)")
     ap.add_argument("--sections", default="sync,8b,compare,1b", help="which sections, comma-separated")
+    ap.add_argument(
+        "--variants", default="", help="only these throughput rows (bench_gpu.py keys, comma-separated; default all)"
+    )
     o = ap.parse_args(argv)
+    o.variants = [v.strip() for v in o.variants.split(",") if v.strip()]
+    bad_variants = sorted(set(o.variants) - set(bench_gpu.VARIANTS))
+    if bad_variants:
+        print(
+            f"gpu_acceptance: --variants: unknown {bad_variants}; allowed: {', '.join(bench_gpu.VARIANTS)}",
+            file=sys.stderr,
+        )
+        return 2
     if o.steps < 1 or o.layers_8b < 1 or o.budget_s <= 0:
         print("gpu_acceptance: --steps, --layers-8b and --budget-s must be positive", file=sys.stderr)
         return 2

@@ -28,6 +28,9 @@ GPU_VARIANTS = {
     "accel-bf16-hf_mixedprec-compile",
     "accel-fp8-hf_mixedprec-compile",
     "accel-fp8-ao-compile",
+    "fp8-native-delayed",
+    "fp8-native-current",
+    "accel-fp8-native-hf_mixedprec-compile",
 }
 
 

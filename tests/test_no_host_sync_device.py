@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hf_mixedprec
 from hf_mixedprec import _device
 from hf_mixedprec.demo import tiny_llama
+from hf_mixedprec.recipe import resolve_recipe
 from hf_mixedprec.recipe_files import builtin_recipe_names
 from hf_mixedprec.runtime import MixedPrecisionRuntime
 
@@ -135,13 +136,19 @@ def traffic(monkeypatch):
     return mode
 
 
-def _steps(recipe_name: str, traffic: HostTraffic, *, steps: int = 9, log_every: int = 5) -> None:
+def _steps(
+    recipe_name: str, traffic: HostTraffic, *, steps: int = 9, log_every: int = 5, backend: str | None = None
+) -> None:
     recipe = hf_mixedprec.load_recipe(recipe_name, rehearse=True)
+    if backend is not None:
+        spec = {"name": f"{recipe_name}-{backend}", "extends": recipe_name, "fp8": {"backend": backend}}
+        recipe = resolve_recipe(spec).rehearsed()
     rt = MixedPrecisionRuntime(recipe, device=DEVICE)
     rt.set_max_steps(steps)  # a phased recipe starts its phases at fractions of the run
     model = _meta_model()
     opt = DeviceSGD(model.parameters(), lr=1e-3)
-    rt.convert_model(model, opt)
+    report = rt.convert_model(model, opt)
+    assert backend is None or report.backend == backend
     scaler = rt.make_grad_scaler() or rt.make_guard_scaler()
     with traffic:
         for step in range(1, steps + 1):
@@ -163,6 +170,15 @@ def _steps(recipe_name: str, traffic: HostTraffic, *, steps: int = 9, log_every:
 def test_no_host_traffic_on_a_step_that_does_not_log(name, traffic):
     with contextlib.suppress(Warning):
         _steps(name, traffic)
+    assert traffic.hits == [], sorted(set(traffic.hits))
+
+
+@pytest.mark.parametrize("name", ["h100-fp8-delayed", "h100-fp8-current"])
+def test_no_host_traffic_from_the_native_backend(name, traffic):
+    """The native layers (torch._scaled_mm on the FP8 data) keep the promise too: dequantization scales are made on
+    the device from the quantizers' scales."""
+    with contextlib.suppress(Warning):
+        _steps(name, traffic, backend="native")
     assert traffic.hits == [], sorted(set(traffic.hits))
 
 

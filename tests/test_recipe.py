@@ -151,7 +151,7 @@ BASE = {"name": "t", "precision": "fp8", "fp8": {"scaling": "delayed"}}
         ({"fp8": {"scaling": "delayed", "margin": -1}}, "x.yaml: fp8.margin: -1 is out of range (allowed: >= 0)"),
         (
             {"fp8": {"scaling": "delayed", "backend": "msamp"}},
-            "x.yaml: fp8.backend: 'msamp' is not allowed (allowed: auto, transformer_engine, torchao, emulated)",
+            "x.yaml: fp8.backend: 'msamp' is not allowed (allowed: auto, transformer_engine, torchao, native, emulated)",
         ),
         ({"precision": "bf16"}, "x.yaml: fp8: only applies to precision fp8 (precision is bf16); remove it"),
         ({"precision": "bf16", "fp8": None, "loss_scale": {}}, "x.yaml: loss_scale: only applies to precision fp16"),

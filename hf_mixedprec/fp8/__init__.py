@@ -62,7 +62,7 @@ __all__ = [
 
 log = logging.getLogger("hf_mixedprec")
 
-BACKENDS = ("emulated", "torchao", "transformer_engine")
+BACKENDS = ("emulated", "native", "torchao", "transformer_engine")
 
 
 class FP8BackendUnavailable(RuntimeError):
@@ -154,7 +154,7 @@ def conversion_backend(recipe: RecipeSpec, model: nn.Module, *, rehearse: bool) 
     """The backend a run converts ``model`` with, and notes: the emulated one when rehearsing (except torchao, which
     emulates itself off FP8 hardware), else :func:`resolve_backend` on the model's device."""
     assert recipe.fp8 is not None
-    if rehearse and recipe.fp8.backend != "torchao":
+    if rehearse and recipe.fp8.backend not in ("torchao", "native"):
         return "emulated", []
     return resolve_backend(recipe, _model_device(model))
 
@@ -215,6 +215,13 @@ def convert(
             if d.to_swap:
                 cls = EmulatedFP8Conv1D if d.kind == "Conv1D" else EmulatedFP8Linear
                 replace_module(model, d.name, cls(model.get_submodule(d.name), spec))
+    elif backend == "native":
+        from hf_mixedprec.fp8.native import native_layer
+
+        spec = EmulationSpec.from_config(recipe.fp8)
+        for d in decisions:
+            if d.to_swap:
+                replace_module(model, d.name, native_layer(d.kind, model.get_submodule(d.name), spec))
     elif backend == "torchao":
         from hf_mixedprec.fp8.torchao_backend import convert_torchao
 

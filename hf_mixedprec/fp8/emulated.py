@@ -128,7 +128,7 @@ class _Quantized:
 
     def __init__(
         self,
-        deq: Tensor,
+        deq: Tensor | None,
         data: Tensor,
         codes: Tensor | None = None,
         *,
@@ -148,6 +148,9 @@ class EmulatedFP8GEMM(nn.Module):
 
     #: the layer kind the conversion report names
     kind = "GEMM"
+    #: whether the GEMMs take dequantized operands (the native backend multiplies the FP8 data; it dequantizes
+    #: only for the sampled health statistics)
+    dequantizes = True
 
     def __init__(self, layer: nn.Module, in_features: int, out_features: int, spec: EmulationSpec):
         super().__init__()
@@ -192,7 +195,8 @@ class EmulatedFP8GEMM(nn.Module):
         else:
             scale = current_scale(amax, fmt=fmt, epsilon=self.spec.epsilon, power_2=self.spec.power_2_scales)
         q = quantize_fp8(t, scale, fmt)
-        return _Quantized(dequantize_fp8(q, scale), q, scale=scale, magnitude=mag), amax
+        deq = dequantize_fp8(q, scale) if self.dequantizes or self.record_stats else None
+        return _Quantized(deq, q, scale=scale, magnitude=mag), amax
 
     def _qdq_blocked(
         self, t: Tensor, role: int, dim: int, weight_block: bool = False, src_dtype: torch.dtype | None = None
@@ -289,13 +293,18 @@ class EmulatedFP8GEMM(nn.Module):
         """The original layer type holding the same Parameter objects (the health fallback to BF16)."""
         raise NotImplementedError
 
+    def _gemm(self, x: Tensor, out_dtype: torch.dtype) -> Tensor:
+        """The layer's GEMMs (forward, and backward through autograd): float32 on dequantized operands here; the
+        native backend (:mod:`hf_mixedprec.fp8.native`) multiplies the FP8 operands themselves."""
+        return _EmulatedFP8Fn.apply(x, self.weight, self.bias, self, out_dtype)
+
     def forward(self, x: Tensor) -> Tensor:
         device_type = x.device.type
         if not torch.amp.is_autocast_available(device_type):  # e.g. meta: no autocast to step out of
-            return _EmulatedFP8Fn.apply(x, self.weight, self.bias, self, x.dtype)
+            return self._gemm(x, x.dtype)
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         with torch.autocast(device_type=device_type, enabled=False):
-            return _EmulatedFP8Fn.apply(x, self.weight, self.bias, self, out_dtype)
+            return self._gemm(x, out_dtype)
 
 
 class EmulatedFP8Linear(EmulatedFP8GEMM):

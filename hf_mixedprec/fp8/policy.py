@@ -50,6 +50,7 @@ GEMM_KINDS: tuple[str, ...] = ("Linear", "Conv1D")
 #: change a ``Conv1D``'s parameters and checkpoint: both leave ``Conv1D`` in high precision, saying so.
 BACKEND_GEMM_KINDS: dict[str, tuple[str, ...]] = {
     "emulated": GEMM_KINDS,
+    "native": GEMM_KINDS,
     "torchao": ("Linear",),
     "transformer_engine": ("Linear",),
 }

@@ -1,0 +1,149 @@
+"""FP8 of our own on torch's FP8 GEMM (``torch._scaled_mm``): the emulated backend's quantization, real FP8 GEMMs.
+
+``NativeFP8Linear`` / ``NativeFP8Conv1D`` are the emulated layers (:mod:`hf_mixedprec.fp8.emulated`) with one
+change: the three GEMMs of a linear layer (output ``y = x @ W.T``, input gradient ``dx = dy @ W``, weight gradient
+``dW = dy.T @ x``) multiply the FP8 operands themselves with ``torch._scaled_mm`` (FP32 accumulation), passing each
+operand's ``1 / scale`` as the GEMM's dequantization scale, instead of multiplying dequantized copies in float32.
+Everything else is the emulated layer's: the same quantizers (so the FP8 values and scales fed to the GEMM are
+bit for bit the rehearsal's), the same buffers (``fp8_amax_history``, ``fp8_scale``: a checkpoint moves between
+``emulated`` and ``native`` in both directions), the same delayed-scaling update (:func:`fp8_step`) and the same
+sampled health statistics. A rehearsal on a CPU and a run on a GPU then differ only in GEMM accumulation order.
+
+Scalings: *delayed* (Transformer Engine's ``DelayedScaling``: amax history, margin, ``amax_compute_algo``) and
+*current* (``Float8CurrentScaling``), per-tensor scales, as torch's tensorwise ``_scaled_mm`` takes them (CUDA with
+compute capability >= 8.9, and CPU). Block scalings (MXFP8, 1x128 / 128x128 blockwise) are refused by name.
+
+``_scaled_mm`` wants the first operand row-major and the second column-major, every dim a multiple of 16; a dim
+that is not is zero-padded (exact: zeros add nothing to the sums) and the result cut back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hf_mixedprec.fp8.emulated import EmulatedFP8Conv1D, EmulatedFP8GEMM, EmulatedFP8Linear, EmulationSpec
+
+__all__ = ["NATIVE_SCALINGS", "NativeFP8Conv1D", "NativeFP8Linear", "native_available", "native_layer"]
+
+#: The scalings the native backend runs (per-tensor scales: torch's tensorwise ``_scaled_mm``).
+NATIVE_SCALINGS = ("delayed", "current")
+_ALIGN = 16
+
+
+def native_available(device: torch.device) -> tuple[bool, str]:
+    """Whether torch's FP8 GEMM runs on ``device``, and why not."""
+    if not hasattr(torch, "_scaled_mm"):
+        return False, f"torch {torch.__version__} has no torch._scaled_mm"
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            return False, f"compute capability {cap[0]}.{cap[1]} has no FP8 tensor cores (needs >= 8.9)"
+        return True, ""
+    if device.type == "cpu":
+        return True, ""
+    return False, f"device {device.type!r}: torch._scaled_mm runs on CUDA and CPU"
+
+
+def _pad(t: Tensor, rows: int, cols: int) -> Tensor:
+    pr, pc = (-t.shape[0]) % rows, (-t.shape[1]) % cols
+    if pr or pc:
+        t = torch.nn.functional.pad(t.view(torch.uint8), (0, pc, 0, pr)).view(t.dtype)  # FP8 0 is byte 0
+    return t
+
+
+def fp8_mm(a: Tensor, b: Tensor, inv_a: Tensor, inv_b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``(a * inv_a) @ (b * inv_b)`` for FP8 ``a`` [M, K] and ``b`` [K, N] (any layout) on FP8 tensor cores,
+    accumulated in FP32 and returned as ``out_dtype``; dims padded to multiples of 16 where they are not."""
+    m, n = a.shape[0], b.shape[1]
+    a = _pad(a, _ALIGN, _ALIGN).contiguous()
+    b = _pad(b, _ALIGN, _ALIGN).t().contiguous().t()  # column-major
+    out = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+    return out[:m, :n] if out.shape != (m, n) else out
+
+
+class _NativeGEMM:
+    """What the native layers add to the emulated ones: FP8 GEMMs on the quantized data."""
+
+    dequantizes = False
+
+    def _native_forward(self: Any, x: Tensor, out_dtype: torch.dtype) -> Tensor:
+        return _NativeFP8Fn.apply(x, self.weight, self.bias, self, out_dtype)
+
+
+def _inv(scale: Tensor) -> Tensor:
+    return torch.reciprocal(scale.float()).reshape(())
+
+
+class _NativeFP8Fn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, mod: EmulatedFP8GEMM, out_dtype: torch.dtype
+    ) -> Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        w = mod.gemm_weight(weight)
+        xq = mod.quantize_for(x2, 0, gemm="fprop", src_dtype=x.dtype)
+        wq = mod.quantize_for(w, 1, gemm="fprop", src_dtype=weight.dtype)
+        x_inv, w_inv = _inv(xq.scale), _inv(wq.scale)
+        y = fp8_mm(xq.data, wq.data.t(), x_inv, w_inv, torch.float32)
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(xq.data, wq.data, x_inv, w_inv)
+        ctx.mod = mod
+        ctx.meta = (lead, x.dtype, weight.dtype, bias is not None, bias.dtype if bias is not None else None)
+        return y.to(out_dtype).reshape(*lead, y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
+        xd, wd, x_inv, w_inv = ctx.saved_tensors
+        mod: EmulatedFP8GEMM = ctx.mod
+        lead, x_dtype, w_dtype, has_bias, b_dtype = ctx.meta
+        g2 = gy.reshape(-1, gy.shape[-1]).float()
+        gq = mod.quantize_for(g2, 2, gemm="dgrad", src_dtype=gy.dtype)
+        g_inv = _inv(gq.scale)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = fp8_mm(gq.data, wd, g_inv, w_inv, x_dtype).reshape(*lead, wd.shape[1])
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = mod.weight_grad(fp8_mm(gq.data.t(), xd, g_inv, x_inv, torch.float32).to(w_dtype))
+        gb = g2.sum(0).to(b_dtype) if has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None, None
+
+
+def _check_spec(spec: EmulationSpec) -> None:
+    if spec.scaling not in NATIVE_SCALINGS:
+        raise ValueError(
+            f"fp8.backend native runs scaling {'/'.join(NATIVE_SCALINGS)} (per-tensor scales, torch's tensorwise "
+            f"_scaled_mm), not {spec.scaling!r}; use fp8.backend: emulated (any device) or transformer_engine"
+        )
+
+
+class NativeFP8Linear(_NativeGEMM, EmulatedFP8Linear):
+    """``nn.Linear`` on FP8 GEMMs, quantized exactly as :class:`EmulatedFP8Linear` (see module docs)."""
+
+    def __init__(self, linear: nn.Linear, spec: EmulationSpec):
+        _check_spec(spec)
+        super().__init__(linear, spec)
+
+    def _gemm(self, x: Tensor, out_dtype: torch.dtype) -> Tensor:
+        return self._native_forward(x, out_dtype)
+
+
+class NativeFP8Conv1D(_NativeGEMM, EmulatedFP8Conv1D):
+    """transformers' ``Conv1D`` on FP8 GEMMs, quantized exactly as :class:`EmulatedFP8Conv1D`."""
+
+    def __init__(self, conv: nn.Module, spec: EmulationSpec):
+        _check_spec(spec)
+        super().__init__(conv, spec)
+
+    def _gemm(self, x: Tensor, out_dtype: torch.dtype) -> Tensor:
+        return self._native_forward(x, out_dtype)
+
+
+def native_layer(kind: str, layer: nn.Module, spec: EmulationSpec) -> EmulatedFP8GEMM:
+    """The native FP8 layer for a GEMM layer of ``kind`` ("Linear" or "Conv1D")."""
+    return (NativeFP8Conv1D if kind == "Conv1D" else NativeFP8Linear)(layer, spec)
