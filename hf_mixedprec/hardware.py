@@ -168,8 +168,12 @@ def auto_recipe_name(
     *,
     te_available: bool = False,
     torchao_available: bool = False,
+    native_available: bool = False,
 ) -> tuple[str, list[str]]:
-    """The built-in recipe ``auto`` picks, and notes on why (every fallback is named in the notes)."""
+    """The built-in recipe ``auto`` picks, and notes on why (every fallback is named in the notes).
+
+    ``native_available``: torch has its FP8 GEMM (``torch._scaled_mm``), so hf_mixedprec's native FP8 layers run
+    delayed and current scaling without Transformer Engine or torchao."""
     gen = generation_of(device_type, capability)
     sup = support_for(device_type, capability, cuda_version)
     notes: list[str] = []
@@ -200,9 +204,22 @@ def auto_recipe_name(
     if torchao_available:
         name = "ada-fp8-current" if gen in ("ada", "blackwell") else "h100-fp8-current"
         if name != preferred:
+            why = (
+                "runs without it only on fp8.backend native, which measured slower than torchao's current scaling"
+                if preferred == "h100-fp8-delayed" and native_available
+                else "cannot run"
+            )
             notes.append(
-                f"FALLBACK: Transformer Engine is not installed, so {preferred} cannot run; using {name} with "
+                f"FALLBACK: Transformer Engine is not installed, so {preferred} {why}; using {name} with "
                 "the torchao backend (pip install 'hf_mixedprec[transformer-engine]' for the TE recipes)"
+            )
+        return name, notes
+    if native_available:
+        name = preferred if preferred in ("h100-fp8-delayed", "ada-fp8-current") else "h100-fp8-delayed"
+        if name != preferred:
+            notes.append(
+                f"FALLBACK: Transformer Engine is not installed, so {preferred} cannot run; using {name} on "
+                "hf_mixedprec's native FP8 backend (torch._scaled_mm)"
             )
         return name, notes
     notes.append(
@@ -210,6 +227,11 @@ def auto_recipe_name(
         "pip install 'hf_mixedprec[transformer-engine]' or 'hf_mixedprec[torchao]' to train in FP8"
     )
     return "a100-bf16", notes
+
+
+def torch_has_fp8_gemm() -> bool:
+    """Whether this torch has its FP8 GEMM (``torch._scaled_mm``), which the native FP8 backend runs on."""
+    return hasattr(torch, "_scaled_mm")
 
 
 def check_recipe(recipe: RecipeSpec, info: HardwareInfo) -> None:
@@ -236,6 +258,7 @@ def check_recipe(recipe: RecipeSpec, info: HardwareInfo) -> None:
             info.cuda_version,
             te_available=info.te_version is not None,
             torchao_available=info.torchao_version is not None,
+            native_available=torch_has_fp8_gemm(),
         )
     except HardwareRefusal:
         instead = "a recipe with precision: fp32"

@@ -14,7 +14,7 @@ import os
 from typing import TypeVar
 
 from hf_mixedprec.errors import EnvValueError, Problem, RecipeError
-from hf_mixedprec.hardware import HardwareInfo, auto_recipe_name, check_recipe, detect
+from hf_mixedprec.hardware import HardwareInfo, auto_recipe_name, check_recipe, detect, torch_has_fp8_gemm
 from hf_mixedprec.recipe_files import load_recipe_file
 from hf_mixedprec.schema import RECIPE_ENV, RecipeSpec
 
@@ -124,6 +124,7 @@ def resolve_auto(info: HardwareInfo | None = None) -> tuple[str, list[str]]:
         info.cuda_version,
         te_available=info.te_version is not None,
         torchao_available=info.torchao_version is not None,
+        native_available=torch_has_fp8_gemm(),
     )
 
 

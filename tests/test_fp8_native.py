@@ -13,7 +13,7 @@ from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
 from hf_mixedprec.fp8 import convert, fp8_step, monitored_layers
 from hf_mixedprec.fp8.emulated import EmulatedFP8GEMM
 from hf_mixedprec.fp8.native import NativeFP8Linear, fp8_mm
-from hf_mixedprec.recipe import resolve_recipe
+from hf_mixedprec.recipe import load_recipe_file, resolve_recipe
 
 SCALINGS = ["h100-fp8-delayed", "h100-fp8-current"]
 
@@ -189,3 +189,35 @@ def test_compiled_native_delayed_trains_as_eager_with_no_graph_breaks():
     for compiled_hist, eager_hist in zip(runs[True][1], runs[False][1], strict=True):
         assert torch.equal(compiled_hist, eager_hist)
         assert compiled_hist[-3:, 2].min() > 0  # the gradients' amaxes (recorded in backward) reached the history
+
+
+@pytest.mark.parametrize(
+    ("recipe", "installed", "expected"),
+    [
+        ("h100-fp8-delayed", set(), "native"),  # delayed scaling runs without TE now, as the recipe says
+        ("h100-fp8-delayed", {"torchao"}, "native"),  # torchao has no delayed scaling
+        ("h100-fp8-current", {"torchao"}, "torchao"),  # measured faster than native for current (benchmarks.md)
+        ("h100-fp8-current", set(), "native"),
+        ("h100-fp8-delayed", {"transformer_engine", "torchao"}, "transformer_engine"),
+    ],
+)
+def test_auto_on_an_fp8_gpu_without_transformer_engine(monkeypatch, recipe, installed, expected):
+    """``fp8.backend: auto`` on a CUDA GPU with FP8 tensor cores (stood in for: no GPU here)."""
+    from hf_mixedprec import fp8
+    from hf_mixedprec.fp8 import native
+
+    monkeypatch.setattr(fp8, "_has", lambda mod: mod in installed)
+    monkeypatch.setattr(native, "native_available", lambda device: (True, ""))
+    backend, notes = fp8.resolve_backend(load_recipe_file(recipe), torch.device("cuda"))
+    assert backend == expected
+    assert notes and f"-> {'torchao tensorwise' if expected == 'torchao' else expected}" in notes[0]
+
+
+def test_auto_names_every_backend_when_none_runs(monkeypatch):
+    from hf_mixedprec import fp8
+    from hf_mixedprec.fp8 import native
+
+    monkeypatch.setattr(fp8, "_has", lambda mod: False)
+    monkeypatch.setattr(native, "native_available", lambda device: (False, "compute capability 8.0 has no FP8"))
+    with pytest.raises(fp8.FP8BackendUnavailable, match="native: compute capability 8.0 has no FP8"):
+        fp8.resolve_backend(load_recipe_file("h100-fp8-delayed"), torch.device("cuda"))

@@ -108,26 +108,30 @@ def test_supported_pairs_pass():
 
 
 @pytest.mark.parametrize(
-    "gpu, te, ao, expected",
+    "gpu, te, ao, native, expected",
     [
-        ("V100", False, False, "v100-fp16"),
-        ("T4", False, False, "t4-fp16"),
-        ("A100", True, True, "a100-bf16"),
-        ("L4", True, False, "ada-fp8-current"),
-        ("H100", True, False, "h100-fp8-delayed"),
-        ("H100", False, True, "h100-fp8-current"),
-        ("H100", False, False, "a100-bf16"),
-        ("B200", True, False, "b200-mxfp8"),
-        ("RTX5090", True, False, "ada-fp8-current"),
+        ("V100", False, False, True, "v100-fp16"),
+        ("T4", False, False, True, "t4-fp16"),
+        ("A100", True, True, True, "a100-bf16"),
+        ("A100", False, False, True, "a100-bf16"),  # no FP8 tensor cores: torch's FP8 GEMM changes nothing
+        ("L4", True, False, False, "ada-fp8-current"),
+        ("L4", False, False, True, "ada-fp8-current"),  # native backend, TE's choice of scaling kept
+        ("H100", True, False, False, "h100-fp8-delayed"),
+        ("H100", False, True, True, "h100-fp8-current"),  # torchao: faster than native on an H100
+        ("H100", False, False, True, "h100-fp8-delayed"),  # native backend: delayed, as TE would
+        ("H100", False, False, False, "a100-bf16"),  # a torch without _scaled_mm
+        ("B200", True, False, False, "b200-mxfp8"),
+        ("B200", False, False, True, "h100-fp8-delayed"),  # MXFP8 needs TE; native runs delayed
+        ("RTX5090", True, False, False, "ada-fp8-current"),
     ],
 )
-def test_auto_recipe(gpu, te, ao, expected):
+def test_auto_recipe(gpu, te, ao, native, expected):
     cap, cuda, _ = GPUS[gpu]
-    name, notes = auto_recipe_name("cuda", cap, cuda, te_available=te, torchao_available=ao)
+    name, notes = auto_recipe_name("cuda", cap, cuda, te_available=te, torchao_available=ao, native_available=native)
     assert name == expected
     assert name in builtin_recipe_names()
     # Every fallback is named in the notes; no fallback, no note.
-    fell_back = gpu in ("H100", "B200", "L4", "RTX5090") and not te
+    fell_back = gpu in ("H100", "B200", "L4", "RTX5090") and not te and not (native and not ao and gpu != "B200")
     assert bool(notes) == fell_back
     for n in notes:
         assert n.startswith("FALLBACK:")
