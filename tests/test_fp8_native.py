@@ -219,5 +219,5 @@ def test_auto_names_every_backend_when_none_runs(monkeypatch):
 
     monkeypatch.setattr(fp8, "_has", lambda mod: False)
     monkeypatch.setattr(native, "native_available", lambda device: (False, "compute capability 8.0 has no FP8"))
-    with pytest.raises(fp8.FP8BackendUnavailable, match="native: compute capability 8.0 has no FP8"):
+    with pytest.raises(fp8.FP8BackendUnavailable, match=r"native: compute capability 8\.0 has no FP8"):
         fp8.resolve_backend(load_recipe_file("h100-fp8-delayed"), torch.device("cuda"))
