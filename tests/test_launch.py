@@ -61,16 +61,17 @@ def _accelerate_env(config_file: str) -> dict[str, str]:
 
 
 def test_h100_fp8_delayed_dry_run(tmp_path):
-    sections = _dry_run(
-        "--recipe", "h100-fp8-delayed", "--config-dir", str(tmp_path), "--dry-run", "train.py", "--lr", "1"
-    )
+    """A recipe naming Transformer Engine goes to Accelerate's own FP8 path (fp8_config with the recipe's scaling)."""
+    te = tmp_path / "te-delayed.yaml"
+    te.write_text("name: te-delayed\nextends: h100-fp8-delayed\nfp8: {backend: transformer_engine}\n")
+    sections = _dry_run("--recipe", str(te), "--config-dir", str(tmp_path), "--dry-run", "train.py", "--lr", "1")
     cmd = sections["command"].strip()
     assert cmd.endswith(
         f"-m accelerate.commands.launch --config_file {tmp_path}/accelerate_config.yaml train.py --lr 1"
     )
     assert sections["environment"].strip() == f"{RECIPE_ENV}={tmp_path}/recipe.yaml"
     acc = yaml.safe_load(sections[f"file: {tmp_path}/accelerate_config.yaml"])
-    recipe = load_recipe_file("h100-fp8-delayed")
+    recipe = load_recipe_file(te)
     assert acc["mixed_precision"] == "fp8" and acc["distributed_type"] == "NO" and acc["num_processes"] == 1
     fp8 = acc["fp8_config"]
     assert fp8["backend"] == "TE"
@@ -83,7 +84,10 @@ def test_h100_fp8_delayed_dry_run(tmp_path):
     assert not (tmp_path / "accelerate_config.yaml").exists(), "a dry run writes nothing"
 
 
-def test_h100_fp8_delayed_through_accelerates_launcher(tmp_path):
+def test_h100_fp8_delayed_through_accelerates_launcher(tmp_path, monkeypatch):
+    from hf_mixedprec.integrations import launch
+
+    monkeypatch.setattr(launch, "_te_installed", lambda: True)  # auto -> Accelerate's TE path where TE is installed
     recipe = load_recipe_file("h100-fp8-delayed")
     plan = plan_launch(recipe, "train.py", [], config_dir=str(tmp_path))
     plan.write()
@@ -151,7 +155,25 @@ def test_fp8_accelerate_cannot_build_runs_bf16_and_says_so(tmp_path, name):
     assert "hf_mixedprec applies FP8 in the training process" in text
 
 
-def test_mxfp8_config():
+def test_auto_without_transformer_engine_is_not_handed_to_accelerates_te_path(tmp_path, monkeypatch):
+    """``fp8.backend: auto`` where TE is not installed resolves to a backend hf_mixedprec applies itself (native,
+    torchao); Accelerate's TE path would fail in ``prepare``, so the launch runs BF16 and says why."""
+    from hf_mixedprec.integrations import launch
+
+    monkeypatch.setattr(launch, "_te_installed", lambda: False)
+    plan = plan_launch(load_recipe_file("h100-fp8-delayed"), "t.py", [], config_dir=str(tmp_path))
+    text = plan.files[str(tmp_path / "accelerate_config.yaml")]
+    acc = yaml.safe_load(text)
+    assert acc["mixed_precision"] == "bf16" and "fp8_config" not in acc
+    assert "(Transformer Engine is not installed here)" in text
+    monkeypatch.setattr(launch, "_te_installed", lambda: True)
+    assert launch.fp8_via_accelerate(load_recipe_file("h100-fp8-delayed"))
+
+
+def test_mxfp8_config(monkeypatch):
+    from hf_mixedprec.integrations import launch
+
+    monkeypatch.setattr(launch, "_te_installed", lambda: True)  # auto -> TE where TE is installed
     acc = plan_launch(load_recipe_file("b200-mxfp8"), "t.py", [], config_dir="/tmp/x").files[
         "/tmp/x/accelerate_config.yaml"
     ]
@@ -172,8 +194,11 @@ def test_num_processes_flag_overrides_recipe():
     assert acc["num_processes"] == 2 and acc["distributed_type"] == "MULTI_GPU"
 
 
-def test_launch_on_several_machines_dry_run(capsys):
+def test_launch_on_several_machines_dry_run(capsys, monkeypatch):
     from hf_mixedprec.cli import main
+    from hf_mixedprec.integrations import launch
+
+    monkeypatch.setattr(launch, "_te_installed", lambda: True)  # the machines have TE: auto -> Accelerate's TE
 
     argv = ["launch", "--recipe", "h100-fp8-delayed", "--num-processes", "16", "--num-machines", "2"]
     argv += ["--machine-rank", "1", "--main-process-ip", "10.0.0.1", "--main-process-port", "29500"]

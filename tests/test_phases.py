@@ -356,7 +356,8 @@ def test_launch_never_hands_a_phased_recipe_to_accelerates_own_fp8():
     from hf_mixedprec.integrations.launch import accelerate_config, fp8_via_accelerate
 
     anneal = load_recipe_file("h100-fp8-anneal-bf16")
-    assert fp8_via_accelerate(load_recipe_file("h100-fp8-delayed")) and not fp8_via_accelerate(anneal)
+    te = resolve_recipe({"name": "te", "extends": "h100-fp8-delayed", "fp8": {"backend": "transformer_engine"}})
+    assert fp8_via_accelerate(te) and not fp8_via_accelerate(anneal)
     cfg, _ = accelerate_config(anneal)
     assert cfg["mixed_precision"] == "bf16" and "fp8_config" not in cfg
 

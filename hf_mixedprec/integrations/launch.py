@@ -19,6 +19,7 @@ Either launcher runs through ``python -m hf_mixedprec._launcher -m MODULE ...`` 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -49,15 +50,21 @@ _DIST_TYPE = {"none": "NO", "ddp": "MULTI_GPU", "fsdp2": "FSDP", "deepspeed": "D
 LAUNCHER = (sys.executable, "-m", "hf_mixedprec._launcher")
 
 
+def _te_installed() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def fp8_via_accelerate(recipe: RecipeSpec) -> bool:
     """True when Accelerate's own FP8 path (TE) builds exactly this recipe's scaling (never for a phased recipe:
-    Accelerate's FP8 would hold for the whole run, and the phases switch it in the training process)."""
+    Accelerate's FP8 would hold for the whole run, and the phases switch it in the training process). ``auto``
+    means TE only where TE is installed; elsewhere it resolves to another backend (native, torchao) that
+    hf_mixedprec applies in the training process, and Accelerate's TE path would fail in ``prepare``."""
     fp8 = recipe.fp8
     return (
         recipe.phases is None
         and recipe.precision == "fp8"
         and fp8 is not None
-        and fp8.backend in ("auto", "transformer_engine")
+        and (fp8.backend == "transformer_engine" or (fp8.backend == "auto" and _te_installed()))
         and fp8.scaling in ("delayed", "mxfp8")
     )
 
@@ -117,9 +124,10 @@ def _add_fp8_section(cfg: dict[str, Any], recipe: RecipeSpec, notes: list[str]) 
     if recipe.precision != "fp8" or fp8 is None:
         return
     if cfg["mixed_precision"] != "fp8":
+        why = " (Transformer Engine is not installed here)" if fp8.backend == "auto" and not _te_installed() else ""
         notes.append(
-            f"Accelerate cannot build fp8.scaling {fp8.scaling!r} with backend {fp8.backend!r}: it runs in BF16 and "
-            "hf_mixedprec applies FP8 in the training process from the recipe"
+            f"Accelerate cannot build fp8.scaling {fp8.scaling!r} with backend {fp8.backend!r}{why}: it runs in BF16 "
+            "and hf_mixedprec applies FP8 in the training process from the recipe"
         )
         return
     cfg["fp8_config"] = accelerate_fp8_config(recipe)
