@@ -101,6 +101,11 @@ def _rehearsed_what(recipe: RecipeSpec) -> str:
     """What a rehearsal runs differently from the recipe's own hardware, in a few words."""
     if recipe.precision == "fp8" and recipe.fp8 is not None and recipe.fp8.backend == "torchao":
         return "FP8 layers run through torchao with emulate=True (torchao's exact FP8 casts, GEMMs in high precision)"
+    if recipe.precision == "fp8" and recipe.fp8 is not None and recipe.fp8.backend == "native":
+        return (
+            "FP8 layers run natively where torch._scaled_mm runs here (the same quantization; else emulated), "
+            "only the hardware check is skipped"
+        )
     if recipe.precision == "fp8":
         return "FP8 layers are emulated (exact FP8 quantization, GEMMs in FP32), not sped up"
     if recipe.precision == "fp16":

@@ -373,6 +373,12 @@ def _ours(name: str, ctx: Ctx, row: dict[str, Any], backend: str | None = None) 
 
     _reset_accelerate()
     rehearse = not ctx.cuda and name.startswith("h100-fp8")  # a CPU dry run rehearses it (emulated FP8 layers)
+    if backend == "native":
+        from hf_mixedprec.fp8.native import native_available
+
+        ok, why = native_available(ctx.device)
+        if not ok:
+            raise Skip(f"torch's FP8 GEMM does not run here: {why}")
     if backend is not None:
         recipe = resolve_recipe({"name": f"{name}-{backend}", "extends": name, "fp8": {"backend": backend}})
         if rehearse:  # off FP8 hardware only the hardware check is skipped: native runs torch._scaled_mm on CPU

@@ -58,6 +58,7 @@ SYNC_CASES: list[tuple[str, bool]] = [  # (recipe, rehearsed)
     ("a100-bf16", False),
     ("v100-fp16", False),
     ("h100-fp8-current", False),
+    ("h100-fp8-delayed", False),  # without TE: the native backend, real FP8 GEMMs
     ("h100-fp8-current", True),
     ("h100-fp8-delayed", True),
     ("b200-mxfp8", True),
@@ -85,7 +86,8 @@ VARIANTS_1B = [
     "fp8-native-delayed",
     "accel-fp8-native-hf_mixedprec-compile",
 ]
-#: the recipe whose ``estimate`` each variant's measured peak is set against (the same storage and compute)
+#: the recipe whose ``estimate`` each variant's measured peak is set against (the same storage and compute;
+#: "torchao" / "native": h100-fp8-current / h100-fp8-delayed on that backend, "native-current": current on native)
 ESTIMATE_RECIPE = {
     "bf16": "a100-bf16",
     "bf16-compile": "a100-bf16",
@@ -97,7 +99,7 @@ ESTIMATE_RECIPE = {
     "accel-fp8-hf_mixedprec-compile": "torchao",
     "accel-fp8-ao-compile": "torchao",
     "fp8-native-delayed": "native",
-    "fp8-native-current": "native",
+    "fp8-native-current": "native-current",
     "accel-fp8-native-hf_mixedprec-compile": "native",
 }
 #: what the kit keeps of each ``compare`` run
@@ -152,9 +154,10 @@ def _estimate(config: dict[str, Any], key: str, batch: int, seq: int) -> dict[st
     if which is None:
         return {}
     recipe: Any = which
-    if which in ("torchao", "native"):
-        base = "h100-fp8-current" if which == "torchao" else "h100-fp8-delayed"
-        recipe = resolve_recipe({"name": f"{base}-{which}", "extends": base, "fp8": {"backend": which}})
+    if which in ("torchao", "native", "native-current"):
+        base = "h100-fp8-delayed" if which == "native" else "h100-fp8-current"
+        backend = which.split("-")[0]
+        recipe = resolve_recipe({"name": f"{base}-{backend}", "extends": base, "fp8": {"backend": backend}})
     cfg = LlamaConfig(**config)
     try:
         est = estimate_memory(cfg, [recipe], batch_size=batch, seq_len=seq)
@@ -231,8 +234,13 @@ def compare_section(o: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "hf_mixedprec.cli", "compare", "--recipes", recipes, *steps]
     cmd += ["--output-dir", str(out_dir), "--overwrite", "--json"]
     t0 = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(60, o.deadline - time.monotonic()))
-    doc: dict[str, Any] = {"command": " ".join(cmd[1:]), "exit_code": p.returncode, "wall_s": time.monotonic() - t0}
+    doc: dict[str, Any] = {"command": " ".join(cmd[1:])}
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(60, o.deadline - time.monotonic()))
+    except subprocess.TimeoutExpired as exc:
+        doc.update(exit_code=None, wall_s=time.monotonic() - t0, error=f"timed out after {exc.timeout:.0f} s")
+        return doc
+    doc.update(exit_code=p.returncode, wall_s=time.monotonic() - t0)
     try:
         res = json.loads((out_dir / "compare.json").read_text(encoding="utf-8"))
         doc["runs"] = [{k: r.get(k) for k in COMPARE_KEYS} for r in res.get("runs", [])]
@@ -250,6 +258,9 @@ def verdict(doc: dict[str, Any]) -> dict[str, Any]:
         if r.get("status") == "error"
     ]
     errors += [f"sync {r.get('recipe')}: {r.get('reason')}" for r in doc["sync"] if r.get("status") == "error"]
+    c = doc.get("compare") or {}
+    if c and (c.get("error") or c.get("exit_code") not in (0, 4)):  # 4: a recipe failed its criteria (a finding)
+        errors.append(f"compare: exit {c.get('exit_code')}: {c.get('error', '')}")
     return {
         "zero_syncs_from_hf_mixedprec": all(r["hf_mixedprec_syncs_per_step"] == 0 for r in syncs) if syncs else None,
         "errors": errors,

@@ -57,6 +57,13 @@ def _origin(stack: list[traceback.FrameSummary]) -> str:
     return "other"
 
 
+def _fp8_label(fp8_side: bool, rehearse: bool) -> str:
+    """How an FP8 recipe's side ran (a plain Trainer's baseline runs no FP8: no label)."""
+    if not fp8_side:
+        return ""
+    return " (rehearsed)" if rehearse else " (real FP8)"
+
+
 def run_one(
     recipe_name: str,
     use_recipe: bool,
@@ -147,7 +154,7 @@ def run_one(
         torch.cuda.set_sync_debug_mode(0)
     n_log = steps // logging_steps
     return {
-        "recipe": recipe_name + (" (rehearsed)" if rehearse else (" (real FP8)" if recipe.precision == "fp8" else "")),
+        "recipe": recipe_name + _fp8_label(recipe.precision == "fp8" and use_recipe, rehearse),
         "side": "hf_mixedprec" if use_recipe else "plain Trainer",
         "steps_non_logging": steps - n_log,
         "steps_logging": n_log,

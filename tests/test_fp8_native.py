@@ -250,3 +250,20 @@ def test_auto_names_every_backend_when_none_runs(monkeypatch):
     monkeypatch.setattr(native, "native_available", lambda device: (False, "compute capability 8.0 has no FP8"))
     with pytest.raises(fp8.FP8BackendUnavailable, match=r"native: compute capability 8\.0 has no FP8"):
         fp8.resolve_backend(load_recipe_file("h100-fp8-delayed"), torch.device("cuda"))
+
+
+def test_sampled_statistics_are_the_emulated_ones():
+    """On a sampled step the native layers dequantize for the statistics only, and report what the emulated layers
+    report for the same weights and batch (the statistics come from the shared quantizers, not from the GEMM)."""
+    batch = torch.randint(0, 256, (2, 32))
+    tables = {}
+    for backend in ("emulated", "native"):
+        model = tiny_llama()
+        convert(model, _recipe("h100-fp8-current", backend), backend=backend)
+        for _, m in monitored_layers(model):
+            m.record_stats = True
+        model(input_ids=batch, labels=batch).loss.backward()
+        tables[backend] = torch.stack([m.raw_stats for _, m in monitored_layers(model)])
+    assert tables["native"].shape == (14, 3, tables["native"].shape[-1])
+    assert torch.equal(tables["native"].nan_to_num(-1.0), tables["emulated"].nan_to_num(-1.0))
+    assert torch.isfinite(tables["native"][:, :, 0]).all()  # every role measured

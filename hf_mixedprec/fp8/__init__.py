@@ -163,9 +163,17 @@ def converted_types() -> tuple[type, ...]:
 
 def conversion_backend(recipe: RecipeSpec, model: nn.Module, *, rehearse: bool) -> tuple[str, list[str]]:
     """The backend a run converts ``model`` with, and notes: the emulated one when rehearsing (except torchao, which
-    emulates itself off FP8 hardware), else :func:`resolve_backend` on the model's device."""
+    emulates itself off FP8 hardware, and native where torch's FP8 GEMM runs, e.g. on a CPU), else
+    :func:`resolve_backend` on the model's device."""
     assert recipe.fp8 is not None
-    if rehearse and recipe.fp8.backend not in ("torchao", "native"):
+    if rehearse and recipe.fp8.backend == "native":
+        from hf_mixedprec.fp8.native import native_available
+
+        runs, why = native_available(_model_device(model))
+        if runs:
+            return "native", []
+        return "emulated", [f"fp8.backend native does not run here ({why}): rehearsing with the emulated layers"]
+    if rehearse and recipe.fp8.backend != "torchao":
         return "emulated", []
     return resolve_backend(recipe, _model_device(model))
 
@@ -227,8 +235,14 @@ def convert(
                 cls = EmulatedFP8Conv1D if d.kind == "Conv1D" else EmulatedFP8Linear
                 replace_module(model, d.name, cls(model.get_submodule(d.name), spec))
     elif backend == "native":
-        from hf_mixedprec.fp8.native import native_layer
+        from hf_mixedprec.fp8.native import native_available, native_layer
 
+        runs, why = native_available(_model_device(model))
+        if not runs:
+            raise FP8BackendUnavailable(
+                f"fp8.backend native cannot run here: {why}; use fp8.backend emulated (the same quantization with "
+                "float32 GEMMs, anywhere) or run on a GPU with FP8 tensor cores"
+            )
         spec = EmulationSpec.from_config(recipe.fp8)
         for d in decisions:
             if d.to_swap:

@@ -33,18 +33,31 @@ NATIVE_SCALINGS = ("delayed", "current")
 _ALIGN = 16
 
 
+_PROBED: dict[str, tuple[bool, str]] = {}
+
+
 def native_available(device: torch.device) -> tuple[bool, str]:
-    """Whether torch's FP8 GEMM runs on ``device``, and why not."""
+    """Whether torch's FP8 GEMM runs on ``device``, and why not: FP8 tensor cores on CUDA, then one tiny
+    ``torch._scaled_mm`` tried once per device type (its signature and CPU support changed across torch 2.x)."""
     if not hasattr(torch, "_scaled_mm"):
         return False, f"torch {torch.__version__} has no torch._scaled_mm"
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
         if cap < (8, 9):
             return False, f"compute capability {cap[0]}.{cap[1]} has no FP8 tensor cores (needs >= 8.9)"
-        return True, ""
-    if device.type == "cpu":
-        return True, ""
-    return False, f"device {device.type!r}: torch._scaled_mm runs on CUDA and CPU"
+    elif device.type not in ("cpu", "meta"):  # meta: shapes only (tests, estimate)
+        return False, f"device {device.type!r}: torch._scaled_mm runs on CUDA and CPU"
+    key = device.type
+    if key not in _PROBED:
+        try:
+            a = torch.zeros(16, 16, device=device).to(torch.float8_e4m3fn)
+            one = torch.ones((), device=device)
+            out = torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            ok = isinstance(out, torch.Tensor) and out.shape == (16, 16)
+            _PROBED[key] = (True, "") if ok else (False, f"torch {torch.__version__}'s _scaled_mm returns {type(out)}")
+        except Exception as exc:  # the probe is the question: any failure means "not here", said why
+            _PROBED[key] = (False, f"torch {torch.__version__}'s _scaled_mm fails on {key}: {str(exc)[:120]}")
+    return _PROBED[key]
 
 
 def _pad(t: Tensor, rows: int, cols: int) -> Tensor:
