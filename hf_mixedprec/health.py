@@ -39,10 +39,21 @@ import torch
 from torch import Tensor, nn
 
 from hf_mixedprec._device import Constants
-from hf_mixedprec.scaling.stats import ROLES, LayerStats, StatsLayout, stack_layer_stats, unstack_layer_stats
+from hf_mixedprec.scaling.stats import (
+    METRICS,
+    ROLES,
+    LayerStats,
+    StatsLayout,
+    layer_stats_from_table,
+    stack_layer_stats,
+    unstack_layer_stats,
+)
 from hf_mixedprec.schema import DetectorConfig, DetectorsConfig, HealthConfig
 
 __all__ = ["STEP_DETECTORS", "HealthEvent", "HealthMonitor", "LayerBreach", "layer_breaches", "threshold_of"]
+
+#: The column of each statistic in a finished table (:func:`~hf_mixedprec.scaling.stats.finish_operand_stats`).
+METRIC_COLUMN = {m: i for i, m in enumerate(METRICS)}
 
 STEP_DETECTORS = (
     "nonfinite_loss",
@@ -249,8 +260,12 @@ class HealthMonitor:
     def observe_fp8(self, layers: Mapping[str, LayerStats | Mapping[str, Tensor]]) -> None:
         """Per-layer FP8 statistics (``EmulatedFP8Linear.stats``, or its flat ``dict``) from a sampled step; the
         worst of the samples since the last check is kept until :meth:`check` (a logging step) reads it."""
-        for name, stats in layers.items():
-            new = LayerStats.from_flat(stats).detach()
+        records = {name: LayerStats.from_flat(stats).detach() for name, stats in layers.items()}
+        merged = _worst_of_tables(self.layer_values, records)
+        if merged is not None:  # one table each (the emulated and native layers): merged whole
+            self.layer_values = merged
+            return
+        for name, new in records.items():
             seen = self.layer_values.get(name)
             # several samples before a check: keep the worst of them
             self.layer_values[name] = new if seen is None else seen.worst(new)
@@ -445,6 +460,49 @@ def _load_monitor_state(mon: HealthMonitor, state: dict[str, Any]) -> None:
         layer: LayerStats.from_flat({k: torch.tensor(float(v), device=mon.device) for k, v in stats.items()})
         for layer, stats in state.get("layer_values", {}).items()
     }
+
+
+def _table_of(records: Mapping[str, LayerStats]) -> tuple[Tensor, list[tuple[str, int, Any]]] | None:
+    """The one finished table every record views, with each layer's row and measured roles; None otherwise."""
+    table, rows = None, []
+    for name, rec in records.items():
+        src = rec.source
+        if src is None or (table is not None and src[0] is not table):
+            return None
+        table = src[0]
+        rows.append((name, src[1], tuple(getattr(rec, r) is not None for r in ROLES)))
+    return None if table is None else (table, rows)
+
+
+def _worst_of_tables(held: Mapping[str, LayerStats], new: Mapping[str, LayerStats]) -> dict[str, LayerStats] | None:
+    """``new`` merged into ``held`` (the worse of each statistic, as :meth:`LayerStats.worst`) in a fixed number of
+    tensor operations, when both are whole views of one table each over the same layers, rows and measured roles;
+    None when the per-layer merge is needed."""
+    b = _table_of(new)
+    if b is None:
+        return None
+    if not held:
+        return dict(new)
+    a = _table_of(held)
+    if a is None or a[1] != b[1] or a[0].shape != b[0].shape:
+        return None
+    x, y = a[0], b[0]
+    sqnr = METRIC_COLUMN["sqnr_db"]  # the lower SQNR is the worse; every other statistic, the higher (NaN wins)
+    worst = torch.cat(
+        [
+            torch.maximum(x[..., :sqnr], y[..., :sqnr]),
+            torch.minimum(x[..., sqnr : sqnr + 1], y[..., sqnr : sqnr + 1]),
+            torch.maximum(x[..., sqnr + 1 :], y[..., sqnr + 1 :]),
+        ],
+        dim=-1,
+    )
+    if [i for _, i, _ in b[1]] != list(range(worst.shape[0])):
+        return None  # a table that holds other layers too, or in another order: merge per layer
+    flags = []
+    for name, _, measured in b[1]:
+        roles = [s for r in ROLES if (s := getattr(new[name], r)) is not None]
+        flags.append((measured, any(s.mx_clamp is not None for s in roles)))
+    return dict(zip((name for name, _, _ in b[1]), layer_stats_from_table(worst, flags)))
 
 
 _HISTORIES = ("loss_hist", "grad_hist", "skip_hist", "backoff_hist", "growth_hist")

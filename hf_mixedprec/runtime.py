@@ -60,7 +60,7 @@ from hf_mixedprec.reactions import Reactions
 from hf_mixedprec.scaling.stats import (
     LayerStats,
     finish_operand_stats,
-    layer_stats_of,
+    layer_stats_from_table,
     stack_layer_stats,
     unstack_layer_stats,
 )
@@ -605,10 +605,9 @@ class _FP8Sample:
     def layer_stats(self) -> dict[str, LayerStats]:
         out = dict(self.others)
         raw = raw_stats_table(self.records)
-        if raw is not None:
-            tables = finish_operand_stats(raw).unbind(0)
-            for name, table, (measured, mx) in zip(self.names, tables, self.flags):
-                out[name] = layer_stats_of(table, measured, mx)
+        if raw is not None:  # one finished table; every layer's record views it (a fixed number of operations)
+            records = layer_stats_from_table(finish_operand_stats(raw), self.flags)
+            out.update(zip(self.names, records))
         return out
 
 

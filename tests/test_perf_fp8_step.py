@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_mixedprec
+from hf_mixedprec import metrics as M
 from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
 from hf_mixedprec.fp8 import (
     EmulatedFP8GEMM,
@@ -179,3 +180,79 @@ def test_layer_lists_are_collected_once_and_forgotten_when_a_layer_is_swapped():
     moved.fp8_amax_pending.fill_(2.0)
     fp8_step(model)
     assert torch.equal(moved.fp8_scale, torch.ones(3))
+
+
+def _logging_ops(layers: int) -> tuple[collections.Counter[str], dict[str, float], dict[str, dict]]:
+    """Tensor operations of a logging step's ``check`` + ``metrics`` after an FP8-sampled step, the metrics logged,
+    and each layer's statistics as the layer itself reports them."""
+    from hf_mixedprec.fp8 import monitored_layers
+
+    spec = {"name": "sampled", "extends": "h100-fp8-delayed", "health": {"fp8_sample_every": 2}}
+    rt = MixedPrecisionRuntime(resolve_recipe(spec).rehearsed(), device="cpu")
+    model = tiny_llama(num_hidden_layers=layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    rt.convert_model(model, opt)
+    scaler = rt.make_guard_scaler()
+    counter = _OpCounter()
+    for step, batch in enumerate(byte_batches(builtin_text(), seq_len=32, batch_size=2, n_batches=4, seed=0), 1):
+        rt.begin_step(model)
+        with rt.autocast():
+            loss = model(input_ids=batch, labels=batch).loss
+        rt.record_loss(loss)
+        loss.backward()
+        rt.before_optimizer_step(model.parameters(), opt)
+        scaler.step(opt)
+        scaler.update()
+        rt.after_optimizer_step(model, opt)
+        opt.zero_grad(set_to_none=True)
+        if step == 4:  # step 4 sampled (every 2nd); it logs now
+            with counter:
+                rt.check(model, opt)
+                metrics = rt.metrics()
+    layers_now = {name: m.stats.to_floats() for name, m in monitored_layers(model)}
+    return counter.ops, metrics, layers_now
+
+
+def test_a_logging_steps_fp8_work_does_not_grow_with_the_number_of_fp8_layers():
+    """The sampled statistics of every emulated layer are finished, handed to the detectors and read as one table:
+    the same tensor operations for 14 and 56 FP8 layers (it was about 65 more per layer), and the values logged
+    are each layer's own."""
+    small, _, _ = _logging_ops(2)
+    large, metrics, layers_now = _logging_ops(8)
+    assert small == large, (small - large, large - small)
+    assert sum(large.values()) < 200, large
+    assert len(layers_now) == 56
+    for name, roles in layers_now.items():
+        assert metrics[M.fp8_layer_key(name, "input_amax")] == roles["input"]["amax"] > 0
+        assert metrics[M.fp8_layer_key(name, "saturation")] == max(r["saturation"] for r in roles.values())
+        assert metrics[M.fp8_layer_key(name, "sqnr_db")] == min(r["sqnr_db"] for r in roles.values())
+
+
+def test_tables_merge_as_the_layers_do():
+    """Two samples of one model's layers, merged table to table, equal the per-layer worst (NaN wins, lower SQNR)."""
+    from hf_mixedprec.health import _worst_of_tables
+    from hf_mixedprec.scaling.stats import layer_stats_from_table
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.rand(4, 3, 5, generator=g), torch.rand(4, 3, 5, generator=g)
+    a[1, 2, 0], b[2, 0, 3] = math.nan, math.nan
+    flags = [
+        ((True, True, True), False),
+        ((True, True, False), False),
+        ((True, True, True), True),
+        ((True,) * 3, False),
+    ]
+    names = [f"l{i}" for i in range(4)]
+    held = dict(zip(names, layer_stats_from_table(a, flags)))
+    new = dict(zip(names, layer_stats_from_table(b, flags)))
+    merged = _worst_of_tables(held, new)
+    assert merged is not None and list(merged) == names
+    for name in names:
+        want, got = held[name].worst(new[name]).to_floats(), merged[name].to_floats()
+        assert got.keys() == want.keys()
+        for role in want:
+            assert got[role].keys() == want[role].keys()
+            for metric, v in want[role].items():
+                assert math.isnan(v) == math.isnan(got[role][metric]) and (math.isnan(v) or v == got[role][metric])
+    # a layer set that does not match (another model, a probe among them) is merged per layer
+    assert _worst_of_tables(held, dict(list(new.items())[:2])) is None

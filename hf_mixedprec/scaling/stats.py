@@ -37,6 +37,7 @@ __all__ = [
     "RoleStats",
     "StatsLayout",
     "finish_operand_stats",
+    "layer_stats_from_table",
     "layer_stats_of",
     "mx_clamp_fraction",
     "operand_stats",
@@ -180,6 +181,9 @@ class RoleStats:
         return RoleStats(**out)
 
     def detach(self) -> RoleStats:
+        """Without autograd history; values that have none are kept as they are (no tensor operation)."""
+        if not any(v.requires_grad for _, v in self.items()):
+            return self
         return RoleStats(**{m: v.detach() for m, v in self.items()})
 
 
@@ -194,6 +198,9 @@ class LayerStats(Mapping[str, torch.Tensor]):
     input: RoleStats | None = None
     weight: RoleStats | None = None
     grad: RoleStats | None = None
+    #: ``(table, i)`` when every value is a view of row ``i`` of one :func:`finish_operand_stats` table ``[n, 3, 5]``
+    #: (:func:`layer_stats_from_table`): :func:`stack_layer_stats` then sends the table whole, in one operation
+    source: tuple[torch.Tensor, int] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def role(self, role: str) -> RoleStats | None:
         if role not in ROLES:
@@ -204,7 +211,7 @@ class LayerStats(Mapping[str, torch.Tensor]):
         """A copy with ``role``'s statistics replaced (the others kept)."""
         if role not in ROLES:
             raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
-        return dataclasses.replace(self, **{role: stats})
+        return dataclasses.replace(self, **{role: stats}, source=None)
 
     def worst(self, other: LayerStats) -> LayerStats:
         """Per operand and metric, the worse of ``self`` and ``other`` (see :meth:`RoleStats.worst`)."""
@@ -218,7 +225,12 @@ class LayerStats(Mapping[str, torch.Tensor]):
         return LayerStats(**out)
 
     def detach(self) -> LayerStats:
-        return LayerStats(**{r: s.detach() for r in ROLES if (s := getattr(self, r)) is not None})
+        """Without autograd history (no tensor operation where there is none)."""
+        roles = {r: s for r in ROLES if (s := getattr(self, r)) is not None}
+        detached = {r: s.detach() for r, s in roles.items()}
+        if all(detached[r] is roles[r] for r in roles):
+            return self
+        return LayerStats(**detached)
 
     def to_floats(self) -> dict[str, dict[str, float]]:
         """``role -> metric -> value`` on the host, with one device-to-host copy (call on logging steps only)."""
@@ -310,8 +322,8 @@ def operand_stats(
     )
 
 
-#: Where each layer's values sit in :func:`stack_layer_stats`'s tensor: ``(layer, [(role, metric), ...])``.
-StatsLayout = list[tuple[str, list[tuple[str, str]]]]
+#: Where each layer's values sit in :func:`stack_layer_stats`'s tensor: ``(layer, [(role, metric, position), ...])``.
+StatsLayout = list[tuple[str, list[tuple[str, str, int]]]]
 
 
 def stack_layer_stats(
@@ -319,23 +331,54 @@ def stack_layer_stats(
 ) -> tuple[torch.Tensor | None, StatsLayout]:
     """Every measured statistic of ``layers`` as one flat float32 tensor (on ``device``, default the first
     value's), and the layout :func:`unstack_layer_stats` reads it back with; ``(None, [])`` when nothing was
-    measured. No host read: the caller reads the tensor (with others) in one copy."""
-    layout: StatsLayout = []
-    values: list[torch.Tensor] = []
+    measured. No host read: the caller reads the tensor (with others) in one copy.
+
+    Layers whose statistics are views of one finished table (:func:`layer_stats_from_table`, the emulated and
+    native layers' samples) are sent as that table, whole: a fixed number of operations however many layers;
+    the others value by value."""
+    tables: dict[int, tuple[torch.Tensor, int]] = {}  # id(table) -> (table, offset)
+    singles: list[torch.Tensor] = []
+    entries: list[tuple[str, list[tuple[str, str, int | None]]]] = []
+    offset = 0
     for layer, stats in layers.items():
-        keys = []
-        for role in ROLES:
+        keys: list[tuple[str, str, int | None]] = []
+        src = stats.source
+        if src is not None:
+            table, i = src
+            if id(table) not in tables:
+                tables[id(table)] = (table, offset)
+                offset += table.numel()
+            base = tables[id(table)][1] + i * table.shape[-2] * table.shape[-1]
+        for r, role in enumerate(ROLES):
             rs = getattr(stats, role)
-            if rs is not None:
-                for metric, v in rs.items():
-                    keys.append((role, metric))
-                    values.append(v.detach().reshape(()))
+            if rs is None:
+                continue
+            for metric, v in rs.items():
+                if src is not None:
+                    keys.append((role, metric, base + r * table.shape[-1] + METRICS.index(metric)))
+                else:
+                    keys.append((role, metric, None))
+                    singles.append(v.detach().reshape(()))
         if keys:
-            layout.append((layer, keys))
-    if not values:
+            entries.append((layer, keys))
+    parts = [t.reshape(-1) for t, _ in tables.values()]
+    first = parts[0] if parts else (singles[0] if singles else None)
+    if first is None:
         return None, []
-    dev = torch.device(device) if device is not None else values[0].device
-    flat = torch.stack([v if v.device == dev else v.to(dev) for v in values])
+    dev = torch.device(device) if device is not None else first.device
+    if singles:
+        parts.append(torch.stack([v if v.device == dev else v.to(dev) for v in singles]))
+    parts = [p if p.device == dev else p.to(dev) for p in parts]
+    flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+    layout: StatsLayout = []
+    k = offset
+    for layer, keys in entries:
+        placed = []
+        for role, metric, pos in keys:
+            if pos is None:
+                pos, k = k, k + 1
+            placed.append((role, metric, pos))
+        layout.append((layer, placed))
     return (flat if flat.dtype == torch.float32 else flat.float()), layout
 
 
@@ -343,12 +386,10 @@ def unstack_layer_stats(values: Sequence[float], layout: StatsLayout) -> dict[st
     """``layer -> role -> metric -> value`` from the host values of :func:`stack_layer_stats`'s tensor (as
     :meth:`LayerStats.to_floats` gives for one layer)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
-    pos = 0
     for layer, keys in layout:
         roles: dict[str, dict[str, float]] = {}
-        for role, metric in keys:
+        for role, metric, pos in keys:
             roles.setdefault(role, {})[metric] = values[pos]
-            pos += 1
         out[layer] = roles
     return out
 
@@ -449,6 +490,23 @@ def finish_operand_stats(raw: torch.Tensor) -> torch.Tensor:
     sat = clipped / torch.maximum(numel, one)
     out = torch.stack([amax, sat, under / torch.maximum(nonzero, one), db, mx], -1).float()
     return torch.where(torch.isnan(numel).unsqueeze(-1), math.nan, out)
+
+
+def layer_stats_from_table(table: torch.Tensor, flags: Sequence[tuple[Sequence[bool], bool]]) -> list[LayerStats]:
+    """:func:`layer_stats_of` for every layer of one finished table ``[n, 3, 5]`` (``flags``: each layer's measured
+    roles and whether MX clamp was measured), in a fixed number of tensor operations however many layers; each
+    record knows the table it views (:attr:`LayerStats.source`)."""
+    n = table.shape[0]
+    columns = [c.unbind(0) for c in table.reshape(n * len(ROLES), len(METRICS)).t().unbind(0)]
+    out = []
+    for i, (measured, mx_clamp) in enumerate(flags):
+        roles = {}
+        for r, (role, seen) in enumerate(zip(ROLES, measured)):
+            if seen:
+                amax, sat, under, db, mx = (col[i * len(ROLES) + r] for col in columns)
+                roles[role] = RoleStats(amax, sat, under, db, mx if mx_clamp else None)
+        out.append(LayerStats(**roles, source=(table, i)))
+    return out
 
 
 def layer_stats_of(table: torch.Tensor, measured: Sequence[bool], mx_clamp: bool) -> LayerStats:
