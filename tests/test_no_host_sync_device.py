@@ -144,9 +144,9 @@ def traffic(monkeypatch):
 
 
 def _steps(
-    recipe_name: str, traffic: HostTraffic, *, steps: int = 9, log_every: int = 5, backend: str | None = None
+    recipe_name: str, traffic: HostTraffic, *, steps: int = 7, log_every: int = 5, backend: str | None = None
 ) -> None:
-    # FP8 statistics sampled every 3rd step, so sampled steps (3, 6, 9) are among the guarded ones too
+    # FP8 statistics sampled every 3rd step, so sampled steps (3, 6) are among the guarded ones too
     spec = {"name": f"{recipe_name}-guarded", "extends": recipe_name, "health": {"fp8_sample_every": 3}}
     if backend is not None:
         spec["fp8"] = {"backend": backend}
