@@ -353,6 +353,13 @@ class EmulatedFP8Conv1D(EmulatedFP8GEMM):
         return conv
 
 
+def remember_gemm(ctx: Any, mod: EmulatedFP8GEMM, x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    """What a GEMM layer's backward needs besides its saved tensors (the emulated and native functions alike):
+    the layer, and ``ctx.meta = (x's leading dims, x's dtype, weight's dtype, has bias, bias's dtype)``."""
+    ctx.mod = mod
+    ctx.meta = (x.shape[:-1], x.dtype, weight.dtype, bias is not None, bias.dtype if bias is not None else None)
+
+
 class _EmulatedFP8Fn(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -376,8 +383,7 @@ class _EmulatedFP8Fn(torch.autograd.Function):
                 else mod.quantize_for(w, 1, gemm="dgrad", src_dtype=weight.dtype).deq
             )
         ctx.save_for_backward(x_w, w_d)
-        ctx.mod = mod
-        ctx.meta = (lead, x.dtype, weight.dtype, bias is not None, bias.dtype if bias is not None else None)
+        remember_gemm(ctx, mod, x, weight, bias)
         return y.to(out_dtype).reshape(*lead, y.shape[-1])
 
     @staticmethod

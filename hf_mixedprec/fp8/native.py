@@ -24,7 +24,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hf_mixedprec.fp8.emulated import EmulatedFP8Conv1D, EmulatedFP8GEMM, EmulatedFP8Linear, EmulationSpec
+from hf_mixedprec.fp8.emulated import (
+    EmulatedFP8Conv1D,
+    EmulatedFP8GEMM,
+    EmulatedFP8Linear,
+    EmulationSpec,
+    remember_gemm,
+)
+from hf_mixedprec.hardware import torch_has_fp8_gemm
 
 __all__ = ["NATIVE_SCALINGS", "NativeFP8Conv1D", "NativeFP8Linear", "native_available", "native_layer"]
 
@@ -39,7 +46,7 @@ _PROBED: dict[str, tuple[bool, str]] = {}
 def native_available(device: torch.device) -> tuple[bool, str]:
     """Whether torch's FP8 GEMM runs on ``device``, and why not: FP8 tensor cores on CUDA, then one tiny
     ``torch._scaled_mm`` tried once per device type (its signature and CPU support changed across torch 2.x)."""
-    if not hasattr(torch, "_scaled_mm"):
+    if not torch_has_fp8_gemm():
         return False, f"torch {torch.__version__} has no torch._scaled_mm"
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
@@ -78,11 +85,12 @@ def fp8_mm(a: Tensor, b: Tensor, inv_a: Tensor, inv_b: Tensor, out_dtype: torch.
 
 
 class _NativeGEMM:
-    """What the native layers add to the emulated ones: FP8 GEMMs on the quantized data."""
+    """What the native layers add to the emulated ones: FP8 GEMMs on the quantized data (first in their bases, so
+    its ``_gemm`` is the one that runs)."""
 
     dequantizes = False
 
-    def _native_forward(self: Any, x: Tensor, out_dtype: torch.dtype) -> Tensor:
+    def _gemm(self: Any, x: Tensor, out_dtype: torch.dtype) -> Tensor:
         return _NativeFP8Fn.apply(x, self.weight, self.bias, self, out_dtype)
 
 
@@ -105,8 +113,7 @@ class _NativeFP8Fn(torch.autograd.Function):
         if bias is not None:
             y = y + bias.float()
         ctx.save_for_backward(xq.data, wq.data, x_inv, w_inv)
-        ctx.mod = mod
-        ctx.meta = (lead, x.dtype, weight.dtype, bias is not None, bias.dtype if bias is not None else None)
+        remember_gemm(ctx, mod, x, weight, bias)
         return y.to(out_dtype).reshape(*lead, y.shape[-1])
 
     @staticmethod
@@ -142,9 +149,6 @@ class NativeFP8Linear(_NativeGEMM, EmulatedFP8Linear):
         _check_spec(spec)
         super().__init__(linear, spec)
 
-    def _gemm(self, x: Tensor, out_dtype: torch.dtype) -> Tensor:
-        return self._native_forward(x, out_dtype)
-
 
 class NativeFP8Conv1D(_NativeGEMM, EmulatedFP8Conv1D):
     """transformers' ``Conv1D`` on FP8 GEMMs, quantized exactly as :class:`EmulatedFP8Conv1D`."""
@@ -152,9 +156,6 @@ class NativeFP8Conv1D(_NativeGEMM, EmulatedFP8Conv1D):
     def __init__(self, conv: nn.Module, spec: EmulationSpec):
         _check_spec(spec)
         super().__init__(conv, spec)
-
-    def _gemm(self, x: Tensor, out_dtype: torch.dtype) -> Tensor:
-        return self._native_forward(x, out_dtype)
 
 
 def native_layer(kind: str, layer: nn.Module, spec: EmulationSpec) -> EmulatedFP8GEMM:
