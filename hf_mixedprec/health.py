@@ -52,9 +52,6 @@ from hf_mixedprec.schema import DetectorConfig, DetectorsConfig, HealthConfig
 
 __all__ = ["STEP_DETECTORS", "HealthEvent", "HealthMonitor", "LayerBreach", "layer_breaches", "threshold_of"]
 
-#: The column of each statistic in a finished table (:func:`~hf_mixedprec.scaling.stats.finish_operand_stats`).
-METRIC_COLUMN = {m: i for i, m in enumerate(METRICS)}
-
 STEP_DETECTORS = (
     "nonfinite_loss",
     "nonfinite_grad",
@@ -486,8 +483,10 @@ def _worst_of_tables(held: Mapping[str, LayerStats], new: Mapping[str, LayerStat
     a = _table_of(held)
     if a is None or a[1] != b[1] or a[0].shape != b[0].shape:
         return None
+    if [i for _, i, _ in b[1]] != list(range(b[0].shape[0])):
+        return None  # a table that holds other layers too, or in another order: merge per layer
     x, y = a[0], b[0]
-    sqnr = METRIC_COLUMN["sqnr_db"]  # the lower SQNR is the worse; every other statistic, the higher (NaN wins)
+    sqnr = METRICS.index("sqnr_db")  # the lower SQNR is the worse; every other statistic, the higher (NaN wins)
     worst = torch.cat(
         [
             torch.maximum(x[..., :sqnr], y[..., :sqnr]),
@@ -496,8 +495,6 @@ def _worst_of_tables(held: Mapping[str, LayerStats], new: Mapping[str, LayerStat
         ],
         dim=-1,
     )
-    if [i for _, i, _ in b[1]] != list(range(worst.shape[0])):
-        return None  # a table that holds other layers too, or in another order: merge per layer
     flags = []
     for name, _, measured in b[1]:
         roles = [s for r in ROLES if (s := getattr(new[name], r)) is not None]
