@@ -1,18 +1,26 @@
-"""Run ``hf-mixedprec finetune`` and SIGKILL it as the K-th file appears in one checkpoint folder (a test harness).
+"""SIGKILL runs of ``hf-mixedprec finetune`` (or a Trainer script) at chosen moments of a checkpoint save, then
+resume them (a test harness).
 
-    KILL_IN=run/checkpoint-4 KILL_AT_WRITE=3 python tests/kill_at_write.py finetune --output-dir run ...
-    KILL_IN=run/checkpoint-4 KILL_AT_WRITE=3 python tests/kill_at_write.py scripts/finetune_trainer.py ...
+    python tests/kill_at_write.py jobs.json results.json
 
-A thread watches the folder ``KILL_IN`` (polling every 0.2 ms) and kills the process the moment the folder holds K
-entries, whoever writes them (Python, safetensors' or tokenizers' own writers): the K-th file is then being written
-or just done, and every later one is missing. ``KILL_AT_NAME=manifest`` kills instead the moment the manifest is to be
-written (every other file is). ``KILL_AT_WRITE=0`` alone kills nothing and writes the most entries the folder ever
-held into the file ``KILL_COUNT``.
+One interpreter imports torch, transformers and hf_mixedprec once and runs nothing; each step of each chain is then
+a ``fork`` of it (a fresh process that pays no start-up: about 1.5 s per tiny run instead of 8). ``jobs.json``
+holds chains, run two at a time (the machine has 2 cores), the steps of one chain one after the other::
+
+    [[{"cmd": ["finetune", "--output-dir", "run", ...], "kill_in": "run/checkpoint-4", "at": 3, "log": "k3.log"},
+      {"cmd": ["finetune", "--output-dir", "run", ..., "--resume", "latest"], "log": "k3.resume.log"}], ...]
+
+A step with ``at: K`` is killed the moment the folder ``kill_in`` holds K entries, whoever writes them (Python,
+safetensors' or tokenizers' own writers; a thread polls every 0.2 ms): the K-th file is then being written or just
+done, and every later one is missing. ``at: "manifest"`` kills it as the manifest is about to be written (every other
+file is). ``at: 0`` kills nothing and writes the most entries the folder ever held into the file ``count``. A ``cmd`` whose first word
+ends in ``.py`` is a training script run as ``__main__``; otherwise it is ``hf_mixedprec.cli.main``'s arguments.
+``results.json`` gets, per chain, each step's exit status (``-9`` for a kill).
 """
 
 from __future__ import annotations
 
-import atexit
+import json
 import os
 import signal
 import sys
@@ -20,45 +28,114 @@ import threading
 import time
 from pathlib import Path
 
-AT = int(os.environ.get("KILL_AT_WRITE", "0"))
-#: or ``manifest``: kill as the manifest is about to be written, every other file of the checkpoint written
-BEFORE_MANIFEST = os.environ.get("KILL_AT_NAME", "") == "manifest"
-FOLDER = Path(os.environ["KILL_IN"])
-most = 0
+import hf_mixedprec.integrations.checkpointing as managed
+from hf_mixedprec.cli import main as cli_main
 
 
-def _watch() -> None:
-    global most
-    while True:
-        try:
-            names = os.listdir(FOLDER)
-        except OSError:
-            names = []
-        most = max(most, len(names))
-        if AT and len(names) >= AT:
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(0.0002)
+def _import_everything() -> None:
+    """What a run imports on its way (the package, Trainer, peft, the generation mixin, the plots' matplotlib), so
+    that no child pays for it; nothing is computed, so a fork shares no thread pool."""
+    import importlib
+    import pkgutil
+
+    import matplotlib
+
+    import hf_mixedprec
+
+    matplotlib.use("Agg")
+    for mod in pkgutil.walk_packages(hf_mixedprec.__path__, "hf_mixedprec."):
+        if not mod.name.startswith(("hf_mixedprec.fp8.transformer_engine",)):
+            importlib.import_module(mod.name)
+    for name in ("transformers.trainer", "transformers.generation.utils", "peft", "matplotlib.pyplot",
+                 "transformers.models.llama.modeling_llama", "safetensors.torch"):  # fmt: skip
+        importlib.import_module(name)
 
 
-threading.Thread(target=_watch, daemon=True).start()
-if BEFORE_MANIFEST:
-    import hf_mixedprec.integrations.checkpointing as managed
+MANIFEST_MOMENT = "manifest"
 
-    def _die(folder):
-        if Path(folder).resolve() == FOLDER.resolve():
-            os.kill(os.getpid(), signal.SIGKILL)
-        return write(folder)
 
-    write, managed.write_manifest = managed.write_manifest, _die
-elif AT == 0:
-    atexit.register(lambda: Path(os.environ["KILL_COUNT"]).write_text(str(most)))
+def _child(step: dict) -> None:
+    """One step, in a forked process: never returns."""
+    log = os.open(step["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    at = step.get("at")
+    folder = Path(step["kill_in"]) if "kill_in" in step else None
+    most = 0
+    if folder is not None and isinstance(at, int):
 
-if sys.argv[1].endswith(".py"):  # a training script (a plain Trainer with the recipe's callbacks)
-    import runpy
+        def watch() -> None:
+            nonlocal most
+            while True:
+                try:
+                    n = len(os.listdir(folder))
+                except OSError:
+                    n = 0
+                most = max(most, n)
+                if at and n >= at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(0.0002)
 
-    sys.argv = sys.argv[1:]
-    runpy.run_path(sys.argv[0], run_name="__main__")
-else:
-    from hf_mixedprec.cli import main
+        threading.Thread(target=watch, daemon=True).start()
+    if folder is not None and at == MANIFEST_MOMENT:
+        write = managed.write_manifest
 
-    sys.exit(main(sys.argv[1:]))
+        def die_before(target):
+            if Path(target).resolve() == folder.resolve():
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write(target)
+
+        managed.write_manifest = die_before
+    code = 1
+    try:
+        cmd = step["cmd"]
+        if cmd[0].endswith(".py"):
+            import runpy
+
+            sys.argv = list(cmd)
+            runpy.run_path(cmd[0], run_name="__main__")
+            code = 0
+        else:
+            code = cli_main(list(cmd))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        if at == 0 and "count" in step:
+            Path(step["count"]).write_text(str(most))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run(chains: list[list[dict]], slots: int = 2) -> list[list[int]]:
+    """Every chain's steps, ``slots`` chains at a time; each step's exit status (negative: killed by that signal)."""
+    results: list[list[int]] = [[] for _ in chains]
+    waiting = list(range(len(chains)))
+    running: dict[int, int] = {}  # pid -> chain
+
+    def start(c: int) -> None:
+        step = chains[c][len(results[c])]
+        pid = os.fork()
+        if pid == 0:
+            _child(step)
+        running[pid] = c
+
+    while waiting or running:
+        while waiting and len(running) < slots:
+            start(waiting.pop(0))
+        pid, status = os.wait()
+        c = running.pop(pid)
+        results[c].append(os.waitstatus_to_exitcode(status))
+        if len(results[c]) < len(chains[c]):
+            start(c)
+    return results
+
+
+if __name__ == "__main__":
+    _import_everything()
+    jobs, out = Path(sys.argv[1]), Path(sys.argv[2])
+    out.write_text(json.dumps(run(json.loads(jobs.read_text()))))

@@ -146,75 +146,77 @@ def test_finetune_refuses_a_damaged_checkpoint_it_is_told_to_resume_in_one_line(
     assert not any("finetune: step" in line for line in err)  # no step trained before the refusal
 
 
-# -- SIGKILL at every moment of a save --------------------------------------------------------------------------------
-def _harness(out: Path, at: int | str, cmd: list[str]) -> subprocess.Popen[str]:
-    """``cmd`` under tests/kill_at_write.py: killed as the ``at``-th entry of ``out``/checkpoint-4 appears, or with
-    ``at="manifest"`` as its manifest is to be written; ``at=0``: not killed, the most entries counted."""
-    env = {
-        **os.environ,
-        "KILL_IN": str(out / "checkpoint-4"),
-        "KILL_AT_WRITE": str(at) if isinstance(at, int) else "0",
-        "KILL_AT_NAME": at if isinstance(at, str) else "",
-        "KILL_COUNT": str(out.parent / f"{out.name}.count"),
-        "PYTHONPATH": str(REPO),
-        "CUDA_VISIBLE_DEVICES": "",
-    }
-    return subprocess.Popen(
-        [sys.executable, str(HARNESS), *cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-
-
-def _run_all(runs: list[tuple[Path, int | str]], cmd_of) -> None:
-    """Start the runs two at a time (the machine has 2 cores); a killed one must die of SIGKILL, the others finish."""
-    for i in range(0, len(runs), 2):
-        procs = [(out, at, _harness(out, at, cmd_of(out))) for out, at in runs[i : i + 2]]
-        for out, at, proc in procs:
-            _, err = proc.communicate(timeout=300)
-            assert proc.returncode == (0 if at == 0 else -9), (out, err[-2000:])
-
-
+# -- SIGKILL at every write of a save ---------------------------------------------------------------------------------
+TRAINER_SCRIPT = str(REPO / "scripts" / "finetune_trainer.py")
+TRAINER_ARGS = ["--recipe", "cpu-bf16", "--max-steps", "4", "--save-steps", "2", "--batch-size", "2", "--seq-len", "16"]
 BEFORE_MANIFEST = "manifest"  # killed as the manifest is to be written: every other file of the checkpoint is
 
 
+def _zygote(tmp: Path, chains: list[list[dict]]) -> list[list[int]]:
+    """The chains under tests/kill_at_write.py (one interpreter, a fork per step); each step's exit status."""
+    jobs, results = tmp / "jobs.json", tmp / "results.json"
+    jobs.write_text(json.dumps(chains))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, str(HARNESS), str(jobs), str(results)], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(results.read_text())
+
+
+def _finetune(out: Path, *extra: str) -> list[str]:
+    return ["finetune", "--output-dir", str(out), *FINETUNE, *extra]
+
+
+def _script(out: Path, *extra: str) -> list[str]:
+    return [TRAINER_SCRIPT, "--output-dir", str(out), *TRAINER_ARGS, *extra]
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory):
+    """Both entry points, run straight (counting the entries checkpoint-4 ever holds), then killed at each of those
+    writes and at the manifest moment, each resumed with ``--resume latest`` / ``resume_from_checkpoint=True``."""
+    tmp = tmp_path_factory.mktemp("kills")
+    kinds = {"finetune": (_finetune, ("--resume", "latest")), "trainer": (_script, ("--resume",))}
+    straight = [
+        [{"cmd": cmd(tmp / f"{kind}-straight"), "kill_in": str(tmp / f"{kind}-straight" / "checkpoint-4"), "at": 0,
+          "count": str(tmp / f"{kind}.count"), "log": str(tmp / f"{kind}-straight.log")}]
+        for kind, (cmd, _) in kinds.items()
+    ]  # fmt: skip
+    assert _zygote(tmp, straight) == [[0], [0]]
+    chains, runs = [], []
+    for kind, (cmd, resume) in kinds.items():
+        count = int((tmp / f"{kind}.count").read_text())
+        assert count >= 8, f"{kind}: checkpoint-4 held {count} entries"  # weights, optimizer, ... and the manifest
+        for at in [*range(1, count + 1), BEFORE_MANIFEST]:
+            out = tmp / f"{kind}-kill-{at}"
+            chains.append([
+                {"cmd": cmd(out), "kill_in": str(out / "checkpoint-4"), "at": at, "log": f"{out}.log"},
+                {"cmd": cmd(out, *resume), "log": f"{out}.resume.log"},
+            ])  # fmt: skip
+            runs.append((kind, at, out))
+    return tmp, runs, _zygote(tmp, chains)
+
+
 @pytest.mark.slow
-def test_finetune_killed_at_any_write_of_a_checkpoint_resumes_latest_from_a_complete_one(tmp_path, capsys):
-    straight = tmp_path / "straight"
-    # the first file, one in the middle, and the moment every file but the manifest is written (the suite's time
-    # budget), killed while the straight run goes alongside
-    runs: list[tuple[Path, int | str]] = [(straight, 0), (tmp_path / "kill-1", 1), (tmp_path / "kill-5", 5)]
-    runs.append((tmp_path / "kill-manifest", BEFORE_MANIFEST))
-    _run_all(runs, lambda out: ["finetune", "--output-dir", str(out), *FINETUNE])
-    assert int((tmp_path / "straight.count").read_text()) >= 10  # checkpoint-4's files, manifest included
+@pytest.mark.parametrize("kind", ["finetune", "trainer"])
+def test_a_run_killed_at_each_write_of_a_checkpoint_resumes_latest_from_a_verified_one(killed_runs, kind):
+    """SIGKILL as each file of checkpoint-4 appears, and as its manifest is to be written; the resumed run (``finetune
+    --resume latest``, or a plain Trainer script's ``resume_from_checkpoint=True``) passes over the killed save
+    loudly, starts from checkpoint-2 (kept through ``save_total_limit`` 1 rotation) and ends as the straight run."""
+    tmp, runs, results = killed_runs
+    straight = tmp / f"{kind}-straight"
     want = load_file(straight / "checkpoint-4" / "model.safetensors")
-    for out, at in runs[1:]:
-        assert (out / "checkpoint-2").is_dir(), f"kill {at}: the last complete checkpoint was rotated away"
-        assert verify(out / "checkpoint-4") is not None, f"kill {at}: the killed save looks complete"
-        capsys.readouterr()
-        code = main(["finetune", "--output-dir", str(out), *FINETUNE, "--resume", "latest"])
-        err = capsys.readouterr().err
-        assert code == 0 and "checkpoint-4 is damaged" in err and "resuming from checkpoint-2" in err, (at, err[-2000:])
+    mine = [(at, out, res) for (k, at, out), res in zip(runs, results, strict=True) if k == kind]
+    assert len(mine) >= 9
+    for at, out, (killed, resumed) in mine:
+        log = Path(f"{out}.resume.log").read_text()
+        assert killed == -9, f"kill {at}: {Path(f'{out}.log').read_text()[-2000:]}"
+        assert resumed == 0, f"kill {at}: {log[-2000:]}"
+        assert "checkpoint-4 is damaged" in log and "resuming from checkpoint-2" in log, (at, log[-2000:])
+        assert verify(out / "checkpoint-4") is None, f"kill {at}: the resumed run's checkpoint does not verify"
         got = load_file(out / "checkpoint-4" / "model.safetensors")
         assert [n for n in want if not torch.equal(want[n], got[n])] == [], f"kill {at}: the resumed run diverged"
-
-
-@pytest.mark.slow
-def test_a_trainer_script_killed_mid_save_resumes_with_resume_from_checkpoint_true(tmp_path):
-    script = str(REPO / "scripts" / "finetune_trainer.py")
-    args = ["--recipe", "cpu-bf16", "--max-steps", "4", "--save-steps", "2", "--batch-size", "2", "--seq-len", "16"]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    _run_all([(straight, 0), (killed, BEFORE_MANIFEST)], lambda out: [script, "--output-dir", str(out), *args])
-    want = [r["loss"] for r in json.loads((straight / "log_history.rank0.json").read_text()) if "loss" in r]
-    resumed = subprocess.run(
-        [sys.executable, script, "--output-dir", str(killed), *args, "--resume"],
-        env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "checkpoint-4 is damaged" in resumed.stderr and "resuming from checkpoint-2" in resumed.stderr
-    rows = json.loads((killed / "log_history.rank0.json").read_text())
-    assert [r["loss"] for r in rows if "loss" in r] == want, "the resumed run diverged"
 
 
 def test_a_checkpoint_verified_once_is_not_hashed_again_until_a_file_changes(tmp_path, monkeypatch):
