@@ -30,6 +30,7 @@ __all__ = [
     "auto_recipe_name",
     "check_recipe",
     "detect",
+    "fp8_backend_for",
     "generation_of",
     "support_for",
 ]
@@ -229,6 +230,51 @@ def auto_recipe_name(
     return "a100-bf16", notes
 
 
+#: The FP8 scalings hf_mixedprec's native backend runs (per-tensor scales on torch._scaled_mm's tensorwise GEMM).
+NATIVE_FP8_SCALINGS = ("delayed", "current")
+
+
+def fp8_backend_for(
+    choice: str, scaling: str, *, device_type: str, te: bool, torchao: bool, native: tuple[bool, str]
+) -> tuple[str | None, str]:
+    """The FP8 backend that ``fp8.backend: choice`` (``auto`` or a backend's name) runs ``scaling`` with on a
+    ``device_type`` machine with (or without) Transformer Engine and torchao installed, ``native``: whether torch's
+    FP8 GEMM runs there and why not; and a note (the choice made, or, with None, why nothing runs).
+
+    ``auto``: Transformer Engine on CUDA where installed; else torchao for current scaling (measured faster than the
+    native layers on an H100); else the native layers for delayed and current scaling. A named backend is taken as
+    named where it can run. One rule for the conversion (``fp8.resolve_backend``) and :func:`check_recipe` (before any
+    work), so a recipe refused at the start is exactly one that would fail at conversion."""
+    cuda = device_type == "cuda"
+    runs, why = native
+    if choice == "auto":
+        if cuda and te:
+            return "transformer_engine", "fp8.backend auto -> transformer_engine"
+        if cuda and scaling == "current" and torchao:
+            return "torchao", "fp8.backend auto -> torchao tensorwise (Transformer Engine is not installed)"
+        if cuda and runs and scaling in NATIVE_FP8_SCALINGS:
+            return "native", (
+                f"fp8.backend auto -> native ({scaling} scaling with hf_mixedprec's quantizers on torch._scaled_mm; "
+                "Transformer Engine is not installed)"
+            )
+        where = "this CUDA GPU" if cuda else f"device {device_type!r}"
+        return None, (
+            f"fp8.backend: 'auto' finds no backend that runs scaling {scaling!r} on {where} (Transformer Engine: "
+            f"{'installed' if te else 'not installed'}; torchao: {'installed' if torchao else 'not installed'}, "
+            f"current scaling only; native: {'delayed and current scaling only' if runs else why}); "
+            "install 'hf_mixedprec[transformer-engine]' on a GPU with compute capability >= 8.9, or set "
+            "fp8.backend: emulated to run the exact numerics anywhere (slowly)"
+        )
+    if choice == "transformer_engine" and not (cuda and te):
+        lack = "is not installed" if not te else "runs on CUDA GPUs only"
+        return None, f"fp8.backend: 'transformer_engine' {lack} (install 'hf_mixedprec[transformer-engine]')"
+    if choice == "torchao" and not torchao:
+        return None, "fp8.backend: 'torchao' is not installed (install 'hf_mixedprec[torchao]')"
+    if choice == "native" and not runs:
+        return None, f"fp8.backend: 'native' cannot run here: {why}"
+    return choice, ""
+
+
 def torch_has_fp8_gemm() -> bool:
     """Whether this torch has its FP8 GEMM (``torch._scaled_mm``), which the native FP8 backend runs on."""
     return hasattr(torch, "_scaled_mm")
@@ -249,7 +295,8 @@ def check_recipe(recipe: RecipeSpec, info: HardwareInfo) -> None:
         missing = sup.lacks.get(recipe.fp8.scaling, f"FP8 {recipe.fp8.scaling} scaling")
     elif recipe.tf32 and not sup.tf32 and info.device_type == "cuda":
         missing = "TF32 (needs compute capability >= 8.0)"
-    if missing is None:
+    no_backend = _no_fp8_backend(recipe, info) if missing is None else None
+    if missing is None and no_backend is None:
         return
     try:
         instead, _ = auto_recipe_name(
@@ -267,9 +314,30 @@ def check_recipe(recipe: RecipeSpec, info: HardwareInfo) -> None:
     )
     if recipe.precision == "fp8":
         rehearse += f", and see its FP8 numerics per layer with `hf-mixedprec simulate --recipe {recipe.name}`"
+    if no_backend is not None:
+        raise HardwareRefusal(
+            f"recipe {recipe.name!r} has no FP8 backend on {info.describe()}: {no_backend}; or use {instead!r} "
+            f"instead{rehearse}"
+        )
     raise HardwareRefusal(
         f"recipe {recipe.name!r} needs {missing}, which {info.describe()} lacks; use {instead!r} instead{rehearse}"
     )
+
+
+def _no_fp8_backend(recipe: RecipeSpec, info: HardwareInfo) -> str | None:
+    """Why no FP8 backend runs ``recipe`` (hardware that has FP8) on ``info``'s machine; None when one does."""
+    if recipe.precision != "fp8" or recipe.fp8 is None:
+        return None
+    native = torch_has_fp8_gemm() and info.capability is not None and info.capability >= (8, 9)
+    backend, why = fp8_backend_for(
+        recipe.fp8.backend,
+        recipe.fp8.scaling,
+        device_type=info.device_type,
+        te=info.te_version is not None,
+        torchao=info.torchao_version is not None,
+        native=(native, "needs compute capability >= 8.9 and torch._scaled_mm"),
+    )
+    return why if backend is None else None
 
 
 def detect() -> HardwareInfo:

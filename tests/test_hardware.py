@@ -103,8 +103,54 @@ def test_supported_pairs_pass():
     }
     for gpu, names in ok.items():
         for name in names:
-            check_recipe(load_recipe_file(name), info(gpu))
+            check_recipe(load_recipe_file(name), info(gpu, te_version="2.8"))
     check_recipe(load_recipe_file("cpu-bf16"), CPU)
+
+
+@pytest.mark.parametrize(
+    "name, te, ao, runs",
+    [
+        ("h100-fp8-delayed", False, False, "native"),
+        ("h100-fp8-current", False, True, "torchao"),
+        ("h100-fp8-current", False, False, "native"),
+        ("h100-fp8-anneal-bf16", False, False, "native"),  # every phase
+        ("h100-fp8-blockwise", True, False, "transformer_engine"),
+        ("h100-fp8-blockwise", False, True, None),  # only TE runs blockwise
+        ("b200-mxfp8", False, True, None),  # only TE runs MXFP8
+    ],
+)
+def test_an_fp8_recipe_without_a_backend_here_is_refused_before_any_work(name, te, ao, runs):
+    """FP8 hardware without Transformer Engine: what fp8.backend auto would fail on inside Trainer's construction is
+    refused by the hardware check, in one line that names the backends and what to use instead."""
+    from hf_mixedprec.hardware import fp8_backend_for
+
+    gpu = info("B200" if name == "b200-mxfp8" else "H100", te_version="2.8" if te else None,
+               torchao_version="0.18" if ao else None)  # fmt: skip
+    recipe = load_recipe_file(name)
+    spec = recipe.phase_specs()[0] if recipe.phases is not None else recipe
+    got, _ = fp8_backend_for("auto", spec.fp8.scaling, device_type="cuda", te=te, torchao=ao, native=(True, ""))
+    assert got == runs
+    if runs is not None:
+        check_recipe(recipe, gpu)
+        return
+    with pytest.raises(HardwareRefusal) as exc:
+        check_recipe(recipe, gpu)
+    msg = str(exc.value)
+    assert msg.startswith(f"recipe {name!r} has no FP8 backend on {gpu.describe()}: fp8.backend: 'auto' finds no")
+    instead = "ada-fp8-current" if name == "b200-mxfp8" else "h100-fp8-current"  # what auto picks there
+    assert "Transformer Engine: not installed" in msg and f"use {instead!r} instead" in msg
+    assert "rehearse it on this machine" in msg and "\n" not in msg
+
+
+def test_a_named_fp8_backend_that_is_not_installed_is_refused():
+    base = load_recipe_file("h100-fp8-current")
+    te = base.model_copy(update={"fp8": base.fp8.model_copy(update={"backend": "transformer_engine"})})
+    with pytest.raises(HardwareRefusal, match=r"fp8.backend: 'transformer_engine' is not installed"):
+        check_recipe(te, info("H100", torchao_version="0.18"))
+    check_recipe(te, info("H100", te_version="2.8"))
+    ao = base.model_copy(update={"fp8": base.fp8.model_copy(update={"backend": "torchao"})})
+    with pytest.raises(HardwareRefusal, match=r"fp8.backend: 'torchao' is not installed"):
+        check_recipe(ao, info("H100"))
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ from hf_mixedprec.fp8.emulated import (
 from hf_mixedprec.fp8.policy import BACKEND_GEMM_KINDS, GEMM_KINDS, LayerDecision, plan_conversion
 from hf_mixedprec.fp8.probe import LayerProbe, probe_of
 from hf_mixedprec.fp8.swap import replace_module
+from hf_mixedprec.hardware import fp8_backend_for
 from hf_mixedprec.schema import RecipeSpec
 
 __all__ = [
@@ -117,35 +118,26 @@ def _has(module: str) -> bool:
 
 
 def resolve_backend(recipe: RecipeSpec, device: torch.device) -> tuple[str, list[str]]:
-    """The concrete backend for ``recipe.fp8.backend`` on ``device``, and notes on the choice."""
+    """The concrete backend for ``recipe.fp8.backend`` on ``device``, and notes on the choice
+    (:func:`hf_mixedprec.hardware.fp8_backend_for`, with this machine's installs and torch's FP8 GEMM probed)."""
     assert recipe.fp8 is not None
     choice = recipe.fp8.backend
     if choice != "auto":
         return choice, []
     from hf_mixedprec.fp8 import native
 
-    scaling = recipe.fp8.scaling
-    if device.type == "cuda" and _has("transformer_engine"):
-        return "transformer_engine", ["fp8.backend auto -> transformer_engine"]
-    # without TE: torchao for current scaling (measured faster than the native layers on an H100, benchmarks.md),
-    # the native layers (torch._scaled_mm) for delayed scaling and wherever torchao is not installed
-    if device.type == "cuda" and scaling == "current" and _has("torchao"):
-        return "torchao", ["fp8.backend auto -> torchao tensorwise (Transformer Engine is not installed)"]
-    runs, why = native.native_available(device) if device.type == "cuda" else (False, "not a CUDA GPU")
-    if runs and scaling in native.NATIVE_SCALINGS:
-        return "native", [
-            f"fp8.backend auto -> native ({scaling} scaling with hf_mixedprec's quantizers on torch._scaled_mm; "
-            "Transformer Engine is not installed)"
-        ]
-    where = "this CUDA GPU" if device.type == "cuda" else f"device {device.type!r}"
-    raise FP8BackendUnavailable(
-        f"fp8.backend: 'auto' finds no backend that runs scaling {scaling!r} on {where} (Transformer Engine: "
-        f"{'installed' if _has('transformer_engine') else 'not installed'}; torchao: "
-        f"{'installed' if _has('torchao') else 'not installed'}, current scaling only; native: "
-        f"{'delayed and current scaling only' if runs else why}); install "
-        "'hf_mixedprec[transformer-engine]' on a GPU with compute capability >= 8.9, or set fp8.backend: emulated "
-        "to run the exact numerics anywhere (slowly)"
+    cuda = device.type == "cuda"
+    backend, note = fp8_backend_for(
+        choice,
+        recipe.fp8.scaling,
+        device_type=device.type,
+        te=_has("transformer_engine"),
+        torchao=_has("torchao"),
+        native=native.native_available(device) if cuda else (False, "not a CUDA GPU"),
     )
+    if backend is None:
+        raise FP8BackendUnavailable(note)
+    return backend, [note]
 
 
 def converted_types() -> tuple[type, ...]:

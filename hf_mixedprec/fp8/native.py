@@ -31,12 +31,12 @@ from hf_mixedprec.fp8.emulated import (
     EmulationSpec,
     remember_gemm,
 )
-from hf_mixedprec.hardware import torch_has_fp8_gemm
+from hf_mixedprec.hardware import NATIVE_FP8_SCALINGS, torch_has_fp8_gemm
 
 __all__ = ["NATIVE_SCALINGS", "NativeFP8Conv1D", "NativeFP8Linear", "native_available", "native_layer"]
 
 #: The scalings the native backend runs (per-tensor scales: torch's tensorwise ``_scaled_mm``).
-NATIVE_SCALINGS = ("delayed", "current")
+NATIVE_SCALINGS = NATIVE_FP8_SCALINGS
 _ALIGN = 16
 
 
