@@ -692,6 +692,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             output_dir=args.output_dir,
             criteria=crit,
             overwrite=args.overwrite,
+            memory_check=not args.no_memory_check,
         )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.markdown(), end="" if not args.json else "\n")
     if not args.json:
@@ -757,6 +758,12 @@ def _add_compare(sub: Any) -> None:
         help=f"fail a recipe whose final loss is more than PCT %% above the baseline's (default {d.max_loss_delta_pct:g})",
     )
     s.add_argument("--allow-stop", action="store_true", help="do not fail a recipe whose run a health reaction stopped")
+    s.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="train even a run whose estimated memory (hf-mixedprec estimate) exceeds what the device has free "
+        "(default: refuse it before training anything)",
+    )
     s.add_argument("--json", action="store_true", help="print compare.json instead of the table")
     s.set_defaults(func=cmd_compare)
 

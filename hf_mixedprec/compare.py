@@ -805,6 +805,7 @@ def run_compare(
     criteria: Criteria | None = None,
     fidelity_points: int = 4,
     overwrite: bool = False,
+    memory_check: bool = True,
 ) -> CompareResult:
     """Train the baseline and each recipe from the same weights on the same batches; judge each recipe.
 
@@ -812,7 +813,8 @@ def run_compare(
     blocks held out for the final loss (default 0.05 with the built-in data, 0 with ``data``, when the mean train
     loss of the last tenth of the steps is the final loss). ``fidelity_points``: how many steps (spread over the
     run, the first included) measure per-layer gradient fidelity. An ``output_dir`` holding an earlier comparison is
-    refused before anything is trained, unless ``overwrite``.
+    refused before anything is trained, unless ``overwrite``. ``memory_check``: refuse, before training anything,
+    a run whose estimated training tensors (``hf-mixedprec estimate``) exceed the memory free on the device.
     """
     from hf_mixedprec.finetune import DEFAULTS, _prepare_data, build_model
 
@@ -831,6 +833,8 @@ def run_compare(
     prepared = _prepare_data(data, text_field, model, seq_len, eval_split)
     net, _ = build_model(model, prepared.tokenizer, seq_len=seq_len, seed=seed)
     init_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    if memory_check:
+        _check_memory_fit(base_recipe, [rec for rec, _ in loaded], net.config, batch_size, seq_len)
     del net
     probe = prepared.eval_ds if prepared.eval_ds is not None else prepared.train_ds
     rows = [probe[i] for i in range(min(batch_size, len(probe)))]
@@ -862,6 +866,68 @@ def run_compare(
     result = CompareResult(base, runs, crit, metric, out)
     _write(result)
     return result
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for a new allocation on ``device``: the CUDA driver's free memory, or the kernel's MemAvailable
+    (Linux) on a CPU; None where neither can be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_memory_fit(baseline: Recipe, recipes: Sequence[Recipe], config: Any, batch_size: int, seq_len: int) -> None:
+    """Refuse, before anything trains, a run whose estimated step (``estimate_memory``: weights, master, gradients,
+    optimizer states, activations) needs more than the device has free: compare trains the runs one after the
+    other, so each must fit alone. Within 10% of the free memory it says so and goes on."""
+    from hf_mixedprec.estimate import RESERVE, estimate_memory
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    free = free_memory(device)
+    if free is None:
+        print(f"compare: the free memory on {device} cannot be read: no memory check before training", file=sys.stderr)
+        return
+    try:
+        est = estimate_memory(
+            config,
+            [baseline, *recipes],
+            batch_size=batch_size,
+            seq_len=seq_len,
+            num_gpus=1,
+            target="gpu" if device.type == "cuda" else "cpu",
+        )
+    except Exception as exc:  # the check guards the runs; a model estimate cannot read must not stop them unsaid
+        from hf_mixedprec._text import root_cause
+
+        print(f"compare: no memory check before training: the estimate failed ({root_cause(exc)})", file=sys.stderr)
+        return
+    gib = 2**30
+    for r in est.recipes:
+        need = r.memory.total
+        if need > free:
+            flag = (
+                "--baseline" if r.recipe == baseline.name or r.recipe.startswith(f"{baseline.name}/") else "--recipes"
+            )
+            raise UsageError(
+                f"{flag}: {r.recipe} needs an estimated {need / gib:.2f} GiB for one training step at --batch-size "
+                f"{batch_size} --seq-len {seq_len} (weights {r.memory.weights / gib:.2f}, gradients "
+                f"{r.memory.gradients / gib:.2f}, optimizer {r.memory.optimizer / gib:.2f}, activations "
+                f"{r.memory.activations / gib:.2f} GiB), more than the {free / gib:.2f} GiB free on {device} (allowed: "
+                "a smaller --batch-size or --seq-len, a smaller --model, or --no-memory-check to try anyway)"
+            )
+        if need > free * (1 - RESERVE):
+            print(
+                f"compare: {r.recipe} needs an estimated {need / gib:.2f} GiB of the {free / gib:.2f} GiB free on "
+                f"{device}: it may run out of memory",
+                file=sys.stderr,
+            )
 
 
 def _reset_accelerate() -> None:

@@ -83,6 +83,22 @@ def test_compare_refuses_a_deepspeed_recipe_and_a_repeated_one_in_one_line_befor
     assert not out.exists()  # refused before the folder was made or any data prepared
 
 
+def test_compare_refuses_a_run_that_cannot_fit_in_memory_before_training_anything(tmp_path, capsys):
+    """Each run's estimated step is held against the memory free on the device before the baseline trains: here
+    a batch whose activations (about 1.3 TiB for the default model) no machine running this suite has free."""
+    from hf_mixedprec.cli import main
+
+    out = tmp_path / "cmp"
+    args = ["compare", "--recipes", "cpu-bf16", "--max-steps", "1", "--batch-size", "100000", "--output-dir", str(out)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert "GiB free on cpu (allowed: a smaller --batch-size" in err[0]
+    assert err[0].startswith("hf-mixedprec: error: --baseline: fp32 needs an estimated ")
+    assert "--batch-size 100000 --seq-len 128" in err[0] and "--no-memory-check" in err[0]
+    assert not (out / "runs").exists()  # nothing trained
+
+
 def test_the_plugin_refuses_a_deepspeed_recipe_without_deepspeed_before_building_an_accelerator(monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
     recipe = resolve_recipe({"name": "ds", "extends": "cpu-bf16", "distributed": {"strategy": "deepspeed"}})
@@ -264,3 +280,30 @@ def test_a_deep_copy_of_a_prepared_model_does_not_copy_the_accelerator():
     acc._mp_step_pending = True
     ema(input_ids=torch.zeros(1, 4, dtype=torch.long))
     assert acc._mp_step_pending  # the copy's forward is not the run's next step
+
+
+# -- an FP8 recipe no backend runs here (an H100 without Transformer Engine): refused or rehearsed before any work ------
+def test_a_recipe_without_an_fp8_backend_here_is_refused_by_finetune_and_rehearsed_by_compare(
+    tmp_path, monkeypatch, capsys
+):
+    """On an H200 without TE, ``fp8.backend: auto`` for blockwise scaling raised FP8BackendUnavailable inside Trainer's
+    construction (compare: after training the baseline and two recipes). Now the hardware check knows the backends:
+    finetune refuses in one line before reading data, compare rehearses the recipe and says so in its table."""
+    import hf_mixedprec.hardware as hardware
+    import hf_mixedprec.loader as loader
+    from hf_mixedprec.cli import main
+    from hf_mixedprec.compare import _load
+
+    h100 = hardware.HardwareInfo("cuda", (9, 0), "H100", "12.9", torch_version="2.13", torchao_version="0.18")
+    monkeypatch.setattr(hardware, "detect", lambda: h100)
+    monkeypatch.setattr(loader, "detect", lambda: h100)
+    rec, rehearsed = _load("h100-fp8-blockwise")
+    assert rehearsed and rec.rehearse
+    assert _load("h100-fp8-current") == (_load("h100-fp8-current")[0], False)  # torchao runs it there
+    capsys.readouterr()
+    code = main(["finetune", "--recipe", "h100-fp8-blockwise", "--output-dir", str(tmp_path / "o"), "--max-steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "recipe 'h100-fp8-blockwise' has no FP8 backend on H100 (hopper" in err[0]
+    assert "use 'h100-fp8-current' instead" in err[0]
+    assert not (tmp_path / "o").exists()  # refused before any work
