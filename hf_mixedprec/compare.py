@@ -398,8 +398,8 @@ def _measure_callback(
     into ``fidelity`` and the held-out loss into ``curve`` (each only when given)."""
     from transformers import TrainerCallback
 
-    from hf_mixedprec.finetune import build_model
     from hf_mixedprec.integrations.trainer import runtime_of
+    from hf_mixedprec.workload import build_model
 
     class Measure(TrainerCallback):
         reference: Any = None
@@ -461,7 +461,7 @@ def _trainer(rec: Recipe, setup: _Setup, collator: _RecordingCollator, callbacks
     """The run's Trainer over a model loaded with the shared initial weights, and the digest of those weights."""
     from transformers import PrinterCallback, Trainer
 
-    from hf_mixedprec.finetune import build_model
+    from hf_mixedprec.workload import build_model
 
     model, _ = build_model(setup.model_dir, setup.prepared.tokenizer, seq_len=setup.seq_len, seed=setup.seed)
     model.load_state_dict(setup.init_state)
@@ -480,8 +480,8 @@ def _trainer(rec: Recipe, setup: _Setup, collator: _RecordingCollator, callbacks
 
 def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = True) -> RunResult:
     """One run; ``measure=False`` skips the gradient-fidelity samples of an FP32 run (the baseline itself)."""
-    from hf_mixedprec.finetune import _peak_memory
     from hf_mixedprec.integrations.trainer import runtime_of
+    from hf_mixedprec.workload import peak_memory
 
     collator = _RecordingCollator()
     fidelity: dict[int, dict[str, LayerFidelity]] = {}
@@ -510,7 +510,7 @@ def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = T
     final = eval_loss if eval_loss is not None else (sum(tail) / len(tail) if tail else math.nan)
     steps = tr.state.global_step
     tokens = steps * setup.batch_size * setup.seq_len * tr.args.world_size
-    peak_mib, _ = _peak_memory(device)  # MiB (finetune's unit); RunResult keeps bytes
+    peak_mib, _ = peak_memory(device)  # MiB (finetune's unit); RunResult keeps bytes
     run = RunResult(
         recipe=rec.name,
         precision="->".join(rec.precisions()),  # a phased recipe: each phase's, in order
@@ -679,7 +679,7 @@ def _suggestions(run: RunResult) -> list[str]:
 
 def _sample_fp8(rec: Recipe, every: int) -> Recipe:
     """FP8 statistics at least every ``every`` steps, so that a short comparison sees them (said on stderr)."""
-    from hf_mixedprec.finetune import sample_fp8_at_least_every
+    from hf_mixedprec.workload import sample_fp8_at_least_every
 
     lowered = sample_fp8_at_least_every(rec, every) if rec.health.enabled else rec
     if lowered is not rec:
@@ -731,7 +731,7 @@ def _check_strategy(rec: Recipe) -> None:
 
 def _output_folder(out: Path, overwrite: bool) -> Path:
     """``out``, created; refused (before any data is prepared) when it is no folder or holds an earlier comparison."""
-    from hf_mixedprec.finetune import check_output_dir
+    from hf_mixedprec.workload import check_output_dir
 
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output-dir: {out} exists and is not a folder (allowed: a folder, new or empty)")
@@ -760,8 +760,8 @@ def _check_args(
     model: str | None,
     data: str | None,
 ) -> None:
-    from hf_mixedprec.finetune import _check_numbers, check_data_path, check_eval_split
     from hf_mixedprec.model_dir import check_model_dir
+    from hf_mixedprec.workload import check_data_path, check_eval_split, check_numbers
 
     if not recipes or any(not r.strip() for r in recipes):
         raise UsageError(
@@ -774,7 +774,7 @@ def _check_args(
             f"--recipes: {', '.join(twice)} listed more than once (allowed: each recipe once; every recipe is already "
             "compared with the same baseline, start and batches)"
         )
-    _check_numbers(
+    check_numbers(
         **{"max-steps": (max_steps, 1), "batch-size": (batch_size, 1), "seq-len": (seq_len, 2), "lr": (lr, 0.0)}
     )
     if not 0 <= crit.max_skip_rate <= 1:
@@ -816,7 +816,7 @@ def run_compare(
     refused before anything is trained, unless ``overwrite``. ``memory_check``: refuse, before training anything,
     a run whose estimated training tensors (``hf-mixedprec estimate``) exceed the memory free on the device.
     """
-    from hf_mixedprec.finetune import DEFAULTS, _prepare_data, build_model
+    from hf_mixedprec.workload import DEFAULTS, build_model, prepare_data
 
     crit = criteria or Criteria()
     _check_args(recipes, max_steps, batch_size, seq_len, crit, lr, eval_split, model, data)
@@ -830,7 +830,7 @@ def run_compare(
     base_recipe = _sample_updates(base_recipe, every)
     if eval_split is None:
         eval_split = DEFAULTS["eval_split"] if data is None else 0.0
-    prepared = _prepare_data(data, text_field, model, seq_len, eval_split)
+    prepared = prepare_data(data, text_field, model, seq_len, eval_split)
     net, _ = build_model(model, prepared.tokenizer, seq_len=seq_len, seed=seed)
     init_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     if memory_check:
@@ -868,26 +868,12 @@ def run_compare(
     return result
 
 
-def free_memory(device: torch.device) -> int | None:
-    """Bytes free for a new allocation on ``device``: the CUDA driver's free memory, or the kernel's MemAvailable
-    (Linux) on a CPU; None where neither can be read."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def _check_memory_fit(baseline: Recipe, recipes: Sequence[Recipe], config: Any, batch_size: int, seq_len: int) -> None:
     """Refuse, before anything trains, a run whose estimated step (``estimate_memory``: weights, master, gradients,
     optimizer states, activations) needs more than the device has free: compare trains the runs one after the
     other, so each must fit alone. Within 10% of the free memory it says so and goes on."""
     from hf_mixedprec.estimate import RESERVE, estimate_memory
+    from hf_mixedprec.workload import free_memory
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     free = free_memory(device)

@@ -1,5 +1,6 @@
 """The package's shape: imports only run downward through the layers listed in docs/architecture.md, with no
-cycle; no function over 80 lines and no class over 300."""
+cycle; no function over 80 lines and no class over 300. A module's ``if __name__ == "__main__":`` block is an entry
+point of its own (``finetune:__main__``), in the entry-points layer, that depends on its module."""
 
 from __future__ import annotations
 
@@ -31,13 +32,14 @@ def _is_main_guard(node: ast.AST) -> bool:
     )
 
 
-def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package modules ``path`` imports anywhere (function bodies too), except in ``__main__`` blocks."""
+def _imports(path: Path, modules: dict[str, Path], *, main: bool = False) -> set[str]:
+    """The package modules ``path`` imports anywhere (function bodies too), except in ``__main__`` blocks; with
+    ``main``, those its ``__main__`` blocks import."""
     tree = ast.parse(path.read_text())
-    skip = {id(n) for top in tree.body if _is_main_guard(top) for n in ast.walk(top)}
+    inside = {id(n) for top in tree.body if _is_main_guard(top) for n in ast.walk(top)}
     found: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
+        if (id(node) in inside) != main:
             continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "hf_mixedprec":
             base = node.module.removeprefix("hf_mixedprec").lstrip(".")
@@ -68,20 +70,35 @@ def _layer_of(module: str, layers: list[list[str]]) -> int:
     return hits[0]
 
 
-def test_every_module_is_in_one_layer_and_imports_only_downward():
-    modules, layers = _modules(), _layers()
-    upward = []
+def _graph() -> dict[str, set[str]]:
+    """Every module and every ``__main__`` block (``name:__main__``, which depends on its module) -> what it imports."""
+    modules = _modules()
+    graph = {name: {d for d in _imports(path, modules) if d != name and d in modules} for name, path in modules.items()}
     for name, path in modules.items():
+        if any(_is_main_guard(top) for top in ast.parse(path.read_text()).body):
+            graph[f"{name}:__main__"] = {name} | {d for d in _imports(path, modules, main=True) if d in modules}
+    return graph
+
+
+def test_every_module_is_in_one_layer_and_imports_only_downward():
+    layers = _layers()
+    upward = []
+    for name, deps in _graph().items():
         mine = _layer_of(name, layers)
-        for dep in _imports(path, modules):
-            if dep != name and _layer_of(dep, layers) > mine:
+        for dep in deps:
+            if _layer_of(dep, layers) > mine:
                 upward.append(f"{name} (layer {mine}) imports {dep} (layer {_layer_of(dep, layers)})")
     assert upward == []
 
 
+def test_the_entry_points_are_counted_and_finetune_is_run_through_one():
+    graph = _graph()
+    assert {"finetune:__main__", "cli:__main__", "__main__:__main__"} <= set(graph)
+    assert "cli" in graph["finetune:__main__"] and "cli" not in graph["finetune"]
+
+
 def test_no_import_cycle():
-    modules = _modules()
-    graph = {name: {d for d in _imports(path, modules) if d != name and d in modules} for name, path in modules.items()}
+    graph = _graph()
     # a package's __init__ is imported before its modules: that edge is no cycle of ours
     for name in graph:
         if "." in name:

@@ -173,7 +173,7 @@ def test_one_very_long_example_is_tokenized_in_bounded_pieces_losing_no_text():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    import hf_mixedprec.finetune as ft
+    import hf_mixedprec.workload as ft
 
     words = ["alpha", "beta", "gamma", "delta"]
     long = " ".join(words[i % 4] for i in range(200_000))  # about 1.1 M characters, one example
@@ -269,7 +269,7 @@ def test_every_subcommand_answers_hostile_input_in_one_line_with_exit_2(tmp_path
     ids=["after-a-character-cut-by-the-read", "inside-it"],
 )
 def test_the_utf8_check_names_the_right_byte_across_its_reads(content, where, tmp_path, monkeypatch):
-    import hf_mixedprec.finetune as ft
+    import hf_mixedprec.workload as ft
     from hf_mixedprec.errors import UsageError
 
     monkeypatch.setattr(ft, "_UTF8_CHUNK", 8)  # reads of 8 bytes: the two-byte character spans two of them

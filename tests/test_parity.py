@@ -207,9 +207,10 @@ def _with_faults(monkeypatch: pytest.MonkeyPatch, done: int, only_from: str | No
     import sys
 
     import hf_mixedprec.finetune as ft
+    import hf_mixedprec.workload as workload
 
     made: list[Faults] = []
-    inner = ft.build_model
+    inner = workload.build_model
 
     def build_model(*args: Any, **kwargs: Any) -> Any:
         model, desc = inner(*args, **kwargs)
@@ -217,7 +218,8 @@ def _with_faults(monkeypatch: pytest.MonkeyPatch, done: int, only_from: str | No
             made.append(Faults(model, done=done))
         return model, desc
 
-    monkeypatch.setattr(ft, "build_model", build_model)
+    monkeypatch.setattr(ft, "build_model", build_model)  # finetune holds the name; compare looks it up each run
+    monkeypatch.setattr(workload, "build_model", build_model)
     return made
 
 
