@@ -6,120 +6,38 @@ hold an inf/NaN; :class:`LossScaling` folds the runtime's own skip decision (a n
 ``skip_step`` detector) into that found-inf, so every skip happens on the device, without a host read. FP16 uses
 a real scaler with the recipe's ``loss_scale``; every other precision a scale-1 :class:`GuardScaler`.
 
-Every private torch attribute hf_mixedprec relies on is read or written in the "private torch surface" block
-below, and only there.
+The private torch attributes this needs (the scaler's found-inf flags and live scale, the optimizer's fused-step
+flag, the scheduler's last LR) are read and written through :mod:`hf_mixedprec._private`, and only there.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.amp import grad_scaler as _torch_grad_scaler
 from torch.optim.lr_scheduler import LambdaLR
 
 from hf_mixedprec import metrics as M
 from hf_mixedprec._device import AsyncRead
+from hf_mixedprec._private import (
+    OptState,
+    ensure_scale_tensor,
+    found_inf_handed_to,
+    optimizer_state,
+    pin_scale,
+    reset_optimizer_states,
+    scale_tensor,
+    set_last_lr,
+    skips_inside_step,
+    track_steps_for_scheduler,
+)
 from hf_mixedprec.schema import RecipeSpec
 
 __all__ = ["GuardScaler", "LossScaling", "PhaseScaler", "track_steps_for_scheduler"]
-
-# -- the private torch surface (checked against torch 2.13) ---------------------------------------------------
-
-# torch/amp/grad_scaler.py: the stage of one optimizer in the scaler's unscale_ -> step -> update cycle
-# (READY, UNSCALED, STEPPED). Private enum; needed to mark an optimizer unscaled without unscaling (the guard).
-OptState = _torch_grad_scaler.OptState
-# torch/amp/grad_scaler.py: the default factory of ``_per_optimizer_states``; ``update()`` resets the states
-# with it, and so does the guard's ``update()``.
-_fresh_optimizer_state = _torch_grad_scaler._refresh_per_optimizer_state
-
-
-def _optimizer_state(scaler: torch.amp.GradScaler, optimizer: Any, *, create: bool = True) -> dict[str, Any] | None:
-    """One optimizer's ``{"stage", "found_inf_per_device"}`` in the scaler; ``create=False`` peeks (None if absent)."""
-    # torch/amp/grad_scaler.py: ``GradScaler._per_optimizer_states`` (a defaultdict keyed by ``id(optimizer)``)
-    # holds the inf flags ``unscale_`` wrote and ``step`` reads to decide a skip. No public API reads or sets
-    # them: the runtime folds its own skip flag into them, so the skip stays on the device.
-    states = scaler._per_optimizer_states
-    return states[id(optimizer)] if create else states.get(id(optimizer))
-
-
-def _reset_optimizer_states(scaler: torch.amp.GradScaler) -> None:
-    # torch/amp/grad_scaler.py: what ``GradScaler.update()`` does last (same attribute as above).
-    scaler._per_optimizer_states = defaultdict(_fresh_optimizer_state)
-
-
-def _scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
-    """The loss scale as a device tensor (None before the scaler's first use)."""
-    # torch/amp/grad_scaler.py: ``GradScaler._scale``. ``get_scale()`` reads it on the host (a sync); the
-    # monitor needs it on the device every step and the recipe's min_scale/max_scale clamp it in place.
-    return scaler._scale
-
-
-def _ensure_scale_tensor(scaler: torch.amp.GradScaler, device: torch.device) -> None:
-    # torch/amp/grad_scaler.py: ``_lazy_init_scale_growth_tracker`` makes ``_scale`` and ``_growth_tracker``,
-    # which ``step()`` requires; torch calls it from ``scale()``/``unscale_``, which the guard never runs.
-    if scaler._scale is None:
-        scaler._lazy_init_scale_growth_tracker(device)
-
-
-def _pin_scale(scaler: torch.amp.GradScaler, value: float) -> None:
-    # torch/amp/grad_scaler.py: ``_init_scale`` is the scale ``_scale`` is made with (``load_state_dict`` sets it
-    # from a checkpoint); ``_scale`` the live one. Both are set so the guard stays at ``value`` after a restore.
-    scaler._init_scale = value
-    if scaler._scale is not None:
-        scaler._scale.fill_(value)
-
-
-def _skips_inside_step(optimizer: Any) -> bool:
-    # torch/optim/adam.py (also sgd.py, adagrad.py): ``_step_supports_amp_scaling`` is True for fused optimizers,
-    # whose ``step()`` reads the scaler's found-inf itself and skips on the device; ``GradScaler.step`` then calls
-    # it without a host read, and Accelerate (``accelerate/optimizer.py``) cannot tell the step was skipped.
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
-
-@contextlib.contextmanager
-def _found_inf_handed_to(optimizer: Any, found: torch.Tensor) -> Iterator[None]:
-    # torch/amp/grad_scaler.py ``GradScaler.step``: for such an optimizer it sets ``grad_scale`` and ``found_inf``
-    # attributes for the duration of ``step()`` (the fused kernels read them); the guard does the same directly.
-    optimizer.grad_scale = None
-    optimizer.found_inf = found
-    try:
-        yield
-    finally:
-        del optimizer.grad_scale
-        del optimizer.found_inf
-
-
-def _set_last_lr(scheduler: Any, lrs: list[float]) -> None:
-    # torch/optim/lr_scheduler.py: ``LRScheduler._last_lr`` is what ``get_last_lr()`` returns (Trainer logs it
-    # as ``learning_rate``); only ``step()`` writes it, so a rewound schedule sets it too.
-    scheduler._last_lr = list(lrs)
-
-
-def track_steps_for_scheduler(optimizer: Any) -> None:
-    """Let an LR scheduler moved onto ``optimizer`` (a replacement built after the scheduler) see its steps."""
-    # torch/optim/lr_scheduler.py ``LRScheduler.__init__`` (``patch_track_step_called``): the scheduler wraps its
-    # optimizer's ``step`` to set ``_opt_called`` and marks the wrapper ``_wrapped_by_lr_sched``; ``step()`` warns
-    # on its first call when either is missing. The replacement gets the same wrapper.
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    inner = optimizer.step
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True
-        return inner(*args, **kwargs)
-
-    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = step
-
-
-# -- end of the private torch surface ---------------------------------------------------------------------------
 
 
 class GuardScaler(torch.amp.GradScaler):
@@ -142,7 +60,7 @@ class GuardScaler(torch.amp.GradScaler):
         return outputs
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        state = _optimizer_state(self, optimizer)
+        state = optimizer_state(self, optimizer)
         found = state["found_inf_per_device"]
         fn = getattr(optimizer.step, "__func__", optimizer.step)
         if fn not in self._takes_scaler:  # torch's older contract: step(grad_scaler=...) does its own skipping
@@ -151,24 +69,24 @@ class GuardScaler(torch.amp.GradScaler):
             state["stage"] is OptState.UNSCALED
             and len(found) == 1
             and "closure" not in kwargs
-            and _skips_inside_step(optimizer)
+            and skips_inside_step(optimizer)
             and not self._takes_scaler[fn]
         )
         if not direct:
             return super().step(optimizer, *args, **kwargs)
         try:
-            with _found_inf_handed_to(optimizer, next(iter(found.values()))):
+            with found_inf_handed_to(optimizer, next(iter(found.values()))):
                 return optimizer.step(*args, **kwargs)
         finally:
             state["stage"] = OptState.STEPPED
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        _reset_optimizer_states(self)
+        reset_optimizer_states(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restoring any scaler's state (e.g. an FP16 run's ``scaler.pt``) keeps the guard at scale 1."""
         super().load_state_dict(state_dict)
-        _pin_scale(self, 1.0)
+        pin_scale(self, 1.0)
 
 
 #: The guard's settings: scale 1, and growth that never comes (its ``update`` does not run torch's anyway).
@@ -330,14 +248,14 @@ class LossScaling:
         """FP16: unscale the gradients once (the GradScaler refuses a second unscale_ before update())."""
         if self.scaler is None or self.guard or optimizer is None:
             return
-        if _optimizer_state(self.scaler, optimizer)["stage"] is OptState.READY:
+        if optimizer_state(self.scaler, optimizer)["stage"] is OptState.READY:
             self.scaler.unscale_(optimizer)
 
     def scaler_found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         """The found-inf the scaler recorded while unscaling ``optimizer``'s gradients (0/1 on the device)."""
         if self.scaler is None:
             return None
-        found = (_optimizer_state(self.scaler, optimizer, create=False) or {}).get("found_inf_per_device")
+        found = (optimizer_state(self.scaler, optimizer, create=False) or {}).get("found_inf_per_device")
         if not found:
             return None
         return torch.stack([v.to(self.found_inf.device) for v in found.values()]).sum().clamp(max=1)
@@ -359,9 +277,9 @@ class LossScaling:
         """
         if self.scaler is None or optimizer is None:
             return
-        state = _optimizer_state(self.scaler, optimizer)
+        state = optimizer_state(self.scaler, optimizer)
         if self.guard:
-            _ensure_scale_tensor(self.scaler, found.device)
+            ensure_scale_tensor(self.scaler, found.device)
             # ``found`` is a fresh float32 tensor of this step; nothing writes into it (the guard never unscales)
             state["found_inf_per_device"] = {found.device: found}
             state["stage"] = OptState.UNSCALED
@@ -371,7 +289,7 @@ class LossScaling:
 
     def device_scale(self) -> torch.Tensor | None:
         """The FP16 loss scale on the device, for the monitor (None under the guard or without a scaler)."""
-        return _scale_tensor(self.scaler) if (self.scaler is not None and not self.guard) else None
+        return scale_tensor(self.scaler) if (self.scaler is not None and not self.guard) else None
 
     def after_step(self, optimizer: Any) -> None:
         """After ``optimizer.step()``: clamp the loss scale to the recipe's bounds, count a skip and start
@@ -383,7 +301,7 @@ class LossScaling:
             scale.clamp_(min=ls.min_scale, max=ls.max_scale)
         if self.scaler is not None:
             self.skipped.add_(self.found_inf)
-            self.optimizer_skips_itself = _skips_inside_step(getattr(optimizer, "optimizer", optimizer))
+            self.optimizer_skips_itself = skips_inside_step(getattr(optimizer, "optimizer", optimizer))
             if self.optimizer_skips_itself:
                 self._send_skip_flag()
 
@@ -428,7 +346,7 @@ class LossScaling:
         inner = getattr(optimizer, "optimizer", optimizer)
         for group, lr in zip(inner.param_groups, lrs):
             group["lr"] = lr
-        _set_last_lr(sched, lrs)
+        set_last_lr(sched, lrs)
         return n
 
     def external_step(self, ds: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
@@ -453,7 +371,7 @@ class LossScaling:
         caller that reads them with others in one copy."""
         out: dict[str, torch.Tensor] = {}
         if self.scaler is not None:
-            scale = None if self.guard else _scale_tensor(self.scaler)
+            scale = None if self.guard else scale_tensor(self.scaler)
             if scale is not None and self.scaler.is_enabled():
                 out[M.LOSS_SCALE] = scale
             out[M.SKIPPED_STEPS] = self.skipped

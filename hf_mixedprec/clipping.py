@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from hf_mixedprec._device import AsyncRead, Constants
+from hf_mixedprec._private import foreach_mul_, foreach_norm
 from hf_mixedprec.schema import CLIP_DEFAULTS
 
 __all__ = [
@@ -122,7 +123,7 @@ def _by_device(tensors: Sequence[Tensor]) -> dict[torch.device, list[Tensor]]:
 
 def _norms_f32(tensors: list[Tensor]) -> list[Tensor]:
     try:
-        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+        return foreach_norm(tensors, 2, dtype=torch.float32)
     except (TypeError, RuntimeError):  # older torch without the dtype argument, or an unsupported layout
         return [torch.linalg.vector_norm(t, 2, dtype=torch.float32) for t in tensors]
 
@@ -160,7 +161,7 @@ def global_grad_norm(grads: Sequence[Tensor]) -> Tensor:
 def _mul_(grads: list[Tensor], coef: Tensor) -> None:
     """Multiply all grads in place by a 0-d coefficient (exactly 1.0 leaves them bit for bit unchanged)."""
     for device, group in _by_device(grads).items():
-        torch._foreach_mul_(group, coef.to(device))
+        foreach_mul_(group, coef.to(device))
 
 
 def _scale_to(grads: list[Tensor], norm: Tensor, threshold: Tensor, valid: Tensor | None, k: Constants) -> Tensor:

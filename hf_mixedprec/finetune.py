@@ -31,6 +31,7 @@ import torch
 
 from hf_mixedprec import metrics as M
 from hf_mixedprec._optional import available
+from hf_mixedprec._private import scaler_settings
 from hf_mixedprec._text import root_cause
 from hf_mixedprec.errors import UsageError
 from hf_mixedprec.model_dir import check_model_dir
@@ -130,7 +131,8 @@ def _precision_used(recipe: Recipe, rt: Any, device: str) -> str:
         scaler = getattr(rt, "scaler", None)
         text = "fp16 autocast + GradScaler"
         if scaler is not None:
-            text += f" (init scale {scaler._init_scale:g}, growth every {scaler._growth_interval} steps)"
+            init, every = scaler_settings(scaler)
+            text += f" (init scale {init:g}, growth every {every} steps)"
     elif recipe.precision == "bf16":
         text = "bf16 autocast"
     elif recipe.precision == "fp8":

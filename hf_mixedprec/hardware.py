@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from hf_mixedprec._optional import available
+from hf_mixedprec._private import has_scaled_mm
 from hf_mixedprec.errors import HardwareRefusal
 from hf_mixedprec.schema import RecipeSpec
 
@@ -277,7 +278,7 @@ def fp8_backend_for(
 
 def torch_has_fp8_gemm() -> bool:
     """Whether this torch has its FP8 GEMM (``torch._scaled_mm``), which the native FP8 backend runs on."""
-    return hasattr(torch, "_scaled_mm")
+    return has_scaled_mm()
 
 
 def check_recipe(recipe: RecipeSpec, info: HardwareInfo) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_mixedprec._private import declared_fp32_modules
 from hf_mixedprec.errors import ModuleRuleError
 from hf_mixedprec.modules_config import ModuleRule
 
@@ -155,9 +156,8 @@ class RuleAssignment:
 def declared_fp32(model: nn.Module, precision: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The model's ``(strict, non-strict)`` FP32 declarations in force for ``precision``: the strict list always,
     ``_keep_in_fp32_modules`` under FP16 only (as transformers applies them when loading)."""
-    strict = tuple(sorted(getattr(model, "_keep_in_fp32_modules_strict", None) or ()))
-    loose = tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ())) if precision == "fp16" else ()
-    return strict, loose
+    strict, loose = declared_fp32_modules(model)
+    return strict, (loose if precision == "fp16" else ())
 
 
 def _declared(param_name: str, entries: Iterable[str]) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_mixedprec._private import unset_fake_temporarily
 from hf_mixedprec.fp8 import conversion_backend, converted_types
 from hf_mixedprec.fp8.policy import LayerDecision, plan_conversion
 from hf_mixedprec.module_policy import RuleAssignment, assign_rules, find_block_list
@@ -69,7 +70,6 @@ def low_bit_state_bytes(states: str, shape: torch.Size, dtype: torch.dtype) -> i
     block = _TORCHAO_BLOCK[states]
     if numel < 4096 or numel % block:
         return numel * dtype.itemsize
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torchao.optim.subclass_4bit import OptimState4bit
     from torchao.optim.subclass_8bit import OptimState8bit
     from torchao.optim.subclass_fp8 import OptimStateFp8

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hf_mixedprec._device import Constants
+from hf_mixedprec._private import foreach_copy_, foreach_zero_
 from hf_mixedprec.formats import FP8_SCALING_DEFAULTS, NumberFormat, get_format
 from hf_mixedprec.fp8.swap import linear_holding
 from hf_mixedprec.scaling import (
@@ -506,9 +507,9 @@ class _DelayedGroup:
             scaled_max=self.scaled_max,
             algo=self.algo,
         )
-        torch._foreach_copy_(hists, hist.transpose(0, 1).contiguous().unbind(0))
-        torch._foreach_copy_(scales, scale.unbind(0))
-        torch._foreach_zero_(pendings)
+        foreach_copy_(hists, hist.transpose(0, 1).contiguous().unbind(0))
+        foreach_copy_(scales, scale.unbind(0))
+        foreach_zero_(pendings)
 
 
 @torch.no_grad()

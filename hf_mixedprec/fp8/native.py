@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hf_mixedprec._private import scaled_mm
 from hf_mixedprec.fp8.emulated import (
     EmulatedFP8Conv1D,
     EmulatedFP8GEMM,
@@ -59,7 +60,7 @@ def native_available(device: torch.device) -> tuple[bool, str]:
         try:
             a = torch.zeros(16, 16, device=device).to(torch.float8_e4m3fn)
             one = torch.ones((), device=device)
-            out = torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            out = scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
             ok = isinstance(out, torch.Tensor) and out.shape == (16, 16)
             _PROBED[key] = (True, "") if ok else (False, f"torch {torch.__version__}'s _scaled_mm returns {type(out)}")
         except Exception as exc:  # the probe is the question: any failure means "not here", said why
@@ -80,7 +81,7 @@ def fp8_mm(a: Tensor, b: Tensor, inv_a: Tensor, inv_b: Tensor, out_dtype: torch.
     m, n = a.shape[0], b.shape[1]
     a = _pad(a, _ALIGN, _ALIGN).contiguous()
     b = _pad(b, _ALIGN, _ALIGN).t().contiguous().t()  # column-major
-    out = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+    out = scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
     return out[:m, :n] if out.shape != (m, n) else out
 
 

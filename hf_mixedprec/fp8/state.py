@@ -15,6 +15,7 @@ import os
 import torch
 from torch import nn
 
+from hf_mixedprec._private import add_keys_to_ignore_on_save
 from hf_mixedprec.checkpoints import atomic_write
 from hf_mixedprec.fp8.emulated import iter_emulated
 
@@ -67,12 +68,10 @@ def exclude_fp8_state_from_saves(model: nn.Module) -> None:
     """
     keys = list(fp8_state_tensors(model))
     for prefix, sub in model.named_modules():
-        if not hasattr(type(sub), "_keys_to_ignore_on_save"):  # a transformers PreTrainedModel
-            continue
         cut = f"{prefix}." if prefix else ""
         mine = {k[len(cut) :] for k in keys if k.startswith(cut)}
         if mine:
-            sub._keys_to_ignore_on_save = set(sub._keys_to_ignore_on_save or ()) | mine
+            add_keys_to_ignore_on_save(sub, mine)  # a transformers PreTrainedModel; any other module is passed over
 
 
 def save_fp8_state(

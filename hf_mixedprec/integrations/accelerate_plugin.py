@@ -30,6 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, GradScalerKwargs
 from pydantic import ValidationError
 
+from hf_mixedprec._private import custom_object_count, set_mixed_precision
 from hf_mixedprec.amp import PhaseScaler, track_steps_for_scheduler
 from hf_mixedprec.fp8 import model_parameters
 from hf_mixedprec.hardware import check_recipe, detect
@@ -79,7 +80,7 @@ def backpropagated_loss(accelerator: Accelerator, loss: torch.Tensor) -> torch.T
 
 def enable_native_fp16(accelerator: Accelerator, scaler: torch.amp.GradScaler) -> None:
     """Make ``accelerator`` run its native FP16 path (autocast + ``scaler``) on a device where it would not."""
-    accelerator.state._mixed_precision = "fp16"
+    set_mixed_precision(accelerator, "fp16")
     accelerator.native_amp = True
     accelerator.scaler = scaler
 
@@ -315,7 +316,7 @@ class _RuntimeCheckpoint:
     def __init__(self, accelerator: MixedPrecisionAccelerator) -> None:
         self._acc = weakref.ref(accelerator)
         # Accelerate names the file by the object's place in its registered list (accelerator.py, save_state)
-        self.index = len(accelerator._custom_objects)
+        self.index = custom_object_count(accelerator)
         self._restored = False
 
     def state_dict(self) -> dict[str, Any]:

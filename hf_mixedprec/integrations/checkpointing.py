@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hf_mixedprec._private import trainer_output_dir, wrap_save_checkpoint
 from hf_mixedprec.checkpoints import CheckpointDamaged, newest_verified, verify, write_manifest
 
 __all__ = ["finish_checkpoint", "manage_checkpoints", "resume_target"]
@@ -38,29 +39,32 @@ def manage_checkpoints(trainer: Any, note: Callable[[str], None]) -> None:
     if hasattr(trainer, _DEFERRED):
         return
     setattr(trainer, _DEFERRED, None)
-    save, train = trainer._save_checkpoint, trainer.train
+    train = trainer.train
 
-    def save_checkpoint(model: Any, trial: Any) -> Any:
-        args = trainer.args
-        folder = Path(trainer._get_output_dir(trial=trial)) / f"checkpoint-{trainer.state.global_step}"
-        if args.should_save and folder.is_dir() and verify(folder) is not None:
-            # what a killed save left: written afresh, no stale file survives in it
-            shutil.rmtree(folder, ignore_errors=True)
-        if _distributed():
-            dist.barrier()  # no rank writes its files into the folder before it is gone
-        setattr(trainer, _FOLDER, folder)  # where on_save finds it (a search trial's run folder included)
-        limit, args.save_total_limit = args.save_total_limit, None
-        setattr(trainer, _DEFERRED, limit)
-        try:
-            return save(model, trial)
-        finally:
-            args.save_total_limit = limit
+    def make(save: Callable[..., Any]) -> Callable[..., Any]:
+        def save_checkpoint(model: Any, trial: Any) -> Any:
+            args = trainer.args
+            folder = Path(trainer_output_dir(trainer, trial)) / f"checkpoint-{trainer.state.global_step}"
+            if args.should_save and folder.is_dir() and verify(folder) is not None:
+                # what a killed save left: written afresh, no stale file survives in it
+                shutil.rmtree(folder, ignore_errors=True)
+            if _distributed():
+                dist.barrier()  # no rank writes its files into the folder before it is gone
+            setattr(trainer, _FOLDER, folder)  # where on_save finds it (a search trial's run folder included)
+            limit, args.save_total_limit = args.save_total_limit, None
+            setattr(trainer, _DEFERRED, limit)
+            try:
+                return save(model, trial)
+            finally:
+                args.save_total_limit = limit
+
+        return save_checkpoint
 
     def train_verified(resume_from_checkpoint: Any = None, *a: Any, **kw: Any) -> Any:
         target = resume_target(trainer.args.output_dir, resume_from_checkpoint, note)
         return train(target, *a, **kw)
 
-    trainer._save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+    wrap_save_checkpoint(trainer, make)
     trainer.train = train_verified  # type: ignore[method-assign]
 
 

@@ -21,6 +21,7 @@ import os
 import sys
 from typing import Any
 
+from hf_mixedprec._private import mkldnn_fp16_supported
 from hf_mixedprec.schema import RecipeSpec
 
 __all__ = [
@@ -131,7 +132,7 @@ def deepspeed_fp16_supported(device: str) -> bool | None:
 
     if device == "cpu":
         try:
-            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+            return mkldnn_fp16_supported()
         except Exception:
             return False
     if device == "cuda":

@@ -31,9 +31,8 @@ import dataclasses
 import logging
 import math
 import os
-import sys
 import weakref
-from types import FrameType
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,6 +40,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from hf_mixedprec._private import find_trainer, give_scaler, resumed_from, set_mixed_precision, wrap_save_scaler
 from hf_mixedprec.checkpoints import MANIFEST_VERSION, MARK
 from hf_mixedprec.fp8 import model_parameters
 from hf_mixedprec.fp8.state import read_fp8_state_file
@@ -130,47 +130,19 @@ def _defaults_to_none(args: Any, name: str) -> bool:
     return False
 
 
-def _give_scaler(optimizer: Any, scaler: torch.amp.GradScaler) -> None:
-    """Hand ``scaler`` to an already prepared ``AcceleratedOptimizer``, as its constructor would have."""
-    from accelerate.optimizer import patch_optimizer_step
-
-    if getattr(optimizer, "scaler", None) is None:
-        optimizer._accelerate_step_called = False
-        optimizer._optimizer_original_step_method = optimizer.optimizer.step
-        optimizer._optimizer_patched_step_method = patch_optimizer_step(optimizer, optimizer.optimizer.step)
-    optimizer.scaler = scaler
-
-
 def recipe_callbacks(recipe: RecipeSpec, *, rehearse: bool | None = None) -> list[TrainerCallback]:
     """The callbacks for ``Trainer(callbacks=...)``."""
     return [MixedPrecisionCallback(recipe=recipe, rehearse=recipe.rehearse if rehearse is None else rehearse)]
 
 
-def _trainer_frame() -> FrameType | None:
-    """The frame of the Trainer method calling this callback event (``on_init_end`` runs inside
-    ``Trainer.__init__``, ``on_train_begin`` inside ``Trainer._inner_training_loop``); callback events are not
-    handed the Trainer itself."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if isinstance(frame.f_locals.get("self"), Trainer):
-            return frame
-        frame = frame.f_back
-    return None
-
-
 def _find_trainer() -> Trainer | None:
-    """The Trainer calling this callback event (see :func:`_trainer_frame`)."""
-    frame = _trainer_frame()
-    return None if frame is None else frame.f_locals["self"]
+    """The Trainer calling this callback event (callback events are not handed the Trainer itself)."""
+    return find_trainer(Trainer)
 
 
 def _resumed_from() -> str | None:
-    """At ``on_train_begin``, the checkpoint folder the Trainer resumes from (None when it starts afresh): the
-    ``resume_from_checkpoint`` that ``Trainer.train`` resolves (``True`` -> the last checkpoint) and hands to
-    ``Trainer._inner_training_loop``, whose frame :func:`_trainer_frame` finds."""
-    frame = _trainer_frame()
-    folder = None if frame is None else frame.f_locals.get("resume_from_checkpoint")
-    return os.fspath(folder) if isinstance(folder, (str, os.PathLike)) else None
+    """At ``on_train_begin``, the checkpoint folder the Trainer resumes from (None when it starts afresh)."""
+    return resumed_from(Trainer)
 
 
 def attach(
@@ -277,7 +249,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             return
         autocast_by_accelerate = acc.native_amp and acc.mixed_precision == accelerate_precision(recipe)
         if recipe.autocast_precision() == "fp32" and acc.mixed_precision != "no":
-            acc.state._mixed_precision = "no"
+            set_mixed_precision(acc, "no")
             acc.native_amp = False
             autocast_by_accelerate = True
         scaler = None
@@ -295,7 +267,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             scaler = acc.scaler = rt.make_guard_scaler()
             rt.note(GUARD_NOTE, quiet=True)  # every non-FP16 run has it: nothing to act on
         if late and scaler is not None:
-            _give_scaler(trainer.optimizer, scaler)
+            give_scaler(trainer.optimizer, scaler)
         if rt.phases is not None:
             _phased_autocast(rt, model, acc, late)
         # Accelerate autocasts at prepare time: fp16 switched on above is its own path unless the model was
@@ -603,14 +575,16 @@ def _scaler_in_runtime_state(trainer: Trainer, rt: MixedPrecisionRuntime) -> Non
     after the Trainer was built (``add_callback``) installs the scaler at ``on_train_begin``, after
     ``Trainer._load_scaler`` ran and found no scaler to load a ``scaler.pt`` into (it crashed); the runtime's state is
     loaded once the scaler exists. The guard's state never changes (scale 1, no growth)."""
-    inner = trainer._save_scaler
 
-    def save_scaler(output_dir: str) -> None:
-        if rt.scaler is not None and getattr(trainer.accelerator, "scaler", None) is rt.scaler:
-            return
-        inner(output_dir)
+    def make(inner: Callable[[str], None]) -> Callable[[str], None]:
+        def save_scaler(output_dir: str) -> None:
+            if rt.scaler is not None and getattr(trainer.accelerator, "scaler", None) is rt.scaler:
+                return
+            inner(output_dir)
 
-    trainer._save_scaler = save_scaler  # type: ignore[method-assign]
+        return save_scaler
+
+    wrap_save_scaler(trainer, make)
 
 
 def _clip_conflict(recipe: RecipeSpec, value: Any) -> str:
