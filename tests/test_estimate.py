@@ -327,7 +327,7 @@ def test_config_file_without_model_type_is_refused(tmp_path, capsys):
 def test_a_model_whose_step_cannot_run_on_fake_tensors_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     from transformers import AutoConfig
 
-    import hf_mixedprec.estimate as estimate
+    import hf_mixedprec.estimate_step as estimate_step
     from hf_mixedprec.cli import main
 
     AutoConfig.for_model("llama", **TINY_LLAMA).save_pretrained(tmp_path)
@@ -335,7 +335,7 @@ def test_a_model_whose_step_cannot_run_on_fake_tensors_is_one_line_and_exit_2(tm
     def unsupported(*args, **kwargs):  # what an op without a fake-tensor kernel raises
         raise NotImplementedError("aten::made_up_op: no fake implementation")
 
-    monkeypatch.setattr(estimate, "_fake_step", unsupported)
+    monkeypatch.setattr(estimate_step, "_fake_step", unsupported)  # _run_fake_step looks it up there
     assert main(["estimate", "--model", str(tmp_path), "--recipes", "a100-bf16", "--seq-len", "64"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "'llama'" in err and "a100-bf16" in err and "made_up_op" in err, err

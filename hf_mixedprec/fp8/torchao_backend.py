@@ -39,10 +39,10 @@ def _emulate_needed(device: torch.device) -> bool:
 def torchao_config(recipe: RecipeSpec, *, emulate: bool) -> Any:
     """Build torchao's ``Float8LinearConfig`` for ``recipe``.
 
-    The schema refuses what torchao cannot express (see ``hf_mixedprec.schema._torchao_rules``); this repeats the
-    checks for recipes that reach torchao through ``backend: auto``. ``format: E4M3`` with the tensorwise recipe
-    sets both grad-output casts (the dgrad and the wgrad GEMM) to E4M3: torchao refuses a config whose two
-    grad-output casts differ in dtype.
+    The schema refuses what torchao cannot express (see ``hf_mixedprec.schema_sections._torchao_rules``); this
+    repeats the checks for recipes that reach torchao through ``backend: auto``. ``format: E4M3`` with the
+    tensorwise recipe sets both grad-output casts (the dgrad and the wgrad GEMM) to E4M3: torchao refuses a config
+    whose two grad-output casts differ in dtype.
     """
     try:
         from torchao.float8 import Float8LinearConfig

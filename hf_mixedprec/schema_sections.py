@@ -1,0 +1,530 @@
+"""The sections of a recipe: the pydantic models of ``loss_scale:``, ``fp8:``, ``clipping:``, ``health:``,
+``distributed:`` and each entry of ``phases:``, the strict base they share, and the rules each checks on its own.
+
+Split out of :mod:`hf_mixedprec.schema` to keep both modules short: ``schema`` puts these sections together in
+:class:`~hf_mixedprec.schema.RecipeSpec`, checks the rules that span sections, and re-exports the names other
+modules read (import them from there). A problem is reported as ``dotted.key: what is wrong (allowed: ...)``
+(:func:`_rule`), its key relative to the section that raises it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from hf_mixedprec.formats import FP8_SCALING_DEFAULTS
+
+__all__ = [
+    "CLIP_DEFAULTS",
+    "MAX_AMAX_HISTORY",
+    "MAX_PHASES",
+    "MAX_STEPS",
+    "MAX_WINDOW",
+    "PHASE_STRATEGIES",
+    "TORCHAO_AMAX_EPS",
+    "ClippingConfig",
+    "DetectorConfig",
+    "DetectorsConfig",
+    "DistributedConfig",
+    "FP8Config",
+    "HealthConfig",
+    "LossScaleConfig",
+    "PhaseConfig",
+]
+
+Precision = Literal["fp32", "fp16", "bf16", "fp8"]
+Reaction = Literal["log", "warn", "skip_step", "stop", "fallback", "lower_lr"]
+
+
+def _rule(key: str, message: str) -> PydanticCustomError:
+    """A cross-field rule violation located at ``key`` (relative to the model raising it)."""
+    return PydanticCustomError("recipe_rule", "{key}: {message}", {"key": key, "message": message})
+
+
+#: Upper bounds that keep memory and arithmetic sane (windows and histories are allocated up front).
+MAX_WINDOW = 100_000
+MAX_AMAX_HISTORY = 65_536
+MAX_STEPS = 1_000_000_000
+
+
+class _Section(BaseModel):
+    """Strict: no string-to-number or string-to-bool coercion (``tf32: "yes"`` is refused, not read as True),
+    and no NaN/Inf where a number is expected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True, allow_inf_nan=False)
+
+
+def _as_tuple(value: Any) -> Any:
+    """YAML gives lists; the frozen schema keeps tuples (strict mode would refuse the list itself)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+StrTuple = Annotated[tuple[str, ...], BeforeValidator(_as_tuple)]
+
+
+class LossScaleConfig(_Section):
+    """Dynamic loss scaling for FP16 (torch ``GradScaler`` names; DeepSpeed names are derived).
+
+    torch GradScaler defaults: init 2**16, growth 2.0, backoff 0.5, interval 2000, no minimum.
+    DeepSpeed: initial_scale_power 16, loss_scale_window 1000, hysteresis 2, min_loss_scale 1.
+    """
+
+    init_scale: float = Field(65536.0, gt=0, description="Initial loss scale (torch GradScaler default 2**16).")
+    growth_factor: float = Field(2.0, gt=1, description="Multiply the scale by this after growth_interval clean steps.")
+    backoff_factor: float = Field(0.5, gt=0, lt=1, description="Multiply the scale by this on an overflow step.")
+    growth_interval: int = Field(
+        2000,
+        ge=1,
+        le=MAX_STEPS,
+        description=f"Clean steps before the scale grows (at most {MAX_STEPS:,}: longer than any run).",
+    )
+    min_scale: float = Field(1.0, gt=0, description="Floor for the scale; reaching it is a health event.")
+    max_scale: float | None = Field(None, gt=0, description="Ceiling for the scale; null = no ceiling.")
+    hysteresis: int = Field(
+        1, ge=1, description="Overflows tolerated before backing off (1 = back off on every overflow, as torch does)."
+    )
+
+    @model_validator(mode="after")
+    def _order(self) -> LossScaleConfig:
+        if self.min_scale > self.init_scale:
+            raise _rule("min_scale", f"{self.min_scale:g} is above init_scale {self.init_scale:g}")
+        if self.max_scale is not None and self.max_scale < self.init_scale:
+            raise _rule("max_scale", f"{self.max_scale:g} is below init_scale {self.init_scale:g}")
+        return self
+
+
+_FP8_SCALING_ONLY = (
+    "amax_history_len",
+    "amax_compute_algo",
+    "margin",
+    "epsilon",
+    "power_2_scales",
+    "mx_rounding",
+    "block_size",
+)
+_ALLOWED_BLOCK_SIZE = {"mxfp8": (32,), "blockwise": (128,)}
+
+
+class FP8Config(_Section):
+    """FP8 training settings (only with ``precision: fp8``)."""
+
+    backend: Literal["auto", "transformer_engine", "torchao", "native", "emulated"] = Field(
+        "auto",
+        description="Who runs the FP8 math: auto picks transformer_engine on CUDA, else torchao for current scaling, "
+        "else refuses loudly; native: hf_mixedprec's quantizers on torch._scaled_mm (delayed, current); emulated: "
+        "exact FP8 values with float32 GEMMs, anywhere.",
+    )
+    scaling: Literal["delayed", "current", "mxfp8", "blockwise"] = Field(
+        "delayed",
+        description="How scales are chosen: amax history, amax now, per-32-block E8M0, or 1x128/128x128 tiles.",
+    )
+    format: Literal["HYBRID", "E4M3"] = Field(
+        "HYBRID", description="HYBRID = E4M3 forward, E5M2 gradients; E4M3 = E4M3 everywhere. Pure E5M2 is refused."
+    )
+    amax_history_len: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_AMAX_HISTORY,
+        description=f"delayed only: amax history length (TE default 1024; at most {MAX_AMAX_HISTORY}, kept per layer).",
+    )
+    amax_compute_algo: Literal["max", "most_recent"] | None = Field(
+        None, description="delayed only: scale from the max of the history or the most recent amax."
+    )
+    margin: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="delayed/mxfp8: scale is divided by 2**margin (at most 64: beyond it every value underflows).",
+    )
+    epsilon: float | None = Field(None, ge=0, description="current only: amax floor before computing the scale.")
+    power_2_scales: bool | None = Field(None, description="current/blockwise: round scales down to a power of two.")
+    mx_rounding: Literal["rceil", "floor"] | None = Field(
+        None, description="mxfp8 only: rceil (TE/hardware, never saturates) or floor (OCP spec, may saturate)."
+    )
+    block_size: int | None = Field(
+        None, ge=1, le=4096, description="mxfp8: 32 (OCP MX); blockwise: 128 (TE); at most 4096."
+    )
+    torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = Field(
+        None, description="backend torchao only: torchao's float8 recipe name (default tensorwise)."
+    )
+    align: int = Field(
+        16, ge=1, description="Linear layers whose in/out features are not multiples of this stay in BF16."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _scaling_options(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        if str(data.get("format", "")).upper() == "E5M2":
+            raise _rule("format", "pure E5M2 training is refused (Transformer Engine refuses it too); use HYBRID")
+        scaling = data.get("scaling", "delayed")
+        if scaling not in FP8_SCALING_DEFAULTS:
+            return data  # the field validator reports the bad value
+        backend = data.get("backend", "auto")
+        if backend == "torchao":
+            _torchao_rules(data, scaling)
+        elif backend == "native" and scaling not in ("delayed", "current"):
+            raise _rule(
+                "backend",
+                f"native runs delayed and current scaling (per-tensor scales on torch._scaled_mm), not {scaling!r}; "
+                "use emulated (any device) or transformer_engine for it",
+            )
+        if backend != "torchao" and data.get("torchao_recipe") is not None:
+            raise _rule("torchao_recipe", f"only applies to backend torchao (backend is {backend!r}); remove it")
+        applicable = FP8_SCALING_DEFAULTS[scaling]
+        for key in _FP8_SCALING_ONLY:
+            if key in applicable:
+                if data.get(key) is None:
+                    data[key] = applicable[key]
+            elif data.get(key) is not None:
+                users = [s for s, opts in FP8_SCALING_DEFAULTS.items() if key in opts]
+                raise _rule(
+                    key,
+                    f"does not apply to scaling {scaling!r} (it applies to: {', '.join(users)}); remove it"
+                    " (set it to null in a recipe that extends another)",
+                )
+        size = data.get("block_size")
+        allowed = _ALLOWED_BLOCK_SIZE.get(scaling)
+        if allowed and isinstance(size, int) and size not in allowed:
+            raise _rule(
+                "block_size", f"{size} is not supported for {scaling} (allowed: {', '.join(map(str, allowed))})"
+            )
+        return data
+
+    def options(self) -> dict[str, Any]:
+        """The scaling-specific options that apply to this recipe's scaling (resolved)."""
+        return {k: getattr(self, k) for k in FP8_SCALING_DEFAULTS[self.scaling]}
+
+
+#: torchao clamps every amax at this value before computing a scale (``torchao/float8/float8_utils.py``, EPS).
+TORCHAO_AMAX_EPS = 1e-12
+#: torchao's float8 recipes that use E4M3 for every tensor with power-of-2 scales (``Float8LinearConfig.from_recipe_name``).
+_TORCHAO_ROWWISE = ("rowwise", "rowwise_with_gw_hp")
+
+
+def _torchao_rules(data: dict[str, Any], scaling: Any) -> None:
+    """What torchao's ``Float8LinearConfig`` can express, checked before any model exists (``validate`` and every
+    load say it in one line), and the defaults that make a torchao recipe say what torchao will do.
+
+    * scaling: current only (torchao dropped delayed scaling; it has no TE-style mxfp8/blockwise training);
+    * ``torchao_recipe`` defaults to tensorwise; the rowwise recipes use E4M3 for every tensor and power-of-2
+      scales: those are their defaults, and a recipe saying otherwise is refused, never overridden;
+    * ``epsilon``: torchao always clamps amax at 1e-12, so that is the default; 0 (no floor, the value recipes
+      written for Transformer Engine carry) is accepted and the conversion notes the 1e-12 clamp; others are refused.
+    """
+    if scaling != "current":
+        raise _rule(
+            "scaling",
+            f"{scaling!r} is not available with backend torchao (allowed: current; torchao dropped delayed "
+            "scaling and has no TE-style mxfp8/blockwise training; use backend transformer_engine or emulated)",
+        )
+    name = data.get("torchao_recipe")
+    if name is None:
+        name = data["torchao_recipe"] = "tensorwise"
+    if name in _TORCHAO_ROWWISE:
+        if data.get("format") is None:
+            data["format"] = "E4M3"
+        elif str(data["format"]).upper() != "E4M3":
+            raise _rule(
+                "format",
+                f"{data['format']!r} does not match torchao's {name} recipe, which casts every tensor to E4M3 "
+                f"(allowed: E4M3 with torchao_recipe {name}; or torchao_recipe tensorwise for HYBRID)",
+            )
+        if data.get("power_2_scales") is None:
+            data["power_2_scales"] = True
+        elif data["power_2_scales"] is not True:
+            raise _rule(
+                "power_2_scales",
+                f"{data['power_2_scales']!r} does not match torchao's {name} recipe, which rounds every scale to a "
+                f"power of two (allowed: true with torchao_recipe {name}; or torchao_recipe tensorwise)",
+            )
+    eps = data.get("epsilon")
+    if eps is None:
+        data["epsilon"] = TORCHAO_AMAX_EPS
+    elif isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps not in (0.0, TORCHAO_AMAX_EPS):
+        raise _rule(
+            "epsilon",
+            f"{eps!r} cannot be set with backend torchao, which always clamps amax at 1e-12 (allowed: 1e-12, the "
+            "default, or 0; or backend emulated for another floor)",
+        )
+
+
+ClipMethod = Literal["none", "norm", "zclip", "autoclip", "agc"]
+#: Each method's recipe parameters and their defaults (the clippers' keyword defaults in clipping.py come from here).
+CLIP_DEFAULTS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "norm": {"max_norm": 1.0},
+    # ZClip (2025): 25 warm-up steps, EMA alpha 0.97, z threshold 2.5; max_norm is an optional hard cap.
+    "zclip": {"alpha": 0.97, "z_thresh": 2.5, "warmup_steps": 25, "max_norm": None},
+    # AutoClip (2020): clip at the p-th percentile of the grad-norm history.
+    "autoclip": {"percentile": 10.0, "history_size": 1000},
+    # AGC (2021): clip each unit's gradient to clip_factor * max(||W_i||, eps).
+    "agc": {"clip_factor": 0.01, "eps": 0.001},
+}
+_CLIP_PARAMS = ("max_norm", "alpha", "z_thresh", "warmup_steps", "percentile", "history_size", "clip_factor", "eps")
+
+
+class ClippingConfig(_Section):
+    """Gradient clipping: fixed norm, or adaptive (ZClip, AutoClip, AGC)."""
+
+    method: ClipMethod = Field("zclip", description="none | norm | zclip | autoclip | agc.")
+    max_norm: float | None = Field(None, gt=0, description="norm: the threshold; zclip: optional hard cap.")
+    alpha: float | None = Field(None, gt=0, lt=1, description="zclip: EMA factor for the norm mean/variance.")
+    z_thresh: float | None = Field(None, gt=0, description="zclip: z-score above which a step is clipped.")
+    warmup_steps: int | None = Field(
+        None, ge=1, le=MAX_STEPS, description="zclip: steps used to initialise mean/variance."
+    )
+    percentile: float | None = Field(None, gt=0, le=100, description="autoclip: percentile of the norm history.")
+    history_size: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_WINDOW,
+        description=f"autoclip: how many past norms are kept (at most {MAX_WINDOW:,}, kept in memory).",
+    )
+    clip_factor: float | None = Field(None, gt=0, description="agc: lambda, the allowed grad/weight norm ratio.")
+    eps: float | None = Field(None, gt=0, description="agc: floor for weight norms.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _method_options(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        method = data.get("method", "zclip")
+        if method not in CLIP_DEFAULTS:
+            return data
+        applicable = CLIP_DEFAULTS[method]
+        for key in _CLIP_PARAMS:
+            if key in applicable:
+                if key not in data:
+                    data[key] = applicable[key]
+            elif data.get(key) is not None:
+                users = [m for m, opts in CLIP_DEFAULTS.items() if key in opts]
+                raise _rule(key, f"does not apply to method {method!r} (it applies to: {', '.join(users)}); remove it")
+        return data
+
+    def params(self) -> dict[str, Any]:
+        """The parameters that apply to this method (resolved)."""
+        return {k: getattr(self, k) for k in CLIP_DEFAULTS[self.method]}
+
+
+class DetectorConfig(_Section):
+    """One health detector: its threshold, the window it looks at, and what happens when it fires."""
+
+    enabled: bool = Field(True, description="Whether this detector runs.")
+    threshold: float | None = Field(None, description="Meaning depends on the detector (see docs/health.md).")
+    window: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_WINDOW,
+        description=f"Steps the detector looks back over (at most {MAX_WINDOW:,}, kept in memory).",
+    )
+    reaction: Reaction = Field("warn", description="log | warn | skip_step | stop | fallback | lower_lr.")
+    lr_factor: float | None = Field(None, gt=0, lt=1, description="lower_lr only: multiply the learning rate by this.")
+
+    @model_validator(mode="after")
+    def _lr_factor(self) -> DetectorConfig:
+        if self.reaction == "lower_lr" and self.lr_factor is None:
+            raise _rule("lr_factor", "is required when reaction is lower_lr (e.g. 0.5)")
+        if self.reaction != "lower_lr" and self.lr_factor is not None:
+            raise _rule("lr_factor", f"only applies to reaction lower_lr (reaction is {self.reaction!r}); remove it")
+        return self
+
+
+def _det(doc: str, threshold: float | None = None, window: int | None = None, reaction: Reaction = "warn") -> Any:
+    return Field(
+        default_factory=lambda: DetectorConfig(threshold=threshold, window=window, reaction=reaction), description=doc
+    )
+
+
+class DetectorsConfig(_Section):
+    """The detectors, each with defaults that suit LLM fine-tuning."""
+
+    nonfinite_loss: DetectorConfig = _det(
+        "NaN/Inf in the raw loss (before Trainer's NaN filter).", reaction="skip_step"
+    )
+    nonfinite_grad: DetectorConfig = _det(
+        "NaN/Inf in the gradients (FP16: an overflow step the scaler skips).", reaction="log"
+    )
+    skip_rate: DetectorConfig = _det(
+        "threshold: fraction of skipped optimizer steps over the last `window` steps.", threshold=0.2, window=100
+    )
+    consecutive_skips: DetectorConfig = _det("threshold: this many skipped steps in a row.", threshold=10)
+    scale_floor: DetectorConfig = _det("threshold: loss scale at or below this value.", threshold=1.0, reaction="warn")
+    death_spiral: DetectorConfig = _det(
+        "threshold: this many loss-scale backoffs without a growth within `window` steps.",
+        threshold=8,
+        window=50,
+        reaction="stop",
+    )
+    loss_spike: DetectorConfig = _det(
+        "threshold: z-score of the loss over the last `window` steps.", threshold=6.0, window=128
+    )
+    grad_spike: DetectorConfig = _det(
+        "threshold: z-score of the grad norm over the last `window` steps.", threshold=6.0, window=128
+    )
+    tiny_update: DetectorConfig = _det(
+        "threshold: RMS(update)/RMS(weight) of parameters stored in BF16/FP16, measured on sampled steps; "
+        "below about 2e-3 BF16 rounds updates away.",
+        threshold=1e-3,
+        reaction="log",
+    )
+    fp8_saturation: DetectorConfig = _det(
+        "threshold: fraction of a layer's values clipped at the FP8 max.", threshold=0.001, reaction="warn"
+    )
+    fp8_underflow: DetectorConfig = _det(
+        "threshold: fraction of a layer's non-zero values that quantize to zero.", threshold=0.1, reaction="log"
+    )
+    fp8_sqnr: DetectorConfig = _det(
+        "threshold: minimum quantization SQNR in dB for a layer.", threshold=20.0, reaction="log"
+    )
+    mx_clamp: DetectorConfig = _det(
+        "threshold: fraction of MXFP8 blocks whose E8M0 scale is at the clamp.", threshold=0.01, reaction="warn"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _over_defaults(cls, data: Any) -> Any:
+        """A detector given in a recipe changes only the keys it names: ``death_spiral: {reaction: fallback}``
+        keeps the default threshold and window (without this it would start from empty values and never fire)."""
+        if not isinstance(data, dict):
+            return data
+        merged = dict(data)
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if isinstance(value, dict) and field is not None and field.default_factory is not None:
+                default = field.default_factory().model_dump(exclude_none=True)  # type: ignore[call-arg]
+                merged[name] = {**default, **value}
+        return merged
+
+
+class HealthConfig(_Section):
+    """Scale-health monitoring: how often FP8 statistics are sampled, and the detectors."""
+
+    enabled: bool = Field(True, description="Whether health monitoring runs at all.")
+    fp8_sample_every: int = Field(
+        50,
+        ge=1,
+        le=MAX_STEPS,
+        description="Collect per-layer FP8 statistics (and the tiny_update probe) every N optimizer steps.",
+    )
+    detectors: DetectorsConfig = Field(default_factory=DetectorsConfig)
+
+
+class DistributedConfig(_Section):
+    """How the job is launched: single process, DDP, FSDP2 or DeepSpeed ZeRO."""
+
+    strategy: Literal["none", "ddp", "fsdp2", "deepspeed"] = Field(
+        "none", description="none: no sharding (plain data parallel when num_processes > 1); ddp; fsdp2; deepspeed."
+    )
+    zero_stage: int | None = Field(None, ge=0, le=3, description="deepspeed only: ZeRO stage 0..3.")
+    zero3_init: bool = Field(
+        False,
+        description="deepspeed zero_stage 3 only: Accelerate's zero3_init_flag (build the model already partitioned "
+        "over the ranks with DeepSpeed zero.Init). With Accelerate 1.15 and Transformers 5.23 a model loaded by "
+        "from_pretrained/from_config after TrainingArguments or the Accelerator exist is partitioned either way.",
+    )
+    num_processes: int = Field(1, ge=1, description="Processes in total (all machines).")
+    num_machines: int = Field(1, ge=1, description="Machines (nodes).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _zero(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        strategy = data.get("strategy", "none")
+        if strategy == "deepspeed" and data.get("zero_stage") is None:
+            data["zero_stage"] = 1
+        elif strategy != "deepspeed" and data.get("zero_stage") is not None:
+            raise _rule("zero_stage", f"only applies to strategy deepspeed (strategy is {strategy!r}); remove it")
+        return data
+
+    @model_validator(mode="after")
+    def _counts(self) -> DistributedConfig:
+        if self.num_processes < self.num_machines:
+            raise _rule("num_processes", f"{self.num_processes} is fewer than num_machines {self.num_machines}")
+        if self.zero3_init and self.zero_stage != 3:
+            where = (
+                f"zero_stage is {self.zero_stage}" if self.strategy == "deepspeed" else f"strategy is {self.strategy!r}"
+            )
+            raise _rule("zero3_init", f"only applies to strategy deepspeed with zero_stage 3 ({where}); remove it")
+        return self
+
+
+#: At most this many phases (each is validated as a recipe of its own).
+MAX_PHASES = 32
+#: ``distributed.strategy`` values under which layers can be swapped in place at a phase boundary.
+PHASE_STRATEGIES: tuple[str, ...] = ("none", "ddp")
+
+
+def _step_or_fraction(value: Any) -> Any:
+    """A phase start is an integer step count or a fraction; a string or a bool is neither (strict mode would
+    report it twice, once per type of the union)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _rule(
+            "", f"{value!r} is not a step count or a fraction (allowed: an integer >= 0, or a number in [0, 1))"
+        )
+    return value
+
+
+class PhaseConfig(_Section):
+    """One precision phase of a run, from its ``start`` until the next phase's start.
+
+    ``start`` counts optimizer steps done, or is a fraction of ``max_steps``. Everything not named here (clipping,
+    health, tf32, distribution) is the recipe's own, so the clipper's statistics and the detectors' windows run on
+    across boundaries."""
+
+    name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="A label for reports (default: 'phase <index>')."
+    )
+    start: Annotated[int | float, BeforeValidator(_step_or_fraction)] = Field(
+        ...,
+        description="Where the phase begins: optimizer steps already done (an integer), or a fraction of max_steps "
+        "in [0, 1) (resolved as round(fraction * max_steps)). The first phase starts at 0.",
+    )
+    precision: Precision = Field(
+        ...,
+        description="The phase's precision: fp32, bf16, fp16 or fp8. An fp16 phase starts a dynamic loss scaler at "
+        "its loss_scale.init_scale when it begins and retires it when it ends.",
+    )
+    loss_scale: dict[str, Any] | None = Field(
+        None,
+        description="fp16 phases: keys of the loss_scale section that differ from the recipe's own loss_scale (or "
+        "from the loss_scale defaults when the recipe's precision is not fp16).",
+    )
+    fp8: dict[str, Any] | None = Field(
+        None,
+        description="fp8 phases: keys of the fp8 section that differ from the recipe's own fp8 section (or from the "
+        "fp8 defaults when the recipe's precision is not fp8).",
+    )
+    fp8_history: Literal["fresh", "restore"] | None = Field(
+        None,
+        description="fp8 phases (default fresh): start the FP8 layers' amax histories and scales afresh, or restore those the last "
+        "FP8 phase ended with (restore suits a short BF16 interlude; layers whose state no longer fits restart).",
+    )
+
+    @model_validator(mode="after")
+    def _start(self) -> PhaseConfig:
+        if isinstance(self.start, float) and not 0.0 <= self.start < 1.0:
+            raise _rule(
+                "start", f"{self.start!r} is out of range (allowed: an integer step >= 0, or a fraction in [0, 1))"
+            )
+        if isinstance(self.start, int) and not 0 <= self.start <= MAX_STEPS:
+            raise _rule("start", f"{self.start!r} is out of range (allowed: 0 to {MAX_STEPS:,} steps)")
+        if self.precision != "fp8":
+            for key in ("fp8", "fp8_history"):
+                if getattr(self, key) is not None:
+                    raise _rule(key, f"only applies to an fp8 phase (precision is {self.precision}); remove it")
+        if self.precision != "fp16" and self.loss_scale is not None:
+            raise _rule("loss_scale", f"only applies to an fp16 phase (precision is {self.precision}); remove it")
+        return self
+
+    def label(self, index: int) -> str:
+        """The phase's name in reports."""
+        return self.name or f"phase {index}"
