@@ -20,27 +20,43 @@ machine cannot run are rehearsed, and the table says so. Per recipe it measures:
 - cost: tokens/s and peak memory on a GPU; on a CPU the timings of emulated precisions mean nothing, and say so.
 
 A verdict per recipe follows from :class:`Criteria`; :data:`EXIT_FAILED` is the CLI's exit code when one fails.
+
+This module runs the comparison (checks, training each run, judging); the result types and the written table,
+plots and files are in :mod:`hf_mixedprec.compare_report`, the measurements taken during a run in
+:mod:`hf_mixedprec.compare_measure`. Every public name is importable from here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import itertools
-import json
-import logging
 import math
-import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hf_mixedprec._optional import available
+from hf_mixedprec.compare_measure import (
+    _digest,
+    _fill_storage,
+    _fp8_layers,
+    _recording_updates,
+    _RecordingCollator,
+    gradient_fidelity,
+    held_out_loss,
+)
+from hf_mixedprec.compare_report import (
+    COMPARE_FILE,
+    TABLE_FILE,
+    CompareResult,
+    Criteria,
+    LayerFidelity,
+    RunResult,
+    UpdateMeasure,
+    _write,
+)
 from hf_mixedprec.errors import HardwareRefusal, UsageError
 from hf_mixedprec.recipe import Recipe, fp32_recipe, load_recipe
 
@@ -58,307 +74,9 @@ __all__ = [
 
 #: ``hf-mixedprec compare`` exits with this code when at least one recipe fails its verdict.
 EXIT_FAILED = 4
-COMPARE_FILE = "compare.json"
-TABLE_FILE = "compare.md"
-
-
-@dataclass(frozen=True)
-class Criteria:
-    """What a recipe must do to pass (each a ``compare`` flag)."""
-
-    max_skip_rate: float = 0.05
-    """Largest fraction of optimizer steps skipped (overflow, non-finite)."""
-    max_loss_delta_pct: float = 1.0
-    """Largest final loss above the baseline's, in % of it (a recipe ending below the baseline passes)."""
-    allow_stop: bool = False
-    """Whether a health reaction that stopped the run is tolerated."""
-
-
-@dataclass(frozen=True)
-class LayerFidelity:
-    """One layer's gradient under a recipe against the FP32 gradient of the same weights and batch."""
-
-    cosine: float
-    sqnr_db: float
-
-
-@dataclass(frozen=True)
-class UpdateMeasure:
-    """The ``tiny_update`` detector over one run (docs/health.md): RMS(update) / RMS(weight) of the parameters stored
-    in BF16/FP16 whose small updates rounding would lose (no remainder, Kahan compensation or stochastic rounding
-    keeps them), at each sampled step the optimizer took, and how many of those steps the detector reported as below
-    its threshold."""
-
-    threshold: float
-    every: int
-    """The sampling interval in optimizer steps (``health.fp8_sample_every`` of the run)."""
-    steps: list[int]
-    ratios: list[float]
-    fired: int
-    """``tiny_update`` health events of the run (one per sampled step below the threshold: compare checks every
-    step)."""
-
-    @property
-    def samples(self) -> int:
-        return len(self.ratios)
-
-    @property
-    def fired_fraction(self) -> float | None:
-        """The fraction of sampled steps whose update the detector reported as rounded away."""
-        return self.fired / self.samples if self.samples else None
-
-    @property
-    def last_ratio(self) -> float | None:
-        return self.ratios[-1] if self.ratios else None
-
-    @property
-    def median_ratio(self) -> float | None:
-        return statistics.median(self.ratios) if self.ratios else None
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.update(
-            samples=self.samples,
-            fired_fraction=self.fired_fraction,
-            median_ratio=self.median_ratio,
-            last_ratio=self.last_ratio,
-        )
-        return d
-
-
-@dataclass
-class RunResult:
-    """One run (the baseline or a recipe) and, for a recipe, how it compares with the baseline."""
-
-    recipe: str
-    precision: str
-    rehearsed: bool
-    init_digest: str
-    batch_digests: list[str]
-    train_loss: list[float]
-    eval_loss: float | None
-    final_loss: float
-    steps: int
-    skipped: int
-    loss_scale: list[float]
-    events: list[dict[str, Any]]
-    stopped: str | None
-    fp8_layers: dict[str, dict[str, float]]
-    fidelity: dict[int, dict[str, LayerFidelity]]
-    tokens_per_s: float
-    peak_memory_bytes: int | None
-    cost_note: str
-    notes: list[str] = field(default_factory=list)
-    eval_curve: dict[int, float] = field(default_factory=dict)
-    """Held-out loss at the sampled steps (with an eval split)."""
-    loss_gap_abs: list[float] = field(default_factory=list)
-    loss_gap_rel: list[float] = field(default_factory=list)
-    eval_gap_abs: dict[int, float] = field(default_factory=dict)
-    eval_gap_rel: dict[int, float] = field(default_factory=dict)
-    final_delta_pct: float | None = None
-    storage: dict[str, Any] = field(default_factory=dict)
-    """The run plan's ``storage:`` (master, optimizer_states, ...) and ``optimizer_class`` (the optimizer that
-    applies the update: ``unchanged`` for the Trainer's own AdamW, ``StorageAdamW`` or a torchao class)."""
-    bytes_per_param: float | None = None
-    """Bytes per trainable parameter of weights + master + gradients + optimizer states (the run's plan)."""
-    storage_bytes: dict[str, int] = field(default_factory=dict)
-    """The plan's bytes by component over all parameters (frozen ones included)."""
-    tiny_update: UpdateMeasure | None = None
-    """None when nothing was measured: no weight stored in BF16/FP16 without a remainder, Kahan compensation or
-    stochastic rounding keeping its small updates, or the detector is off."""
-    loss_scale_floor: float | None = None
-    """FP16: the recipe's ``loss_scale.min_scale`` (a scale there is stuck, not settled)."""
-    verdict: str = "baseline"
-    reasons: list[str] = field(default_factory=list)
-    suggestions: list[str] = field(default_factory=list)
-
-    @property
-    def skip_rate(self) -> float:
-        return self.skipped / self.steps if self.steps else 0.0
-
-    @property
-    def perplexity(self) -> float:
-        return math.exp(min(self.final_loss, 700.0))
-
-    @property
-    def loss_scale_settled(self) -> bool | None:
-        """FP16: no backoff in the second half of the run and not at the scaler's floor, where it cannot back off any
-        more (None without a loss scale)."""
-        s = self.loss_scale
-        if not s:
-            return None
-        if self.at_scale_floor:
-            return False
-        half = s[len(s) // 2 :]
-        return all(b >= a for a, b in itertools.pairwise(half))
-
-    @property
-    def at_scale_floor(self) -> bool:
-        """The last logged loss scale is at the recipe's ``loss_scale.min_scale``."""
-        return (
-            bool(self.loss_scale) and self.loss_scale_floor is not None and self.loss_scale[-1] <= self.loss_scale_floor
-        )
-
-    def worst_fidelity(self) -> tuple[str, LayerFidelity] | None:
-        """The layer with the lowest gradient SQNR at the last sampled step."""
-        if not self.fidelity:
-            return None
-        last = self.fidelity[max(self.fidelity)]
-        return min(last.items(), key=lambda kv: kv[1].sqnr_db) if last else None
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["fidelity"] = {str(k): {n: asdict(f) for n, f in v.items()} for k, v in self.fidelity.items()}
-        for key in ("eval_curve", "eval_gap_abs", "eval_gap_rel"):
-            d[key] = {str(k): v for k, v in getattr(self, key).items()}
-        d["tiny_update"] = self.tiny_update.to_dict() if self.tiny_update is not None else None
-        d.update(skip_rate=self.skip_rate, perplexity=self.perplexity, loss_scale_settled=self.loss_scale_settled)
-        return _finite_json(d)
-
-    @property
-    def default_storage(self) -> bool:
-        """FP32 master and FP32 optimizer states (or no plan known)."""
-        return self.storage.get("master", "fp32") == "fp32" and self.storage.get("optimizer_states", "fp32") == "fp32"
-
-
-@dataclass
-class CompareResult:
-    """The baseline, every recipe's result and the criteria they were judged by."""
-
-    baseline: RunResult
-    runs: list[RunResult]
-    criteria: Criteria
-    loss_metric: str
-    output_dir: Path | None = None
-    files: list[str] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return all(r.verdict == "pass" for r in self.runs)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "passed": self.passed,
-            "loss_metric": self.loss_metric,
-            "criteria": asdict(self.criteria),
-            "baseline": self.baseline.to_dict(),
-            "runs": [r.to_dict() for r in self.runs],
-            "files": self.files,
-        }
-
-    def markdown(self) -> str:
-        """The comparison as a markdown table, then each failure's reasons and suggestions."""
-        return _markdown(self)
-
-
-def _finite_json(v: Any) -> Any:
-    """JSON has no inf/NaN: they become strings."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    if isinstance(v, dict):
-        return {k: _finite_json(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_finite_json(x) for x in v]
-    return v
-
-
-# -- gradient fidelity -------------------------------------------------------------------------------------------
-
-
-def _layer_of(param_name: str) -> str:
-    return param_name.removesuffix(".weight")
-
-
-@contextlib.contextmanager
-def _measuring(model: torch.nn.Module) -> Iterator[None]:
-    """``model`` in eval mode (no FP8 history update, no dropout) with its FP8 statistics off, both restored after:
-    a measurement that leaves the training run as it was."""
-    from hf_mixedprec.fp8 import iter_monitored
-
-    recording = [(m, m.record_stats) for _, m in iter_monitored(model)]
-    training = model.training
-    model.eval()
-    try:
-        for m, _ in recording:
-            m.record_stats = False
-        yield
-    finally:
-        model.train(training)
-        for m, was in recording:
-            m.record_stats = was
-
-
-def gradient_fidelity(
-    model: torch.nn.Module,
-    reference: torch.nn.Module,
-    batch: dict[str, torch.Tensor],
-    *,
-    autocast: Any = None,
-    loss_scale: float = 1.0,
-) -> dict[str, LayerFidelity]:
-    """Per layer with a 2-D weight: ``model``'s gradient (under ``autocast``, the loss multiplied by
-    ``loss_scale`` and the gradient divided by it, as an FP16 step does) against ``reference``'s FP32 gradient of
-    the same weights (copied into it here) on the same batch. Neither model's ``.grad`` is touched; ``model`` runs
-    in eval mode (no FP8 history update, no dropout) and its FP8 statistics are left as they were."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2]
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        ref_params = dict(reference.named_parameters())
-        missing = [n for n in names if n not in ref_params]
-        if missing:
-            raise ValueError(f"the reference model has no parameter {missing[0]!r}")
-        for n, p in params.items():
-            if n in ref_params:
-                ref_params[n].copy_(p.detach().to(torch.float32))
-    with _measuring(model):
-        with autocast if autocast is not None else contextlib.nullcontext():
-            loss = model(**batch).loss
-        grads = torch.autograd.grad(loss * loss_scale, [params[n] for n in names], allow_unused=True)
-    reference.eval()
-    ref_loss = reference(**batch).loss
-    ref_grads = torch.autograd.grad(ref_loss, [ref_params[n] for n in names], allow_unused=True)
-    out: dict[str, LayerFidelity] = {}
-    for n, g, r in zip(names, grads, ref_grads, strict=True):
-        if g is None or r is None:
-            continue
-        out[_layer_of(n)] = _fidelity(g.detach().double() / loss_scale, r.detach().double())
-    return out
-
-
-def _fidelity(g: torch.Tensor, r: torch.Tensor) -> LayerFidelity:
-    """Cosine similarity and SQNR (dB, signal = the FP32 gradient) of ``g`` against ``r`` (float64)."""
-    dot, gn, rn = float((g * r).sum()), float(g.norm()), float(r.norm())
-    cosine = dot / (gn * rn) if gn > 0 and rn > 0 else (1.0 if gn == rn == 0 else 0.0)
-    noise = float((g - r).pow(2).sum())
-    signal = float(r.pow(2).sum())
-    if not math.isfinite(noise):
-        return LayerFidelity(float("nan"), float("nan"))
-    sqnr = math.inf if noise == 0 else (10 * math.log10(signal / noise) if signal > 0 else -math.inf)
-    return LayerFidelity(cosine, sqnr)
 
 
 # -- one run ---------------------------------------------------------------------------------------------------
-
-
-def _digest(tensors: Any) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-class _RecordingCollator:
-    """``default_data_collator`` that keeps a digest of each training batch, in the order they were made."""
-
-    def __init__(self) -> None:
-        self.digests: list[str] = []
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        from transformers import default_data_collator
-
-        batch = default_data_collator(features)
-        self.digests.append(_digest([batch["input_ids"]]))
-        return batch
 
 
 @dataclass
@@ -376,19 +94,6 @@ class _Setup:
     batch_size: int
     lr: float
     seed: int
-
-
-def held_out_loss(model: torch.nn.Module, blocks: Any, batch_size: int, autocast: Any = None) -> float:
-    """Mean loss over the held-out blocks, in eval mode, without gradients and without FP8 statistics."""
-    device = next(model.parameters()).device
-    total, n = 0.0, 0
-    with torch.no_grad(), _measuring(model), autocast if autocast is not None else contextlib.nullcontext():
-        for i in range(0, len(blocks), batch_size):
-            ids = torch.stack([blocks[j]["input_ids"] for j in range(i, min(i + batch_size, len(blocks)))])
-            ids = ids.to(device)
-            total += float(model(input_ids=ids, labels=ids).loss) * len(ids)
-            n += len(ids)
-    return total / max(n, 1)
 
 
 def _measure_callback(
@@ -536,67 +241,6 @@ def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = T
     )
     _fill_storage(run, rt, updates)
     return run
-
-
-# -- storage ----------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _recording_updates(rt: Any) -> Iterator[list[tuple[int, torch.Tensor, torch.Tensor]]]:
-    """Collect what the run's health monitor is given at each ``tiny_update`` sample: (step, ratio, skipped flag),
-    device tensors kept as they are (no host read during the run). The monitor's own ``observe_update`` still
-    runs, so the detector and its events are untouched; the method is restored afterwards."""
-    seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-    monitor = getattr(rt, "monitor", None)
-    if monitor is None:
-        yield seen
-        return
-    original = monitor.observe_update
-
-    def observe_update(ratio: torch.Tensor, skipped: torch.Tensor) -> None:
-        seen.append((monitor.step + 1, ratio.detach().float().reshape(()), skipped.detach().float().reshape(())))
-        original(ratio, skipped)
-
-    monitor.observe_update = observe_update
-    try:
-        yield seen
-    finally:
-        del monitor.observe_update  # the class's method again
-
-
-def _fill_storage(run: RunResult, rt: Any, updates: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-    """The run's storage, bytes per parameter (its precision plan) and ``tiny_update`` measure."""
-    plan = getattr(rt, "plan", None)
-    if plan is not None:
-        run.storage = {**plan.storage, "optimizer_class": plan.optimizer}
-        run.bytes_per_param = plan.bytes_per_param()
-        run.storage_bytes = plan.bytes_by_component()
-    cfg = rt.recipe.health.detectors.tiny_update if rt is not None else None
-    if not updates or cfg is None or cfg.threshold is None:
-        return
-    host = torch.stack([torch.stack([r, s.to(r.device)]) for _, r, s in updates]).tolist()  # one host read
-    taken = [(step, ratio) for (step, _, _), (ratio, skipped) in zip(updates, host, strict=True) if skipped < 0.5]
-    run.tiny_update = UpdateMeasure(
-        threshold=cfg.threshold,
-        every=rt.recipe.health.fp8_sample_every,
-        steps=[s for s, _ in taken],
-        ratios=[r for _, r in taken],
-        fired=sum(1 for e in run.events if e.get("detector") == "tiny_update"),
-    )
-
-
-def _fp8_layers(logs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per FP8 layer, the worst saturation and underflow logged over the run."""
-    out: dict[str, dict[str, float]] = {}
-    for row in logs:
-        for key, v in row.items():
-            if not key.startswith("mp/fp8/"):
-                continue
-            layer, _, metric = key[len("mp/fp8/") :].rpartition("/")
-            if metric in ("saturation", "underflow"):
-                d = out.setdefault(layer, {"saturation": 0.0, "underflow": 0.0})
-                d[metric] = max(d[metric], float(v))
-    return out
 
 
 # -- judging against the baseline --------------------------------------------------------------------------------
@@ -930,163 +574,3 @@ def _check_same_start(run: RunResult, base: RunResult) -> None:
     n = min(len(run.batch_digests), len(base.batch_digests))
     if run.batch_digests[:n] != base.batch_digests[:n]:
         raise RuntimeError(f"{run.recipe}: its batches differ from the baseline's (a bug: please report it)")
-
-
-# -- output -----------------------------------------------------------------------------------------------------
-
-
-def _fmt(v: float | None, spec: str) -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
-
-
-def _events(events: list[dict[str, Any]]) -> str:
-    """``"7 (fp8_sqnr x5, fp8_underflow x2)"``: how many health events, by detector."""
-    if not events:
-        return "0"
-    counts: dict[str, int] = {}
-    for e in events:
-        counts[e.get("detector", "?")] = counts.get(e.get("detector", "?"), 0) + 1
-    return f"{len(events)} (" + ", ".join(f"{d} x{n}" for d, n in sorted(counts.items())) + ")"
-
-
-def _markdown(res: CompareResult) -> str:
-    head = (
-        "| recipe | run | final loss | vs baseline | perplexity | skip rate | loss scale | worst FP8 layer "
-        "(saturation / underflow) | weakest gradient (SQNR, cosine) | events | verdict |"
-    )
-    lines = [head, "| " + " | ".join(["---"] * 11) + " |"]
-    for r in [res.baseline, *res.runs]:
-        fp8 = "-"
-        if r.fp8_layers:
-            name, d = max(r.fp8_layers.items(), key=lambda kv: (kv[1]["saturation"], kv[1]["underflow"]))
-            fp8 = f"{name} ({d['saturation']:.2%} / {d['underflow']:.2%})"
-        w = r.worst_fidelity()
-        weak = "-" if w is None else f"{w[0]} ({w[1].sqnr_db:.1f} dB, {w[1].cosine:.4f})"
-        scale = "-"
-        if r.loss_scale:
-            how = "at its floor" if r.at_scale_floor else ("settled" if r.loss_scale_settled else "backing off")
-            scale = f"{r.loss_scale[-1]:g} ({how})"
-        delta = "baseline" if r is res.baseline else f"{_fmt(r.final_delta_pct, '+.2f')}%"
-        kind = "rehearsed" if r.rehearsed else "native"
-        lines.append(
-            f"| {r.recipe} | {kind} | {_fmt(r.final_loss, '.4f')} | {delta} | {_fmt(r.perplexity, '.1f')} | "
-            f"{r.skip_rate:.1%} | {scale} | {fp8} | {weak} | {_events(r.events)} | {r.verdict.upper()} |"
-        )
-    lines.append("")
-    lines.append(
-        f"Final loss: {res.loss_metric}. Criteria: skip rate <= {res.criteria.max_skip_rate:.0%}, final loss at most "
-        f"{res.criteria.max_loss_delta_pct:g}% above the baseline's, "
-        f"{'a health stop tolerated' if res.criteria.allow_stop else 'no health stop'}."
-    )
-    every = [res.baseline, *res.runs]
-    if any(not r.default_storage for r in every):  # a storage choice is compared: what each run kept, and lost
-        lines += ["", *_storage_table(every)]
-    for r in res.runs:
-        if r.reasons:
-            lines.append("")
-            lines.append(f"**{r.recipe}: FAIL**")
-            lines += [f"- {x}" for x in r.reasons]
-            lines += [f"- try: {x}" for x in r.suggestions]
-    lines.append("")
-    if any(r.peak_memory_bytes is not None for r in every):  # on a GPU: what each precision costs
-        lines.append("Cost on this GPU:")
-        for r in every:
-            peak = "-" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 2**30:.2f} GiB"
-            lines.append(f"- {r.recipe}: {r.tokens_per_s:,.0f} tokens/s, peak memory {peak} ({r.cost_note})")
-    else:
-        lines.append("Cost: " + "; ".join(sorted({r.cost_note for r in every})))
-    return "\n".join(lines) + "\n"
-
-
-def _storage_table(runs: list[RunResult]) -> list[str]:
-    """Per run: its storage, bytes per trainable parameter and the ``tiny_update`` measure (docs/storage.md)."""
-    lines = [
-        "| recipe | master | optimizer states | optimizer | bytes/param (weights+master+grads+states) | "
-        "tiny_update fired / sampled | update ratio, median (last) |",
-        "| " + " | ".join(["---"] * 7) + " |",
-    ]
-    for r in runs:
-        st = r.storage
-        tu = r.tiny_update
-        fired = "not measured" if tu is None else f"{tu.fired} / {tu.samples}"
-        if tu is not None and tu.fired_fraction is not None:
-            fired += f" ({tu.fired_fraction:.0%})"
-        ratio = "-"
-        if tu is not None and tu.median_ratio is not None:
-            ratio = f"{tu.median_ratio:.3g} ({tu.last_ratio:.3g}; threshold {tu.threshold:g})"
-        lines.append(
-            f"| {r.recipe} | {st.get('master', '-')} | {st.get('optimizer_states', '-')} | "
-            f"{st.get('optimizer_class', '-')} | {_fmt(r.bytes_per_param, '.2f')} | {fired} | {ratio} |"
-        )
-    lines += [
-        "",
-        "tiny_update: RMS(update)/RMS(weight) of the weights stored in BF16/FP16 without anything keeping their small "
-        "updates, at the sampled steps (health.fp8_sample_every, at most a tenth of the run in compare); fired: "
-        "sampled steps below the threshold, where updates round away. Not measured: no such weight (FP32 weights, or "
-        "a remainder, Kahan compensation or stochastic rounding keeps the updates).",
-    ]
-    return lines
-
-
-def _write(res: CompareResult) -> None:
-    out = res.output_dir
-    assert out is not None
-    files = [out / COMPARE_FILE, out / TABLE_FILE]
-    files[1].write_text(res.markdown())
-    if available("matplotlib"):
-        files += _plots(res, out)
-    else:  # the comparison itself is in compare.json and compare.md
-        logging.getLogger("hf_mixedprec").warning(
-            "hf_mixedprec: compare plots not written: matplotlib is not installed (pip install 'hf_mixedprec[finetune]')"
-        )
-    res.files = [str(p) for p in files]
-    files[0].write_text(json.dumps(res.to_dict(), indent=2))
-
-
-def _plots(res: CompareResult, out: Path) -> list[Path]:
-    """``compare_loss.png`` (every run's train loss over the baseline's) and ``compare_grad_sqnr.png`` (each
-    layer's gradient SQNR against FP32 at the last sampled step, per recipe)."""
-    from hf_mixedprec._optional import require
-
-    matplotlib = require("matplotlib", "finetune", "the comparison plots")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    fig, (ax, gap) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2))
-    for r in [res.baseline, *res.runs]:
-        style = {"color": "black", "linewidth": 2.2} if r is res.baseline else {"linewidth": 1.2}
-        label = f"{r.recipe} (baseline)" if r is res.baseline else r.recipe
-        ax.plot(range(1, len(r.train_loss) + 1), r.train_loss, label=label, **style)
-        if r is not res.baseline:
-            gap.plot(range(1, len(r.loss_gap_abs) + 1), r.loss_gap_abs, label=r.recipe, linewidth=1.2)
-    gap.axhline(0.0, color="black", linewidth=1.0)
-    ax.set_ylabel("train loss")
-    gap.set_ylabel(f"loss - {res.baseline.recipe}")
-    gap.set_xlabel("optimizer step")
-    for a in (ax, gap):
-        a.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "compare_loss.png", dpi=100)
-    plt.close(fig)
-    written.append(out / "compare_loss.png")
-    runs = [r for r in res.runs if r.fidelity and r.precision != "fp32"]
-    if runs:
-        layers = list(runs[0].fidelity[max(runs[0].fidelity)])
-        fig, ax = plt.subplots(figsize=(8, 0.22 * len(layers) + 1.6))
-        for j, r in enumerate(runs):
-            last = r.fidelity[max(r.fidelity)]
-            vals = [min(last[n].sqnr_db, 99.0) if n in last else math.nan for n in layers]
-            ax.scatter(vals, range(len(layers)), s=14, label=r.recipe, marker="os^dv"[j % 5])
-        ax.set_yticks(range(len(layers)))
-        ax.set_yticklabels(layers, fontsize=6)
-        ax.invert_yaxis()
-        ax.set_xlabel(f"gradient SQNR vs FP32 (dB, step {max(runs[0].fidelity)}; higher is better)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "compare_grad_sqnr.png", dpi=100)
-        plt.close(fig)
-        written.append(out / "compare_grad_sqnr.png")
-    return written

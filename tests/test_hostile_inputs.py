@@ -111,9 +111,9 @@ def test_report_checks_every_value_of_health_json(content, said, tmp_path, capsy
 
 
 def test_report_refuses_a_health_json_too_big_to_be_one_without_reading_it(tmp_path, capsys, monkeypatch):
-    import hf_mixedprec.cli as cli
+    import hf_mixedprec.cli_inspect as cli_inspect  # report's module, where cmd_report reads the limit
 
-    monkeypatch.setattr(cli, "MAX_HEALTH_BYTES", 1000)
+    monkeypatch.setattr(cli_inspect, "MAX_HEALTH_BYTES", 1000)
     (tmp_path / "health.json").write_text('{"version": 1, "series": {}, "notes": ["' + "x" * 2000 + '"]}')
     assert "(allowed: at most 0 MiB" in _refused(["report", str(tmp_path)], capsys)
 
