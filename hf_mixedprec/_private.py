@@ -40,6 +40,7 @@ __all__ = [
     "foreach_zero_",
     "found_inf_handed_to",
     "give_scaler",
+    "grouped_mm_as_fallback",
     "has_scaled_mm",
     "mkldnn_fp16_supported",
     "optimizer_state",
@@ -316,6 +317,28 @@ def resumed_from(trainer_cls: type) -> str | None:
     return os.fspath(folder) if isinstance(folder, (str, os.PathLike)) else None
 
 
+@contextlib.contextmanager
+def grouped_mm_as_fallback() -> Iterator[None]:
+    """MoE experts (transformers 5 runs them through ``torch._grouped_mm``) on fake tensors: torch's fake kernel for
+    ``_grouped_mm`` accepts BF16 only, so ``estimate``'s step routes them through transformers' own fallback op,
+    whose fake kernel takes every dtype and whose output and saved tensors have the same shapes
+    (``transformers/integrations/moe.py``: ``_can_use_grouped_mm`` decides, ``transformers::grouped_mm_fallback``)."""
+    try:
+        import transformers.integrations.moe as moe
+    except ImportError:  # a transformers without it has no grouped experts either
+        yield
+        return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None:
+        yield
+        return
+    moe._can_use_grouped_mm = lambda *a, **k: False
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
 # -- the list, with the check of each -------------------------------------------------------------------------------
 
 
@@ -399,6 +422,7 @@ PRIVATES: tuple[Private, ...] = (
     Private("accelerate:Accelerator._custom_objects", "accelerate 1.15", "the register_for_checkpointing list"),
     Private("accelerate.optimizer:patch_optimizer_step", "accelerate 1.15", "records a skipped step"),
     Private("accelerate.optimizer:AcceleratedOptimizer._accelerate_step_called", "accelerate 1.15", "step_was_skipped"),
+    Private("transformers.integrations.moe:_can_use_grouped_mm", "transformers 5.23", "MoE experts' GEMM choice"),
     Private("transformers:Trainer._save_checkpoint", "transformers 5.23", "writes and rotates checkpoint-N"),
     Private("transformers:Trainer._save_scaler", "transformers 5.23", "writes scaler.pt"),
     Private("transformers:Trainer._get_output_dir", "transformers 5.23", "the folder checkpoints go into"),

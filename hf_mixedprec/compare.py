@@ -562,9 +562,9 @@ def _check_memory_fit(baseline: Recipe, recipes: Sequence[Recipe], config: Any, 
 
 def _reset_accelerate() -> None:
     """Each run builds its own Accelerator: forget the previous run's mixed-precision state."""
-    from accelerate.state import AcceleratorState
+    from hf_mixedprec._private import reset_accelerate_state
 
-    AcceleratorState._reset_state(reset_partial_state=True)
+    reset_accelerate_state()
 
 
 def _check_same_start(run: RunResult, base: RunResult) -> None:

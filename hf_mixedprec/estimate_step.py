@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_mixedprec._private import fake_tensor_mode, grouped_mm_as_fallback, unset_fake_temporarily
 from hf_mixedprec._text import root_cause
 from hf_mixedprec.errors import MixedPrecisionError, UsageError
 from hf_mixedprec.plan import PrecisionPlan, build_plan
@@ -228,14 +229,13 @@ def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.
     made the plan's; ``model_dtype``: build in that dtype instead (DeepSpeed's BF16/FP16 module), leave the storage
     alone and train without autocast.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from transformers import AutoModelForCausalLM
 
     from hf_mixedprec.fp8 import converted_types
     from hf_mixedprec.storage import apply_storage
 
     step = _Step()
-    with FakeTensorMode(allow_non_fake_inputs=True), _quiet_logs(), _grouped_mm_as_fallback():
+    with fake_tensor_mode(allow_non_fake_inputs=True), _quiet_logs(), grouped_mm_as_fallback():
         # a copy: from_config records the dtype in the config it is given
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=model_dtype or torch.float32)
         model.train()
@@ -270,28 +270,6 @@ def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.
         if step.backend != "transformer_engine":
             step.fp8_extras = _fp8_buffers(model)
     return step
-
-
-@contextlib.contextmanager
-def _grouped_mm_as_fallback() -> Any:
-    """MoE experts (transformers 5 runs them through ``torch._grouped_mm``) on fake tensors: torch's fake kernel for
-    ``_grouped_mm`` accepts BF16 only, so the step routes them through transformers' own fallback op, whose fake
-    kernel takes every dtype and whose output and saved tensors have the same shapes
-    (``transformers/integrations/moe.py``: ``_can_use_grouped_mm`` decides, ``transformers::grouped_mm_fallback``)."""
-    try:
-        import transformers.integrations.moe as moe
-    except ImportError:  # a transformers without it has no grouped experts either
-        yield
-        return
-    original = getattr(moe, "_can_use_grouped_mm", None)
-    if original is None:
-        yield
-        return
-    moe._can_use_grouped_mm = lambda *a, **k: False
-    try:
-        yield
-    finally:
-        moe._can_use_grouped_mm = original
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, dict[str, int]]:
