@@ -46,6 +46,7 @@ __all__ = [
     "DEFAULTS",
     "PackedBlocks",
     "Prepared",
+    "RunSettings",
     "TextData",
     "build_model",
     "build_tokenizer",
@@ -498,3 +499,20 @@ def sample_fp8_at_least_every(recipe: Recipe, every: int) -> Recipe:
     if "fp8" not in recipe.precisions() or not cur or cur <= every:
         return recipe
     return recipe.model_copy(update={"health": recipe.health.model_copy(update={"fp8_sample_every": every})})
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The numbers of one run (after the defaults are applied): where it writes, what it trains and how often it logs
+    and saves."""
+
+    out: Path
+    model: str | None
+    max_steps: int
+    seq_len: int
+    batch_size: int
+    lr: float
+    seed: int
+    logging_steps: int
+    save_steps: int
+    save_total_limit: int | None
