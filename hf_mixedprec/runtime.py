@@ -9,7 +9,8 @@ skips). Nothing here reads a device value on the host except :meth:`metrics`, :m
 :func:`fp8_state_dict`, which run only when a log or checkpoint is due.
 
 The runtime sequences a step; loss scaling and exact skipping live in :mod:`hf_mixedprec.amp`
-(:class:`~hf_mixedprec.amp.LossScaling`), what health events make the run do in :mod:`hf_mixedprec.reactions`.
+(:class:`~hf_mixedprec.amp.LossScaling`), what health events make the run do in :mod:`hf_mixedprec.reactions`, what
+sampled steps measure and logging steps read in :mod:`hf_mixedprec.runtime_stats`.
 
 Rehearsal runs a recipe for hardware you don't have: FP16 recipes use autocast(float16) and a real
 ``torch.amp.GradScaler`` on the current device (CPU too), so loss scaling behaves as on a V100; FP8 recipes
@@ -24,7 +25,6 @@ import functools
 import logging
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,12 +38,10 @@ from hf_mixedprec.amp import GuardScaler, LossScaling
 from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper, with_grads
 from hf_mixedprec.fp8 import (
     ConversionReport,
-    EmulatedFP8GEMM,
     convert,
     fp8_step,
     monitored_layers,
 )
-from hf_mixedprec.fp8.emulated import raw_stats_table
 from hf_mixedprec.fp8.state import (
     FP8_STATE_FILE,
     exclude_fp8_state_from_saves,
@@ -57,16 +55,17 @@ from hf_mixedprec.module_policy import install_compute
 from hf_mixedprec.phases import PhaseRunner
 from hf_mixedprec.plan import PrecisionPlan, run_plan
 from hf_mixedprec.reactions import Reactions
-from hf_mixedprec.scaling.stats import (
-    LayerStats,
-    finish_operand_stats,
-    layer_stats_from_table,
-    stack_layer_stats,
-    unstack_layer_stats,
+from hf_mixedprec.runtime_stats import (
+    _FP8Sample,
+    _LogRead,
+    _observe_fp8_samples,
+    _read_for_log,
+    _tell_fp8_layers,
+    _UpdateProbe,
 )
+from hf_mixedprec.scaling.stats import LayerStats
 from hf_mixedprec.schema import RecipeSpec
 from hf_mixedprec.storage import apply_storage
-from hf_mixedprec.storage.optim import keeps_updates
 
 __all__ = [
     "FP8_STATE_FILE",
@@ -84,8 +83,6 @@ __all__ = [
 log = logging.getLogger("hf_mixedprec")
 
 STATE_VERSION = 1
-#: Elements per parameter tensor sampled (strided) to measure the update size on sampled steps.
-UPDATE_PROBE = 4096
 
 
 #: Models whose forward already runs under a recipe's autocast (weak: no attribute is set on the user's model).
@@ -545,164 +542,6 @@ def _mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)  # one decision for every rank
         loss = loss / dist.get_world_size()
     return loss
-
-
-class _UpdateProbe:
-    """The relative size of a sampled step's update, for ``tiny_update``, on the device: a strided sample (at most
-    UPDATE_PROBE elements per tensor) of the BF16/FP16 parameters is kept before the step and compared after it."""
-
-    def __init__(self) -> None:
-        self._kept: list[tuple[torch.Tensor, int, torch.Tensor]] = []
-
-    def clear(self) -> None:
-        self._kept = []
-
-    def take(self, params: list[Any], optimizer: Any = None) -> None:
-        """Keep the sample of ``params`` before the optimizer step: the BF16/FP16 parameters whose small updates
-        rounding would lose (not those the storage keeps a remainder, a compensation or stochastic rounding for)."""
-        self._kept = []
-        for p in params:
-            if p.dtype in (torch.bfloat16, torch.float16) and p.numel() > 0 and not keeps_updates(optimizer, p):
-                stride = max(1, p.numel() // UPDATE_PROBE)
-                self._kept.append((p, stride, p.detach().reshape(-1)[::stride].float().clone()))
-
-    def ratio(self, device: torch.device) -> torch.Tensor | None:
-        """||new - old|| / ||old|| over the sample (None when nothing was kept); forgets the sample."""
-        if not self._kept:
-            return None
-        num = torch.zeros((), device=device)
-        den = torch.zeros((), device=device)
-        for p, stride, old in self._kept:
-            new = p.detach().reshape(-1)[::stride].float()
-            num = num + (new - old).pow(2).sum().to(num.device)
-            den = den + old.pow(2).sum().to(den.device)
-        self._kept = []
-        return (num / den.clamp_min(1e-30)).sqrt()
-
-
-def _tell_fp8_layers(model: nn.Module, on: bool, told: tuple[list[Any] | None, bool]) -> tuple[list[Any], bool]:
-    """Set ``record_stats`` on every monitored FP8 layer where it changes (a sampled step begins or ends, or the
-    layers changed); ``told`` is what the last call set. Returns what is set now."""
-    layers = monitored_layers(model)
-    if layers is not told[0] or on != told[1]:
-        for _, m in layers:
-            m.record_stats = on
-    return layers, on
-
-
-class _FP8Sample:
-    """A sampled step's FP8 statistics, kept as taken (references, no tensor operation): the emulated layers'
-    records, the other backends' probes; stacked, finished and given to the monitor at the next check."""
-
-    def __init__(self, model: nn.Module) -> None:
-        layers = monitored_layers(model)
-        emulated = [(n, m) for n, m in layers if isinstance(m, EmulatedFP8GEMM) and any(m.measured)]
-        self.names = [n for n, _ in emulated]
-        self.flags = [(m.measured, m.spec.scaling == "mxfp8") for _, m in emulated]
-        self.records = [list(m.records) for _, m in emulated]  # a later sampled step replaces the layers' lists
-        self.others = {n: m.stats for n, m in layers if not isinstance(m, EmulatedFP8GEMM) and m.stats}
-
-    def layer_stats(self) -> dict[str, LayerStats]:
-        out = dict(self.others)
-        raw = raw_stats_table(self.records)
-        if raw is not None:  # one finished table; every layer's record views it (a fixed number of operations)
-            records = layer_stats_from_table(finish_operand_stats(raw), self.flags)
-            out.update(zip(self.names, records))
-        return out
-
-
-def _observe_fp8_samples(rt: MixedPrecisionRuntime) -> None:
-    """Hand the FP8 samples taken since the last check to the health monitor (device operations only)."""
-    samples, rt._fp8_samples = rt._fp8_samples, []
-    if rt.monitor is not None:
-        for sample in samples:
-            rt._fp8_latest = sample.layer_stats()
-            rt.monitor.observe_fp8(rt._fp8_latest)
-
-
-@dataclass
-class _LogRead:
-    """A logging step's host values, read with one device-to-host copy (:func:`_read_for_log`)."""
-
-    step: int
-    monitor: list[float] | None = None  # HealthMonitor.check_request's values
-    fp8: dict[str, float] | None = None  # per-layer FP8 metrics (a sampled step since the last log)
-    amp: dict[str, float] = field(default_factory=dict)  # LossScaling.metric_tensors' values
-    clip_sync: float | None = None  # the clipper's host_request
-    clip: dict[str, float] | None = None  # mp/grad_norm, mp/clip_threshold, mp/clipped
-
-
-def _read_for_log(rt: MixedPrecisionRuntime, model: nn.Module | None) -> _LogRead:
-    """Everything a logging step reports, stacked on the device and read with ONE device-to-host copy: the health
-    monitor's records (with ``model``: what :meth:`MixedPrecisionRuntime.check` needs), the FP8 layers' statistics
-    of a sampled step, the loss scale and skipped steps, the clipper's state and the last clip result."""
-    parts: list[torch.Tensor] = []
-    dev = rt.device
-
-    def add(tensors: list[torch.Tensor]) -> slice:
-        start = sum(p.numel() for p in parts)
-        if tensors:
-            flat = [t.detach().reshape(-1) for t in tensors]
-            flat = [t if t.device == dev else t.to(dev) for t in flat]
-            parts.append(torch.cat(flat).float())
-        return slice(start, start + sum(t.numel() for t in tensors))
-
-    got = _LogRead(rt.steps)
-    if model is not None:
-        _observe_fp8_samples(rt)
-    request = rt.monitor.check_request() if (model is not None and rt.monitor is not None) else None
-    monitor = add([request] if request is not None else [])
-    layers, layout = (None, [])
-    if model is not None and rt.monitor is not None and rt._fp8_pending:
-        latest = rt._fp8_latest  # what the layers hold, finished once for the monitor already
-        if latest is None:
-            latest = {n: m.stats for n, m in monitored_layers(model)}
-        layers, layout = stack_layer_stats({n: s for n, s in latest.items() if s}, dev)
-    fp8 = add([layers] if layers is not None else [])
-    amp_t = rt.amp.metric_tensors()
-    amp = add(list(amp_t.values()))
-    sync = rt.clipper.host_request() if rt.clipper is not None else None
-    clip_sync = add([sync] if sync is not None else [])
-    last, boundary = rt._last, getattr(rt.clipper, "boundary", None)
-    clip_t = [] if last is None else [last.total_norm, last.threshold, last.clipped]
-    clip_t += [boundary()] if (last is not None and boundary is not None) else []
-    clip = add(clip_t)
-    values = torch.cat(parts).tolist() if parts else []  # the one host read
-    if request is not None:
-        got.monitor = values[monitor]
-    if model is not None and rt.monitor is not None and rt._fp8_pending:
-        got.fp8 = _fp8_layer_metrics(unstack_layer_stats(values[fp8], layout))
-        if rt.plan is not None and rt.plan.rules:
-            got.fp8.update(M.fp8_rule_metrics(got.fp8, rt.plan.rule_groups))
-    got.amp = dict(zip(amp_t, values[amp]))
-    got.clip_sync = values[clip_sync][0] if sync is not None else None
-    got.clip = _clip_metrics(values[clip]) if last is not None else None
-    return got
-
-
-def _clip_metrics(values: list[float]) -> dict[str, float]:
-    """``mp/grad_norm``, ``mp/clip_threshold`` (when there is one) and ``mp/clipped`` from the host values of the last
-    clip result's total norm, threshold, clipped flag and (ZClip) boundary."""
-    norm, thr, clipped, *boundary = values
-    out = {M.GRAD_NORM: norm}
-    if thr == float("inf") and boundary:
-        thr = boundary[0]  # ZClip on an unclipped step: where clipping would start
-    if thr == thr and thr != float("inf"):  # NaN (AGC) and inf (warm-up) are not thresholds
-        out[M.CLIP_THRESHOLD] = thr
-    out[M.CLIPPED] = clipped
-    return out
-
-
-def _fp8_layer_metrics(values: dict[str, dict[str, dict[str, float]]]) -> dict[str, float]:
-    """Per FP8 layer, the worst saturation, underflow and SQNR over its input, weight and gradient."""
-    out: dict[str, float] = {}
-    for name, vals in values.items():
-        roles = [vals.get(r, {}) for r in ("input", "weight", "grad")]
-        out[M.fp8_layer_key(name, "saturation")] = max(v.get("saturation", 0.0) for v in roles)
-        out[M.fp8_layer_key(name, "underflow")] = max(v.get("underflow", 0.0) for v in roles)
-        out[M.fp8_layer_key(name, "sqnr_db")] = min(v.get("sqnr_db", float("inf")) for v in roles)
-        out[M.fp8_layer_key(name, "input_amax")] = vals.get("input", {}).get("amax", 0.0)
-    return out
 
 
 def _to_json(t: Any) -> Any:
