@@ -26,7 +26,7 @@ def test_a_logging_step_makes_one_host_read(tmp_path, monkeypatch, base):
     tr = _run(recipe, tmp_path, steps=10, callbacks=[_StepTracker(counter)], logging_steps=5)
     hits = [h for h in counter.hits if h[0] > 0]  # step 0: building the data set
     assert collections.Counter(h[0] for h in hits) == {5: 1, 10: 1}, hits
-    assert all(h[1] == "tolist" and h[2].startswith("runtime.py") for h in hits), hits
+    assert all(h[1] == "tolist" and h[2].startswith("runtime_stats.py") for h in hits), hits  # the logging read
     rows = [r for r in tr.state.log_history if "loss" in r]
     assert [r["step"] for r in rows] == [5, 10]
     last = rows[-1]
