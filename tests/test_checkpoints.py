@@ -233,3 +233,56 @@ def test_a_checkpoint_verified_once_is_not_hashed_again_until_a_file_changes(tmp
     (folder / "optimizer.pt").write_bytes(b"x" * 500)  # same size, other content, a later modification time
     os.utime(folder / "optimizer.pt", ns=(1, 10**18))
     assert "optimizer.pt: its content changed" in (verify(folder) or "")
+
+
+# -- several ranks: rank 0 decides, every rank resumes from the same checkpoint -------------------------------------
+def _rank_resume_target(rank: int, init: str, out: str, wanted: object, result: str) -> None:
+    import torch.distributed as dist
+
+    import hf_mixedprec.checkpoints as ck
+    from hf_mixedprec.integrations.checkpointing import resume_target
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    hashed: list[str] = []
+    inner = ck._sha256
+    ck._sha256 = lambda p: hashed.append(p.name) or inner(p)
+    notes: list[str] = []
+    try:
+        got: object = resume_target(out, wanted, notes.append)
+    except CheckpointDamaged as exc:
+        got = f"refused: {exc}"
+    Path(result).write_text(json.dumps({"target": got, "notes": notes, "hashed": len(hashed)}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_with_two_ranks_rank_0_alone_hashes_and_both_resume_from_the_same_checkpoint(tmp_path):
+    import torch.multiprocessing as mp
+
+    _complete(tmp_path / "checkpoint-2")
+    _complete(tmp_path / "checkpoint-4")
+    (tmp_path / "checkpoint-4" / "optimizer.pt").write_bytes(b"")
+    for case, wanted in (("latest", True), ("named", str(tmp_path / "checkpoint-4"))):
+        results = [tmp_path / f"{case}-{r}.json" for r in (0, 1)]
+        init = f"file://{tmp_path / f'{case}.init'}"
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(target=_rank_resume_target, args=(r, init, str(tmp_path), wanted, str(results[r])))
+            for r in (0, 1)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+            assert p.exitcode == 0, case
+        got = [json.loads(r.read_text()) for r in results]
+        assert got[0]["target"] == got[1]["target"] and got[0]["notes"] == got[1]["notes"], case
+        assert got[0]["hashed"] > 0 and got[1]["hashed"] == 0, case  # one pass over the files, on rank 0
+        if case == "latest":
+            assert got[0]["target"] == str(tmp_path / "checkpoint-2")
+            assert "checkpoint-4 is damaged: optimizer.pt: 0 bytes where 500 were written" in got[0]["notes"][0]
+        else:
+            assert (
+                got[1]["target"].startswith("refused: resume_from_checkpoint:")
+                and "e.g. checkpoint-2" in got[1]["target"]
+            )

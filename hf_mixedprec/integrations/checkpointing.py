@@ -101,7 +101,30 @@ def resume_target(out: str | os.PathLike[str] | None, wanted: Any, note: Callabl
     """What Trainer should resume from for ``resume_from_checkpoint=wanted``: unchanged for None/False; for True
     the newest complete checkpoint (a note names each damaged newer one); a named checkpoint only when it verifies
     (else :class:`CheckpointDamaged`, naming the newest that does). Checkpoints saved without manifests pass as
-    Trainer would take them (:func:`hf_mixedprec.checkpoints.unmanaged`)."""
+    Trainer would take them (:func:`hf_mixedprec.checkpoints.unmanaged`).
+
+    In a distributed run rank 0 alone reads and hashes the checkpoints and hands its decision (the target, its notes
+    or the refusal) to every rank: one pass over the files instead of one per rank, and every rank resumes from the
+    same checkpoint."""
+    if wanted is None or wanted is False or out is None or not _distributed():
+        return _resume_target(out, wanted, note)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        notes: list[str] = []
+        try:
+            box[0] = ("ok", _resume_target(out, wanted, notes.append), notes)
+        except CheckpointDamaged as exc:
+            box[0] = ("damaged", str(exc), notes)
+    dist.broadcast_object_list(box, src=0)
+    kind, value, notes = box[0]
+    for n in notes:
+        note(n)
+    if kind == "damaged":
+        raise CheckpointDamaged(value)
+    return value
+
+
+def _resume_target(out: str | os.PathLike[str] | None, wanted: Any, note: Callable[[str], None]) -> Any:
     if wanted is None or wanted is False or out is None:
         return wanted
     if wanted is True:
