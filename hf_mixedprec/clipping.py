@@ -41,6 +41,7 @@ from hf_mixedprec.clipping_base import (
     _check_int,
     _mul_,
     _scale_to,
+    count_true,
     global_grad_norm,
     with_grads,
 )
@@ -419,7 +420,7 @@ class AGC(Clipper):
         if self.exclude is not None and names is None:
             raise ValueError("AGC exclude needs parameter names: pass model.named_parameters()")
         device = norm.device
-        units_clipped = torch.zeros((), dtype=torch.int64, device=device)
+        triggers: list[Tensor] = []
         units = 0
         for i, p in enumerate(params):
             grad = p.grad
@@ -438,7 +439,8 @@ class AGC(Clipper):
             max_norm = torch.clamp(w_norm, min=self.eps) * self.clip_factor
             trigger = (g_norm > max_norm) & valid.to(grad.device)
             grad.mul_(torch.where(trigger, max_norm / g_norm, 1.0))
-            units_clipped = units_clipped + trigger.sum().to(device)
+            triggers.append(trigger)
+        units_clipped = count_true(triggers, device)  # FSDP2 shards: each rank's rows, summed over the ranks
         fraction = units_clipped.to(torch.float32) / max(units, 1)
         return ClipResult(
             total_norm=norm,

@@ -23,6 +23,7 @@ __all__ = [
     "ClipResult",
     "Clipper",
     "Params",
+    "count_true",
     "global_grad_norm",
     "with_grads",
 ]
@@ -121,9 +122,14 @@ def global_grad_norm(grads: Sequence[Tensor]) -> Tensor:
 
     Per-tensor norms then the norm of the norms, as ``torch.nn.utils.clip_grad_norm_`` does (bit-identical to
     it for float32 gradients); FP16/BF16 gradients are reduced in float32 so the norm itself cannot overflow.
+    Sharded gradients (``DTensor``, as FSDP2's ``fully_shard`` leaves them) give the global norm of the whole
+    gradients from each rank's shards with one all-reduce (:func:`_sharded_grad_norm`), as a plain tensor that is
+    the same on every rank, so every clipper decides the same everywhere.
     """
     if not grads:
         return torch.zeros((), dtype=torch.float32)
+    if any(type(g).__name__ == "DTensor" for g in grads):
+        return _sharded_grad_norm(grads)
     groups = _by_device(grads)
     if len(groups) == 1:
         return torch.linalg.vector_norm(torch.stack(_norms_f32(grads)), 2)
@@ -132,6 +138,72 @@ def global_grad_norm(grads: Sequence[Tensor]) -> Tensor:
     for group in groups.values():
         norms.extend(_norms_f32(group))
     return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2)
+
+
+def _sharded_grad_norm(grads: Sequence[Tensor]) -> Tensor:
+    """The global L2 norm of gradients of which some are ``DTensor`` shards: each rank's squared norm of its local
+    shards, summed over the ranks that hold the other shards with one all-reduce per mesh (one in all for FSDP2),
+    plus the squared norms of replicated and plain gradients, which every rank holds whole. Nothing is gathered.
+    A gradient still ``Partial`` (not yet reduced over the ranks) is refused: its squared norm is not the sum of
+    the ranks' squared norms."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    device = grads[0].to_local().device if isinstance(grads[0], DTensor) else grads[0].device
+    sharded: dict[tuple[Any, ...], list[Tensor]] = {}  # the process groups a shard is summed over -> local shards
+    whole: list[Tensor] = []
+    for g in grads:
+        if not isinstance(g, DTensor):
+            whole.append(g)
+            continue
+        if any(p.is_partial() for p in g.placements):
+            raise ValueError(
+                "gradient clipping: a DTensor gradient is still Partial (not reduced over the ranks); clip after "
+                "the gradients are reduced (FSDP2 reduce-scatters them in backward)"
+            )
+        dims = tuple(i for i, p in enumerate(g.placements) if p.is_shard())
+        if not dims:
+            whole.append(g.to_local())
+            continue
+        # FSDP2 makes a mesh per fully_shard call, all over the same ranks: keyed by their process groups, they
+        # are summed with one all-reduce
+        sharded.setdefault(tuple(g.device_mesh.get_group(d) for d in dims), []).append(g.to_local())
+    squared = torch.zeros((), dtype=torch.float32, device=device)
+    for groups, local in sharded.items():
+        part = torch.stack([n.to(device) for n in _norms_f32(local)]).square().sum()
+        for group in groups:
+            dist.all_reduce(part, group=group)
+        squared = squared + part
+    if whole:
+        squared = squared + torch.stack([n.to(device) for n in _norms_f32(whole)]).square().sum()
+    return squared.sqrt()
+
+
+def count_true(flags: Sequence[Tensor], device: torch.device) -> Tensor:
+    """How many elements of ``flags`` (boolean tensors) are true over the whole model, as an int64 0-d tensor on
+    ``device``: plain and replicated flags count as they are, the local shards of ``DTensor`` flags are counted on
+    each rank and summed over the ranks with one all-reduce per mesh (AGC's clipped rows under FSDP2)."""
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    sharded: dict[tuple[Any, ...], list[Tensor]] = {}  # as in _sharded_grad_norm
+    for f in flags:
+        if type(f).__name__ == "DTensor":
+            dims = tuple(i for i, p in enumerate(f.placements) if p.is_shard())
+            local = f.to_local().sum().to(device)
+            if dims:
+                sharded.setdefault(tuple(f.device_mesh.get_group(d) for d in dims), []).append(local)
+                continue
+            total = total + local
+        else:
+            total = total + f.sum().to(device)
+    if sharded:
+        import torch.distributed as dist
+
+        for groups, counts in sharded.items():
+            part = torch.stack(counts).sum()
+            for group in groups:
+                dist.all_reduce(part, group=group)
+            total = total + part
+    return total
 
 
 def _mul_(grads: list[Tensor], coef: Tensor) -> None:
