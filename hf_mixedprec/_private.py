@@ -39,6 +39,8 @@ __all__ = [
     "foreach_norm",
     "foreach_zero_",
     "found_inf_handed_to",
+    "fsdp2_on_cpu",
+    "fsdp2_possible_on_cpu",
     "give_scaler",
     "grouped_mm_as_fallback",
     "has_scaled_mm",
@@ -219,6 +221,48 @@ def set_mixed_precision(accelerator: Any, value: str) -> None:
     # accelerate/state.py: ``AcceleratorState._mixed_precision`` backs the read-only ``mixed_precision`` property
     # that ``Accelerator.autocast`` and ``prepare`` read; it is settable only through the constructor.
     accelerator.state._mixed_precision = value
+
+
+def fsdp2_possible_on_cpu(trainer: Any) -> bool:
+    """Whether ``trainer``'s Accelerator runs several CPU processes without sharding (what :func:`fsdp2_on_cpu`
+    switches)."""
+    from accelerate.utils import DistributedType
+
+    acc = trainer.accelerator
+    return (
+        acc.distributed_type == DistributedType.MULTI_CPU
+        and acc.num_processes > 1
+        and getattr(acc.state, "fsdp_plugin", None) is None
+    )
+
+
+def fsdp2_on_cpu(trainer: Any) -> bool:
+    """Switch a Trainer's Accelerator, built for several CPU processes, to Accelerate's FSDP2 path before the model is
+    prepared; False (nothing changed) where it is not such an Accelerator or already shards.
+
+    ``accelerate/state.py`` (``AcceleratorState.__init__``) takes the FSDP branch only for GPU-like distributed types,
+    so on CPU processes (gloo) Accelerate trains as DDP; its FSDP2 code itself (``fsdp2_prepare_model``:
+    ``fully_shard`` per wrapped module, then the root) runs on CPU. The plugin: every module class the model names
+    as not to be split (its decoder layers) sharded, then the root; parameters resharded after forward; sharded
+    state dicts (Distributed Checkpoint); no FSDP mixed-precision policy, so parameters stay in their own dtype
+    (autocast computes in the recipe's precision, as in one process) and gradients are reduced in float32.
+    ``trainer.is_fsdp_enabled`` (transformers/trainer.py: set once from the state) routes Trainer's checkpoints
+    through Accelerate's FSDP save and load."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if not fsdp2_possible_on_cpu(trainer):
+        return False
+    acc = trainer.accelerator
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        reshard_after_forward=True,
+        state_dict_type="SHARDED_STATE_DICT",
+    )
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = plugin
+    trainer.is_fsdp_enabled = True
+    return True
 
 
 def give_scaler(optimizer: Any, scaler: torch.amp.GradScaler) -> None:

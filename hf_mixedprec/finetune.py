@@ -207,8 +207,8 @@ def _sample_fp8_at_every_log(recipe: Recipe, run: RunSettings) -> Recipe:
 def _write_outputs(run: RunSettings, trained: Trained, summary: dict[str, Any], *, save: bool, start: float) -> None:
     """The model (``save``), and on the main process the run report and ``summary.json``."""
     if save:
-        # on every rank: under DeepSpeed ZeRO-3 saving gathers the sharded weights (Trainer writes on rank 0 only)
-        trained.trainer.save_model(str(run.out))
+        # on every rank: under DeepSpeed ZeRO-3 and FSDP2 saving gathers the sharded weights (rank 0 writes)
+        _save_model(trained.trainer, run.out)
     if trained.trainer.is_world_process_zero():
         from hf_mixedprec.run_report import write_run_report
 
@@ -216,6 +216,23 @@ def _write_outputs(run: RunSettings, trained: Trained, summary: dict[str, Any], 
         summary["files"] = sorted({p.name for p in files} | {"summary.json"})
         summary["seconds"] = round(time.perf_counter() - start, 3)
         (run.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _save_model(trainer: Any, out: Path) -> None:
+    """``save_pretrained`` of the trained model and its tokenizer into ``out``. Under FSDP with sharded state dicts
+    ``Trainer.save_model`` writes no model (its checkpoints hold the shards), so the whole weights are gathered onto
+    rank 0's host memory (``torch.distributed.checkpoint.state_dict.get_model_state_dict``, a collective) and saved
+    as one model that loads anywhere."""
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        trainer.save_model(str(out))
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    whole = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainer.is_world_process_zero():
+        trainer.model.save_pretrained(str(out), state_dict=whole)
+        if trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(str(out))
 
 
 def _check_inputs(

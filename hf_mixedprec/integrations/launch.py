@@ -272,8 +272,10 @@ def plan_launch(
     nproc = int(acc_cfg["num_processes"])
     if device_type == "cpu" and recipe.distributed.strategy == "fsdp2":
         notes.append(
-            "FALLBACK: FSDP2 is planned for CUDA; on this CPU machine an fsdp2 recipe ran as plain data parallel "
-            "(no sharding) in our checks"
+            "FSDP2 on CPU processes: Accelerate shards only on GPUs by itself; hf_mixedprec's Trainer callback "
+            "(finetune, a Trainer with recipe.callbacks()) switches its FSDP2 path on in each process for BF16 and "
+            "FP32 recipes. FALLBACK: FP16 and FP8 recipes, and a script on the Accelerate plugin without Trainer, "
+            "train as plain data parallel (no sharding) here"
         )
     env = {RECIPE_ENV: str(recipe_path)}
     if not uses_torch_distributed_run(recipe, nproc, device_type):

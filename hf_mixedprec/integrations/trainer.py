@@ -39,7 +39,13 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from hf_mixedprec._private import find_trainer, give_scaler, resumed_from, set_mixed_precision, wrap_save_scaler
+from hf_mixedprec._private import (
+    find_trainer,
+    give_scaler,
+    resumed_from,
+    set_mixed_precision,
+    wrap_save_scaler,
+)
 from hf_mixedprec.checkpoints import MANIFEST_VERSION, MARK
 from hf_mixedprec.fp8 import model_parameters
 from hf_mixedprec.fp8.state import read_fp8_state_file
@@ -47,6 +53,7 @@ from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.health import HealthMonitor
 from hf_mixedprec.integrations.accelerate_plugin import accelerate_precision, backpropagated_loss, enable_native_fp16
 from hf_mixedprec.integrations.checkpointing import finish_checkpoint, manage_checkpoints
+from hf_mixedprec.integrations.sharding import fsdp2_on_cpu_processes
 from hf_mixedprec.integrations.trainer_args import RECIPE_CLIPS, _check_args, training_args
 from hf_mixedprec.module_policy import assign_rules
 from hf_mixedprec.recipe_files import resolve_recipe
@@ -188,13 +195,14 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         acc = trainer.accelerator
         rt.apply_tf32()
         _ATTACHED[model] = (rt, weakref.ref(trainer))
+        sharded = not late and fsdp2_on_cpu_processes(trainer, recipe, rt)  # then Accelerate autocasts nothing
         if deepspeed:
             # DeepSpeed through TrainingArguments(deepspeed=...) or through `accelerate launch` with a
             # DeepSpeed config (what `hf-mixedprec launch` writes for distributed.strategy: deepspeed)
             self._setup_deepspeed(trainer, rt)
             self._route_backward_and_log(trainer, rt)
             return
-        autocast_by_accelerate = acc.native_amp and acc.mixed_precision == accelerate_precision(recipe)
+        autocast_by_accelerate = acc.native_amp and acc.mixed_precision == accelerate_precision(recipe) and not sharded
         if recipe.autocast_precision() == "fp32" and acc.mixed_precision != "no":
             set_mixed_precision(acc, "no")
             acc.native_amp = False
