@@ -85,3 +85,64 @@ def test_fsdp2_training_equals_one_process_on_the_same_global_batches(runs):
     assert sorted(w1) == sorted(w2)
     diff = torch.cat([(w1[n] - w2[n]).abs().flatten() for n in w1])
     assert float(diff.mean()) < 5e-5 and float((diff > 1e-3).float().mean()) < 1e-3
+
+
+def _decide(rank: int, port: int, out: str) -> None:
+    """One of 2 gloo ranks: a real Trainer per recipe kind with the recipe's callbacks, and what setup decided."""
+    os.environ.update(
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "ACCELERATE_USE_CPU": "true"}
+    )  # fmt: skip
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer
+
+    from hf_mixedprec.demo import tiny_llama
+    from hf_mixedprec.integrations.trainer import runtime_of
+    from hf_mixedprec.recipe import resolve_recipe
+    from tests.test_integration import Bytes
+
+    seen = {}
+    for base in ("cpu-bf16", "v100-fp16", "h100-fp8-delayed"):
+        recipe = resolve_recipe({"name": f"{base}-fsdp2", "extends": base, "distributed": {"strategy": "fsdp2"}})
+        recipe = recipe.rehearsed(True) if base != "cpu-bf16" else recipe
+        args = recipe.training_args(output_dir=f"{out}-{base}", max_steps=1, report_to=[], use_cpu=True)
+        tr = Trainer(model=tiny_llama(0), args=args, train_dataset=Bytes(n=8), callbacks=recipe.callbacks())
+        seen[base] = {
+            "distributed": str(tr.accelerator.distributed_type),
+            "fsdp": bool(tr.is_fsdp_enabled),
+            "notes": [n for n in runtime_of(tr).notes if "FSDP2" in n],
+        }
+        AcceleratorState._reset_state(reset_partial_state=False)
+    if rank == 0:
+        Path(out).write_text(json.dumps(seen))
+
+
+@pytest.mark.slow
+def test_fp16_and_fp8_recipes_fall_back_to_data_parallel_loudly_under_fsdp2_on_cpu(tmp_path):
+    """FP16's loss scaler and FP8's scaling state are not reduced over shards yet: those recipes keep Accelerate's
+    plain data parallel, with a FALLBACK note in the run report; BF16 is switched to FSDP2 (real Trainers on 2
+    gloo ranks, decided at construction)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "seen.json"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_decide, args=(r, port, str(out))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    seen = json.loads(out.read_text())
+    assert seen["cpu-bf16"]["fsdp"] and seen["cpu-bf16"]["distributed"] == "DistributedType.FSDP"
+    assert seen["cpu-bf16"]["notes"][0].startswith("FSDP2 on 2 CPU processes (gloo)")
+    for base, kind in (("v100-fp16", "fp16"), ("h100-fp8-delayed", "fp8")):
+        assert not seen[base]["fsdp"] and seen[base]["distributed"] == "DistributedType.MULTI_CPU", base
+        assert seen[base]["notes"] == [
+            "FALLBACK: FSDP2 on CPU processes runs BF16 and FP32 recipes only (FP16's loss scaler and FP8's scaling "
+            f"state are not yet reduced over shards); this {kind} recipe trains as plain data parallel (no sharding)"
+        ], base
