@@ -49,13 +49,19 @@ def _import_everything() -> None:
     for name in ("transformers.trainer", "transformers.generation.utils", "peft", "matplotlib.pyplot",
                  "transformers.models.llama.modeling_llama", "safetensors.torch"):  # fmt: skip
         importlib.import_module(name)
+    import matplotlib.pyplot as plt
+
+    plt.close(plt.figure())  # the font cache, loaded once (pure Python: no thread pool is started)
 
 
 MANIFEST_MOMENT = "manifest"
 
 
 def _child(step: dict) -> None:
-    """One step, in a forked process: never returns."""
+    """One step, in a forked process: never returns. One torch thread: two runs share the 2 cores."""
+    import torch
+
+    torch.set_num_threads(1)
     log = os.open(step["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)

@@ -237,6 +237,7 @@ def test_a_checkpoint_verified_once_is_not_hashed_again_until_a_file_changes(tmp
 
 # -- several ranks: rank 0 decides, every rank resumes from the same checkpoint -------------------------------------
 def _rank_resume_target(rank: int, init: str, out: str, wanted: object, result: str) -> None:
+    torch.set_num_threads(1)  # two ranks share the 2 cores
     import torch.distributed as dist
 
     import hf_mixedprec.checkpoints as ck

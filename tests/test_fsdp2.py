@@ -89,6 +89,7 @@ def test_fsdp2_training_equals_one_process_on_the_same_global_batches(runs):
 
 def _decide(rank: int, port: int, out: str) -> None:
     """One of 2 gloo ranks: a real Trainer per recipe kind with the recipe's callbacks, and what setup decided."""
+    torch.set_num_threads(1)  # two ranks share the 2 cores
     os.environ.update(
         {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "ACCELERATE_USE_CPU": "true"}

@@ -63,6 +63,7 @@ def _train(method: str, rank: int | None, collectives: list[dict[str, int]] | No
 
 
 def _rank(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)  # two ranks share the 2 cores
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
