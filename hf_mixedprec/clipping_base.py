@@ -146,11 +146,10 @@ def _sharded_grad_norm(grads: Sequence[Tensor]) -> Tensor:
     plus the squared norms of replicated and plain gradients, which every rank holds whole. Nothing is gathered.
     A gradient still ``Partial`` (not yet reduced over the ranks) is refused: its squared norm is not the sum of
     the ranks' squared norms."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     device = grads[0].to_local().device if isinstance(grads[0], DTensor) else grads[0].device
-    sharded: dict[tuple[Any, ...], list[Tensor]] = {}  # the process groups a shard is summed over -> local shards
+    sharded: dict[tuple[Any, ...], list[Tensor]] = {}  # the process groups (_shard_groups) -> local shards
     whole: list[Tensor] = []
     for g in grads:
         if not isinstance(g, DTensor):
@@ -161,19 +160,14 @@ def _sharded_grad_norm(grads: Sequence[Tensor]) -> Tensor:
                 "gradient clipping: a DTensor gradient is still Partial (not reduced over the ranks); clip after "
                 "the gradients are reduced (FSDP2 reduce-scatters them in backward)"
             )
-        dims = tuple(i for i, p in enumerate(g.placements) if p.is_shard())
-        if not dims:
+        groups = _shard_groups(g)
+        if not groups:
             whole.append(g.to_local())
             continue
-        # FSDP2 makes a mesh per fully_shard call, all over the same ranks: keyed by their process groups, they
-        # are summed with one all-reduce
-        sharded.setdefault(tuple(g.device_mesh.get_group(d) for d in dims), []).append(g.to_local())
+        sharded.setdefault(groups, []).append(g.to_local())
     squared = torch.zeros((), dtype=torch.float32, device=device)
     for groups, local in sharded.items():
-        part = torch.stack([n.to(device) for n in _norms_f32(local)]).square().sum()
-        for group in groups:
-            dist.all_reduce(part, group=group)
-        squared = squared + part
+        squared = squared + _summed_over(groups, torch.stack([n.to(device) for n in _norms_f32(local)]).square().sum())
     if whole:
         squared = squared + torch.stack([n.to(device) for n in _norms_f32(whole)]).square().sum()
     return squared.sqrt()
@@ -186,24 +180,34 @@ def count_true(flags: Sequence[Tensor], device: torch.device) -> Tensor:
     total = torch.zeros((), dtype=torch.int64, device=device)
     sharded: dict[tuple[Any, ...], list[Tensor]] = {}  # as in _sharded_grad_norm
     for f in flags:
-        if type(f).__name__ == "DTensor":
-            dims = tuple(i for i, p in enumerate(f.placements) if p.is_shard())
-            local = f.to_local().sum().to(device)
-            if dims:
-                sharded.setdefault(tuple(f.device_mesh.get_group(d) for d in dims), []).append(local)
-                continue
-            total = total + local
-        else:
+        if type(f).__name__ != "DTensor":
             total = total + f.sum().to(device)
-    if sharded:
-        import torch.distributed as dist
-
-        for groups, counts in sharded.items():
-            part = torch.stack(counts).sum()
-            for group in groups:
-                dist.all_reduce(part, group=group)
-            total = total + part
+            continue
+        local = f.to_local().sum().to(device)
+        groups = _shard_groups(f)
+        if groups:
+            sharded.setdefault(groups, []).append(local)
+        else:
+            total = total + local
+    for groups, counts in sharded.items():
+        total = total + _summed_over(groups, torch.stack(counts).sum())
     return total
+
+
+def _shard_groups(t: Any) -> tuple[Any, ...]:
+    """The process groups a ``DTensor``'s shards are spread over, one per sharded mesh dimension (() when it is
+    replicated). FSDP2 makes a mesh per ``fully_shard`` call, all over the same ranks: keyed by their groups, the
+    shards of every call are summed with one all-reduce."""
+    return tuple(t.device_mesh.get_group(i) for i, p in enumerate(t.placements) if p.is_shard())
+
+
+def _summed_over(groups: tuple[Any, ...], part: Tensor) -> Tensor:
+    """``part`` (this rank's sum over its shards) summed over the ranks of ``groups``, in place."""
+    import torch.distributed as dist
+
+    for group in groups:
+        dist.all_reduce(part, group=group)
+    return part
 
 
 def _mul_(grads: list[Tensor], coef: Tensor) -> None:
