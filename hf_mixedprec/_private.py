@@ -236,9 +236,9 @@ def fsdp2_possible_on_cpu(trainer: Any) -> bool:
     )
 
 
-def fsdp2_on_cpu(trainer: Any) -> bool:
-    """Switch a Trainer's Accelerator, built for several CPU processes, to Accelerate's FSDP2 path before the model is
-    prepared; False (nothing changed) where it is not such an Accelerator or already shards.
+def fsdp2_on_cpu(trainer: Any) -> None:
+    """Switch a Trainer's Accelerator, built for several CPU processes (:func:`fsdp2_possible_on_cpu`), to
+    Accelerate's FSDP2 path before the model is prepared.
 
     ``accelerate/state.py`` (``AcceleratorState.__init__``) takes the FSDP branch only for GPU-like distributed types,
     so on CPU processes (gloo) Accelerate trains as DDP; its FSDP2 code itself (``fsdp2_prepare_model``:
@@ -250,8 +250,6 @@ def fsdp2_on_cpu(trainer: Any) -> bool:
     through Accelerate's FSDP save and load."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    if not fsdp2_possible_on_cpu(trainer):
-        return False
     acc = trainer.accelerator
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2,
@@ -262,7 +260,6 @@ def fsdp2_on_cpu(trainer: Any) -> bool:
     acc.state.distributed_type = DistributedType.FSDP
     acc.state.fsdp_plugin = plugin
     trainer.is_fsdp_enabled = True
-    return True
 
 
 def give_scaler(optimizer: Any, scaler: torch.amp.GradScaler) -> None:

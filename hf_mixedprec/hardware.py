@@ -326,17 +326,17 @@ def check_recipe(recipe: RecipeSpec, info: HardwareInfo) -> None:
 
 
 def _no_fp8_backend(recipe: RecipeSpec, info: HardwareInfo) -> str | None:
-    """Why no FP8 backend runs ``recipe`` (hardware that has FP8) on ``info``'s machine; None when one does."""
+    """Why no FP8 backend runs ``recipe`` on ``info``'s machine; None when one does. Called once the hardware is
+    known to have FP8 (compute capability >= 8.9), so the native layers need only torch's FP8 GEMM."""
     if recipe.precision != "fp8" or recipe.fp8 is None:
         return None
-    native = torch_has_fp8_gemm() and info.capability is not None and info.capability >= (8, 9)
     backend, why = fp8_backend_for(
         recipe.fp8.backend,
         recipe.fp8.scaling,
         device_type=info.device_type,
         te=info.te_version is not None,
         torchao=info.torchao_version is not None,
-        native=(native, "needs compute capability >= 8.9 and torch._scaled_mm"),
+        native=(torch_has_fp8_gemm(), f"torch {torch.__version__} has no torch._scaled_mm"),
     )
     return why if backend is None else None
 
