@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from hf_mixedprec.checkpoints import MANIFEST, CheckpointDamaged, newest_verified, verify, write_manifest
 from hf_mixedprec.cli import main
+from tests.ranks import leave_group, run_two_ranks
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
@@ -253,29 +254,19 @@ def _rank_resume_target(rank: int, init: str, out: str, wanted: object, result: 
     except CheckpointDamaged as exc:
         got = f"refused: {exc}"
     Path(result).write_text(json.dumps({"target": got, "notes": notes, "hashed": len(hashed)}))
-    dist.destroy_process_group()
+    leave_group()
 
 
 @pytest.mark.slow
 def test_with_two_ranks_rank_0_alone_hashes_and_both_resume_from_the_same_checkpoint(tmp_path):
-    import torch.multiprocessing as mp
-
     _complete(tmp_path / "checkpoint-2")
     _complete(tmp_path / "checkpoint-4")
     (tmp_path / "checkpoint-4" / "optimizer.pt").write_bytes(b"")
     for case, wanted in (("latest", True), ("named", str(tmp_path / "checkpoint-4"))):
         results = [tmp_path / f"{case}-{r}.json" for r in (0, 1)]
         init = f"file://{tmp_path / f'{case}.init'}"
-        ctx = mp.get_context("spawn")
-        procs = [
-            ctx.Process(target=_rank_resume_target, args=(r, init, str(tmp_path), wanted, str(results[r])))
-            for r in (0, 1)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=120)
-            assert p.exitcode == 0, case
+        args = [(r, init, str(tmp_path), wanted, str(results[r])) for r in (0, 1)]
+        run_two_ranks(_rank_resume_target, args, timeout=120)
         got = [json.loads(r.read_text()) for r in results]
         assert got[0]["target"] == got[1]["target"] and got[0]["notes"] == got[1]["notes"], case
         assert got[0]["hashed"] > 0 and got[1]["hashed"] == 0, case  # one pass over the files, on rank 0

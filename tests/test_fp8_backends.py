@@ -24,6 +24,7 @@ from hf_mixedprec.scaling import (
     quantize_mxfp8,
     tensor_amax,
 )
+from tests.ranks import leave_group
 
 
 def fp8_recipe(scaling: str, **kw):
@@ -350,7 +351,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: dict) -> None:
     mod(x).sum().backward()
     fp8_step(mod)
     out[rank] = (mod.fp8_scale.clone(), mod.fp8_amax_history.clone())
-    dist.destroy_process_group()
+    leave_group()
 
 
 @pytest.mark.slow

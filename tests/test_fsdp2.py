@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.ranks import leave_group, run_two_ranks
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "name: {name}\nextends: cpu-bf16\nclipping: {{method: zclip, warmup_steps: 2}}\n{extra}"
 ARGS = ["--max-steps", "6", "--save-steps", "3", "--seq-len", "16", "--eval-split", "0"]
@@ -116,6 +118,7 @@ def _decide(rank: int, port: int, out: str) -> None:
         AcceleratorState._reset_state(reset_partial_state=False)
     if rank == 0:
         Path(out).write_text(json.dumps(seen))
+    leave_group()
 
 
 @pytest.mark.slow
@@ -125,19 +128,11 @@ def test_fp16_and_fp8_recipes_fall_back_to_data_parallel_loudly_under_fsdp2_on_c
     gloo ranks, decided at construction)."""
     import socket
 
-    import torch.multiprocessing as mp
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "seen.json"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_decide, args=(r, port, str(out))) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        assert p.exitcode == 0
+    run_two_ranks(_decide, [(r, port, str(out)) for r in (0, 1)])
     seen = json.loads(out.read_text())
     assert seen["cpu-bf16"]["fsdp"] and seen["cpu-bf16"]["distributed"] == "DistributedType.FSDP"
     assert seen["cpu-bf16"]["notes"][0].startswith("FSDP2 on 2 CPU processes (gloo)")

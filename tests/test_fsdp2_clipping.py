@@ -12,6 +12,7 @@ import torch
 
 from hf_mixedprec.clipping import make_clipper
 from hf_mixedprec.demo import tiny_llama
+from tests.ranks import leave_group, run_two_ranks
 
 METHODS = {
     "norm": {"max_norm": 0.5},
@@ -73,22 +74,14 @@ def _rank(rank: int, init: str, out: str) -> None:
         result[method] = {**_train(method, rank, collectives), "collectives": collectives}
     if rank == 0:
         Path(out).write_text(json.dumps(result))
-    dist.destroy_process_group()
+    leave_group()
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
     tmp = tmp_path_factory.mktemp("fsdp2")
     out = tmp / "ranks.json"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, f"file://{tmp / 'init'}", str(out))) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        assert p.exitcode == 0
+    run_two_ranks(_rank, [(r, f"file://{tmp / 'init'}", str(out)) for r in (0, 1)])
     return json.loads(out.read_text())
 
 

@@ -1,0 +1,45 @@
+"""Two gloo ranks in spawned processes, for the tests that shard or reduce for real on CPU.
+
+A rank leaves with ``os._exit`` once its group is destroyed: at interpreter teardown, gloo's worker threads can still
+own work objects (FSDP2 keeps some in reference cycles) and abort the process with "terminate called without an
+active exception" after the test's work is done and written (pytorch/pytorch#179291 describes the mechanism). The
+result a test asserts on is written before that point, so skipping teardown loses nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def leave_group() -> None:
+    """End a rank: free what holds gloo work, meet the other rank, destroy the group, exit without teardown."""
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_two_ranks(target: Callable[..., None], args: Sequence[Sequence[Any]], timeout: float = 300) -> None:
+    """Start ``target(*args[rank])`` for ranks 0 and 1 as spawned processes; both must exit 0 within ``timeout``."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=tuple(args[r])) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    assert codes == [0, 0], f"rank exit codes {codes} (None: still running after {timeout} s; negative: a signal)"
