@@ -236,7 +236,7 @@ def fsdp2_possible_on_cpu(trainer: Any) -> bool:
     )
 
 
-def fsdp2_on_cpu(trainer: Any) -> None:
+def fsdp2_on_cpu(trainer: Any, *, broadcast_weights: bool = True) -> None:
     """Switch a Trainer's Accelerator, built for several CPU processes (:func:`fsdp2_possible_on_cpu`), to
     Accelerate's FSDP2 path before the model is prepared.
 
@@ -247,7 +247,10 @@ def fsdp2_on_cpu(trainer: Any) -> None:
     state dicts (Distributed Checkpoint); no FSDP mixed-precision policy, so parameters stay in their own dtype
     (autocast computes in the recipe's precision, as in one process) and gradients are reduced in float32.
     ``trainer.is_fsdp_enabled`` (transformers/trainer.py: set once from the state) routes Trainer's checkpoints
-    through Accelerate's FSDP save and load."""
+    through Accelerate's FSDP save and load. ``broadcast_weights``: rank 0's weights are sent to every rank at
+    preparation (Accelerate's ``cpu_ram_efficient_loading``, whose loader takes each state-dict entry for a sharded
+    parameter: a model with other buffers in its state dict, FP8 layers' scaling state, must go without it and
+    start from the same weights on every rank by itself)."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     acc = trainer.accelerator
@@ -256,6 +259,7 @@ def fsdp2_on_cpu(trainer: Any) -> None:
         auto_wrap_policy="transformer_based_wrap",
         reshard_after_forward=True,
         state_dict_type="SHARDED_STATE_DICT",
+        cpu_ram_efficient_loading=broadcast_weights,
     )
     acc.state.distributed_type = DistributedType.FSDP
     acc.state.fsdp_plugin = plugin

@@ -50,6 +50,7 @@ from hf_mixedprec.fp8.state import (
     load_fp8_state_dict,
     save_fp8_state,
 )
+from hf_mixedprec.fp8.torchao_backend import precompute_fsdp_scales
 from hf_mixedprec.health import HealthEvent, HealthMonitor, layers_to_bf16
 from hf_mixedprec.module_policy import install_compute
 from hf_mixedprec.phases import PhaseRunner
@@ -352,6 +353,8 @@ class MixedPrecisionRuntime:
         """Advance FP8 delayed scaling, update the monitor and count skipped steps (device only)."""
         if self.active.precision == "fp8":
             fp8_step(model)
+            if self.recipe.distributed.fp8_all_gather:
+                precompute_fsdp_scales(model)
         if self.monitor is not None:
             ratio = self._update_probe.ratio(self.amp.found_inf.device)
             if ratio is not None:

@@ -248,6 +248,26 @@ class RecipeSpec(_Section):
         return self
 
     @model_validator(mode="after")
+    def _fp8_all_gather(self) -> RecipeSpec:
+        if not self.distributed.fp8_all_gather:
+            return self
+        fp8 = self.fp8
+        recipe = (fp8.torchao_recipe or "tensorwise") if fp8 is not None else None
+        if fp8 is None or fp8.backend != "torchao" or recipe != "tensorwise":
+            if fp8 is None:
+                have = "no fp8 section"
+            else:
+                have = f"fp8.backend {fp8.backend!r}" + (
+                    f", torchao_recipe {recipe!r}" if fp8.backend == "torchao" else ""
+                )
+            raise _rule(
+                "distributed.fp8_all_gather",
+                f"needs fp8.backend torchao with torchao_recipe tensorwise (this recipe has {have}): torchao's FP8 "
+                "all-gather casts weights with one scale per tensor",
+            )
+        return self
+
+    @model_validator(mode="after")
     def _deepspeed_scaler(self) -> RecipeSpec:
         if self.distributed.strategy == "deepspeed":
             if self.precision == "fp8":

@@ -431,6 +431,12 @@ class DistributedConfig(_Section):
     )
     num_processes: int = Field(1, ge=1, description="Processes in total (all machines).")
     num_machines: int = Field(1, ge=1, description="Machines (nodes).")
+    fp8_all_gather: bool = Field(
+        False,
+        description="fsdp2 with fp8.backend torchao (tensorwise) only: all-gather the FP8 layers' weights in FP8 "
+        "(torchao's enable_fsdp_float8_all_gather, half the bytes of BF16) and compute their scales after each "
+        "optimizer step with one all-reduce for all of them (precompute_float8_dynamic_scale_for_fsdp).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -454,6 +460,8 @@ class DistributedConfig(_Section):
                 f"zero_stage is {self.zero_stage}" if self.strategy == "deepspeed" else f"strategy is {self.strategy!r}"
             )
             raise _rule("zero3_init", f"only applies to strategy deepspeed with zero_stage 3 ({where}); remove it")
+        if self.fp8_all_gather and self.strategy != "fsdp2":
+            raise _rule("fp8_all_gather", f"only applies to strategy fsdp2 (strategy is {self.strategy!r}); remove it")
         return self
 
 

@@ -60,7 +60,8 @@ class LayerProbe:
         if not (self.record_stats and module.training and args and isinstance(args[0], torch.Tensor)):
             return
         self._measure("input", args[0])
-        self._measure("weight", module.weight)
+        if type(module.weight) in (torch.Tensor, nn.Parameter):  # a subclass arrived quantized (FP8 all-gather)
+            self._measure("weight", module.weight)
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(self._grad_hook)
 

@@ -23,7 +23,7 @@ from hf_mixedprec.fp8.swap import linear_holding
 from hf_mixedprec.scaling.fp8 import FP8Format
 from hf_mixedprec.schema import TORCHAO_AMAX_EPS, RecipeSpec
 
-__all__ = ["TORCHAO_INSTALL_HINT", "convert_torchao", "torchao_config"]
+__all__ = ["TORCHAO_INSTALL_HINT", "convert_torchao", "precompute_fsdp_scales", "torchao_config"]
 
 log = logging.getLogger("hf_mixedprec")
 
@@ -83,7 +83,10 @@ def torchao_config(recipe: RecipeSpec, *, emulate: bool) -> Any:
                 f"fp8.power_2_scales: false does not match torchao's {name} recipe, which rounds scales to powers "
                 f"of two (allowed: true with torchao_recipe {name})"
             )
-    return dataclasses.replace(cfg, emulate=emulate)
+    # FSDP2 all-gathers the weights of the converted layers in FP8 (torchao/float8/fsdp_utils.py); the schema
+    # allows it with tensorwise only
+    all_gather = recipe.distributed.fp8_all_gather
+    return dataclasses.replace(cfg, emulate=emulate, enable_fsdp_float8_all_gather=all_gather)
 
 
 def _with_dtype(cast: Any, dtype: torch.dtype) -> Any:
@@ -106,6 +109,11 @@ def convert_torchao(model: nn.Module, recipe: RecipeSpec, decisions: list[LayerD
         )
     cfg = torchao_config(recipe, emulate=emulate)
     assert recipe.fp8 is not None
+    if recipe.distributed.fp8_all_gather:
+        notes.append(
+            "FP8 all-gather: FSDP2 gathers these layers' weights already in FP8, so their health statistics cover "
+            "inputs and gradients (the weights' are not sampled)"
+        )
     if recipe.fp8.epsilon in (None, 0.0):
         notes.append("torchao clamps every amax at 1e-12 before scaling (the recipe's fp8.epsilon is 0)")
     wanted = {d.name for d in decisions if d.to_swap}
@@ -162,3 +170,13 @@ def _autocast_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
         return None
     dtype = torch.get_autocast_dtype(x.device.type)
     return None if x.dtype == dtype else (x.to(dtype), *args[1:])
+
+
+def precompute_fsdp_scales(model: nn.Module) -> None:
+    """After an optimizer step under ``distributed.fp8_all_gather``: the FP8 scales of every sharded torchao weight
+    for the next all-gather, from one all-reduce of their amaxes (torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp``; without it each layer's all-gather reduces its own amax).
+    Weights that are not sharded are left alone, so one process runs it as a no-op."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

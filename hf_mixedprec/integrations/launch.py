@@ -142,7 +142,9 @@ def _add_strategy_section(cfg: dict[str, Any], recipe: RecipeSpec, deepspeed_con
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_reshard_after_forward": True,
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_cpu_ram_efficient_loading": True,
+            # rank 0 loads and broadcasts the weights; Accelerate's loader takes every state-dict entry for a
+            # sharded parameter, so FP8 layers' scaling buffers (and torchao's FP8 weights) cannot go through it
+            "fsdp_cpu_ram_efficient_loading": "fp8" not in recipe.precisions(),
             "fsdp_offload_params": False,
             "fsdp_activation_checkpointing": False,
         }
@@ -273,9 +275,8 @@ def plan_launch(
     if device_type == "cpu" and recipe.distributed.strategy == "fsdp2":
         notes.append(
             "FSDP2 on CPU processes: Accelerate shards only on GPUs by itself; hf_mixedprec's Trainer callback "
-            "(finetune, a Trainer with recipe.callbacks()) switches its FSDP2 path on in each process for BF16 and "
-            "FP32 recipes. FALLBACK: FP16 and FP8 recipes, and a script on the Accelerate plugin without Trainer, "
-            "train as plain data parallel (no sharding) here"
+            "(finetune, a Trainer with recipe.callbacks()) switches its FSDP2 path on in each process. FALLBACK: a "
+            "script on the Accelerate plugin without Trainer trains as plain data parallel (no sharding) here"
         )
     env = {RECIPE_ENV: str(recipe_path)}
     if not uses_torch_distributed_run(recipe, nproc, device_type):

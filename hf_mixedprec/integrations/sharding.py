@@ -5,32 +5,97 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_mixedprec._private import fsdp2_on_cpu, fsdp2_possible_on_cpu
+import torch
+from torch import nn
+
+from hf_mixedprec._private import ensure_scale_tensor, fsdp2_on_cpu, fsdp2_possible_on_cpu
 from hf_mixedprec.schema import RecipeSpec
 
-__all__ = ["fsdp2_on_cpu_processes"]
+__all__ = [
+    "fsdp2_on_cpu_processes",
+    "install_sharding",
+    "keep_optimizer_params_by_name",
+    "scaler_ready_for_sharded_resume",
+]
+
+
+def install_sharding(trainer: Any, recipe: RecipeSpec, rt: Any) -> bool:
+    """At a Trainer's construction, before its model is prepared: FSDP2 on CPU processes where the recipe asks
+    (:func:`fsdp2_on_cpu_processes`), and under FSDP2 with FP8 all-gather the optimizer's parameters found by name
+    (:func:`keep_optimizer_params_by_name`). True when FSDP2 was switched on here."""
+    sharded = fsdp2_on_cpu_processes(trainer, recipe, rt)
+    if recipe.distributed.fp8_all_gather and getattr(trainer, "is_fsdp_enabled", False):
+        keep_optimizer_params_by_name(trainer.accelerator)
+    return sharded
+
+
+def scaler_ready_for_sharded_resume(trainer: Any, scaler: torch.amp.GradScaler) -> None:
+    """Give ``scaler`` its scale tensor now when the Trainer shards with FSDP. Resuming a sharded optimizer, torch's
+    Distributed Checkpoint first fills its empty state with one step at lr 0
+    (torch/distributed/checkpoint/state_dict.py: ``_init_optim_state``); through Accelerate's optimizer that step goes
+    through the scaler, which refuses to step without a scale. The checkpoint's scale is loaded after it."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        ensure_scale_tensor(scaler, trainer.args.device)
 
 
 def fsdp2_on_cpu_processes(trainer: Any, recipe: RecipeSpec, rt: Any) -> bool:
-    """Switch Accelerate's FSDP2 path on for several CPU processes (it takes it on GPUs only): for BF16 and FP32
-    recipes, whose autocast the runtime installs. FP16's loss scaler (found-inf per rank) and FP8's scaling state are
-    not reduced over shards yet: such a recipe trains as plain data parallel, said as a fallback. Under FSDP
-    Accelerate leaves precision to an FSDP mixed-precision policy and autocasts nothing; the FSDP2 switched on here has
-    none (parameters and the gradient reduction stay float32), so the runtime installs the recipe's autocast."""
+    """Switch Accelerate's FSDP2 path on for several CPU processes (it takes it on GPUs only), for every recipe
+    kind. Under FSDP Accelerate leaves precision to an FSDP mixed-precision policy and autocasts nothing; the FSDP2
+    switched on here has none (parameters and the gradient reduction stay float32), so the runtime installs the
+    recipe's autocast. What keeps the ranks in step: FP16's ``GradScaler`` finds infs on sharded (DTensor)
+    gradients with a MAX all-reduce of its found-inf flag (torch/distributed/tensor/_dispatch.py); FP8 delayed
+    scaling reduces its amaxes with MAX over ranks once per step (:func:`hf_mixedprec.fp8.fp8_step`); the gradient
+    norm that clipping and the skip decision read is summed over the shards; the loss the detectors read is the
+    mean over ranks."""
     if recipe.distributed.strategy != "fsdp2" or not fsdp2_possible_on_cpu(trainer):
         return False
-    precisions = recipe.precisions()
-    if not set(precisions) <= {"bf16", "fp32"}:
-        rt.note(
-            f"FALLBACK: FSDP2 on CPU processes runs BF16 and FP32 recipes only (FP16's loss scaler and FP8's scaling "
-            f"state are not yet reduced over shards); this {'->'.join(precisions)} recipe trains as plain data "
-            "parallel (no sharding)"
+    fp8 = "fp8" in recipe.precisions()
+    fsdp2_on_cpu(trainer, broadcast_weights=not fp8)
+    gather = " (FP8 weights all-gathered in FP8)" if recipe.distributed.fp8_all_gather else ""
+    if fp8:
+        gather += (
+            "; FP8 layers keep scaling state in their state dict, which Accelerate cannot broadcast from rank 0: "
+            "every rank must build the same model (same checkpoint or same seed)"
         )
-        return False
-    fsdp2_on_cpu(trainer)
     rt.note(
         f"FSDP2 on {trainer.accelerator.num_processes} CPU processes (gloo): Accelerate shards only on GPUs by itself, "
         "so its FSDP2 path was switched on here (decoder layers and the root sharded, sharded checkpoints, gradients "
-        "reduced in float32)"
+        f"reduced in float32){gather}"
     )
     return True
+
+
+def keep_optimizer_params_by_name(accelerator: Any) -> None:
+    """Make ``accelerator.prepare(model, optimizer)`` under FSDP2 hand the optimizer the sharded parameter of each of
+    its parameters, found by name.
+
+    Accelerate's FSDP2 preparation (``Accelerator._prepare_fsdp2``, ``fsdp2_switch_optimizer_parameters``) finds the
+    sharded parameter for each optimizer parameter by ``data_ptr()``. torchao's weights for FP8 all-gather
+    (``WeightWithDynamicFloat8CastTensor``) are wrapper tensors whose ``data_ptr()`` is 0, all of them: every FP8
+    weight in the optimizer becomes the same sharded parameter and the others are never updated, with no error
+    (seen with accelerate 1.15 and torchao 0.18; a Trainer creates its optimizer before preparing the model). The
+    names are taken before ``prepare`` and the groups rebuilt from them after it; nothing else changes."""
+    from accelerate.utils import fsdp2_canonicalize_names
+
+    prepare = accelerator.prepare
+
+    def prepare_by_name(*args: Any, **kwargs: Any) -> Any:
+        model = next((a for a in args if isinstance(a, nn.Module)), None)
+        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        if model is None or not optimizers:
+            return prepare(*args, **kwargs)
+        names = {id(p): n for n, p in model.named_parameters()}
+        before = [[[names.get(id(p)) for p in g["params"]] for g in o.param_groups] for o in optimizers]
+        result = prepare(*args, **kwargs)
+        prepared = result if isinstance(result, (tuple, list)) else (result,)
+        new_model = next(r for r in prepared if isinstance(r, nn.Module))
+        sharded = fsdp2_canonicalize_names(dict(new_model.named_parameters()))
+        new_opts = [r for r in prepared if isinstance(r, torch.optim.Optimizer)]
+        for opt, groups in zip(new_opts, before, strict=True):
+            for group, wanted in zip(opt.param_groups, groups, strict=True):
+                if None in wanted:  # a parameter the model does not name: leave Accelerate's choice
+                    continue
+                group["params"] = [sharded[fsdp2_canonicalize_names({n: None}).popitem()[0]] for n in wanted]
+        return result
+
+    accelerator.prepare = prepare_by_name

@@ -53,7 +53,7 @@ from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.health import HealthMonitor
 from hf_mixedprec.integrations.accelerate_plugin import accelerate_precision, backpropagated_loss, enable_native_fp16
 from hf_mixedprec.integrations.checkpointing import finish_checkpoint, manage_checkpoints
-from hf_mixedprec.integrations.sharding import fsdp2_on_cpu_processes
+from hf_mixedprec.integrations.sharding import install_sharding, scaler_ready_for_sharded_resume
 from hf_mixedprec.integrations.trainer_args import RECIPE_CLIPS, _check_args, training_args
 from hf_mixedprec.module_policy import assign_rules
 from hf_mixedprec.recipe_files import resolve_recipe
@@ -111,6 +111,14 @@ def attach(
     trainer.add_callback(cb)
     cb.setup(trainer)
     return cb
+
+
+def _hand_scaler(trainer: Trainer, scaler: torch.amp.GradScaler, late: bool) -> None:
+    """The prepared optimizer takes a scaler that came after it (``late``); under FSDP the scaler holds its scale
+    before any checkpoint is loaded (:func:`scaler_ready_for_sharded_resume`)."""
+    if late:
+        give_scaler(trainer.optimizer, scaler)
+    scaler_ready_for_sharded_resume(trainer, scaler)
 
 
 class MixedPrecisionCallback(TrainerCallback, ExportableState):
@@ -195,7 +203,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         acc = trainer.accelerator
         rt.apply_tf32()
         _ATTACHED[model] = (rt, weakref.ref(trainer))
-        sharded = not late and fsdp2_on_cpu_processes(trainer, recipe, rt)  # then Accelerate autocasts nothing
+        sharded = not late and install_sharding(trainer, recipe, rt)  # then Accelerate autocasts nothing
         if deepspeed:
             # DeepSpeed through TrainingArguments(deepspeed=...) or through `accelerate launch` with a
             # DeepSpeed config (what `hf-mixedprec launch` writes for distributed.strategy: deepspeed)
@@ -221,8 +229,8 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         elif rt.wants_guard():
             scaler = acc.scaler = rt.make_guard_scaler()
             rt.note(GUARD_NOTE, quiet=True)  # every non-FP16 run has it: nothing to act on
-        if late and scaler is not None:
-            give_scaler(trainer.optimizer, scaler)
+        if scaler is not None:
+            _hand_scaler(trainer, scaler, late)
         if rt.phases is not None:
             _phased_autocast(rt, model, acc, late)
         # Accelerate autocasts at prepare time: fp16 switched on above is its own path unless the model was
@@ -231,7 +239,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             recipe.autocast_precision() != "fp32"
             and rt.phases is None
             and not autocast_by_accelerate
-            and (late or recipe.precision != "fp16")
+            and (late or sharded or recipe.precision != "fp16")
         ):
             rt.wrap_forward_with_autocast(model)
             rt.note(
