@@ -14,6 +14,9 @@ os.environ.pop("HF_MIXEDPREC_RECIPE", None)
 
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # several workers share the cores: one torch thread each, not oversubscribed
+
 
 @pytest.fixture
 def fresh_accelerate_state():
