@@ -38,6 +38,8 @@ class Reactions:
         self.fallback_recipe: str | None = None
         #: FP8 layers a fallback reaction moved to high precision, in order (restored on resume)
         self.moved_layers: list[str] = []
+        #: the model is sharded with FSDP2: its layers cannot be swapped mid-run, so a fallback stops instead
+        self.sharded = False
 
     def apply(
         self, events: list[HealthEvent], model: nn.Module, optimizer: Any = None, scheduler: Any = None, *, step: int
@@ -55,6 +57,13 @@ class Reactions:
                 factor = getattr(self.recipe.health.detectors, ev.detector).lr_factor or 0.5
                 _lower_lr(optimizer, scheduler, factor)
                 self._note(f"health: learning rate multiplied by {factor:g} after {ev.detector} at step {ev.step}")
+            elif ev.reaction == "fallback" and self.sharded:
+                if self.stop_requested is None:
+                    self.stop_requested = (
+                        f"{text}: FP8 layers of a model sharded with FSDP2 cannot move to BF16 during the run, so it "
+                        f"stops with a checkpoint instead; resume it with {ev.layer or 'the flagged layers'} kept in "
+                        "BF16 (a modules: rule with fp8: off) or under a BF16 recipe"
+                    )
             elif ev.reaction == "fallback":
                 if ev.layer is not None:
                     fallback_layers.append(ev.layer)

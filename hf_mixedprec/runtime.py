@@ -128,8 +128,7 @@ class MixedPrecisionRuntime:
     """Applies one recipe to one model/optimizer pair (see module docs)."""
 
     def __init__(self, recipe: RecipeSpec, *, device: torch.device | str = "cpu", rehearse: bool | None = None):
-        self.recipe = recipe
-        self.device = torch.device(device)
+        self.recipe, self.device = recipe, torch.device(device)
         self.rehearse = bool(recipe.rehearse if rehearse is None else rehearse)
         self.notes: list[str] = []
         #: a phased recipe's schedule and the phase in force (None without ``phases:``)
@@ -158,6 +157,7 @@ class MixedPrecisionRuntime:
         self._recording: tuple[list[Any] | None, bool] = (None, False)  # the layers told to record, and what
         self._fp8_pending = False  # a sampled step's FP8 statistics wait for the next check (a logging step)
         self._fp8_samples: list[_FP8Sample] = []  # those samples, not yet handed to the monitor
+        self.checks_on_every_rank = False  # True: checks run on every rank at once (sampled FP8 stats are combined)
         self._fp8_latest: dict[str, LayerStats] | None = None  # the last one handed over, finished
         self._fp8_metrics: dict[str, float] = {}
         self._log_read: _LogRead | None = None  # what check() read for this logging step's metrics()

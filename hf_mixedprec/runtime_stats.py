@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hf_mixedprec import metrics as M
@@ -84,13 +85,35 @@ class _FP8Sample:
         self.records = [list(m.records) for _, m in emulated]  # a later sampled step replaces the layers' lists
         self.others = {n: m.stats for n, m in layers if not isinstance(m, EmulatedFP8GEMM) and m.stats}
 
-    def layer_stats(self) -> dict[str, LayerStats]:
+    def layer_stats(self, over_ranks: bool = False) -> dict[str, LayerStats]:
+        """The sample's statistics per layer; ``over_ranks``: our layers' combined over the ranks
+        (:func:`raw_over_ranks`, a collective: every rank must ask)."""
         out = dict(self.others)
         raw = raw_stats_table(self.records)
         if raw is not None:  # one finished table; every layer's record views it (a fixed number of operations)
+            raw = raw_over_ranks(raw) if over_ranks else raw
             records = layer_stats_from_table(finish_operand_stats(raw), self.flags)
             out.update(zip(self.names, records))
         return out
+
+
+def raw_over_ranks(raw: torch.Tensor) -> torch.Tensor:
+    """The sampled statistics of every rank as one process on the global batch would have measured them, from rows of
+    :data:`~hf_mixedprec.scaling.stats.RAW_COLUMNS` (``[..., 8]``): counts summed, L2 norms combined as the root of
+    their summed squares, amax the MAX, the MX clamp fraction weighted by each rank's elements. One all-gather (at
+    the check that finishes a sampled step, never on other steps), so every rank's health monitor sees the same
+    figures and takes the same decisions, and rank 0 reports the global one. One process: ``raw`` as it is."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return raw
+    n = dist.get_world_size()
+    every = raw.new_empty((n * raw.shape[0], *raw.shape[1:]))  # ranks concatenated along the first dim
+    dist.all_gather_into_tensor(every, raw.contiguous())
+    every = every.view(n, *raw.shape)
+    numel, nonzero, under, clipped, norm, noise, amax, mx = every.unbind(-1)
+    total = numel.sum(0)
+    columns = [total, nonzero.sum(0), under.sum(0), clipped.sum(0)]
+    columns += [norm.square().sum(0).sqrt(), noise.square().sum(0).sqrt(), amax.amax(0), (mx * numel).sum(0) / total]
+    return torch.stack(columns, -1)
 
 
 def _observe_fp8_samples(rt: Any) -> None:
@@ -98,7 +121,7 @@ def _observe_fp8_samples(rt: Any) -> None:
     samples, rt._fp8_samples = rt._fp8_samples, []
     if rt.monitor is not None:
         for sample in samples:
-            rt._fp8_latest = sample.layer_stats()
+            rt._fp8_latest = sample.layer_stats(rt.checks_on_every_rank)
             rt.monitor.observe_fp8(rt._fp8_latest)
 
 

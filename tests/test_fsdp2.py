@@ -264,3 +264,85 @@ def test_fp8_all_gather_is_refused_where_torchao_cannot_do_it_naming_the_key(rec
          "distributed": {"strategy": "fsdp2", "fp8_all_gather": True}}
     )  # fmt: skip
     assert ok.distributed.fp8_all_gather
+
+
+def _raw_rows(rank: int | None) -> list:
+    """Raw statistics rows of three operands (E4M3 at scale 1, so small values underflow and large ones clip), of
+    the whole batch (``rank`` None) or of one rank's half of it."""
+    from hf_mixedprec.scaling.fp8 import dequantize_fp8, quantize_fp8
+    from hf_mixedprec.scaling.stats import raw_operand_stats
+
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for spread in (1e-4, 1.0, 900.0):
+        x = torch.randn(8, 64, generator=g) * torch.logspace(-9, 3, 64) * spread
+        x[5, 7] = 3000.0 * spread  # the largest value lies in rank 1's half
+        part = x if rank is None else x[rank * 4 : (rank + 1) * 4]
+        q = quantize_fp8(part, 1.0, "e4m3")
+        rows.append(raw_operand_stats(part, q.float(), dequantize_fp8(q, 1.0), "e4m3"))
+    return rows
+
+
+def _reduce_raw(rank: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from hf_mixedprec.runtime_stats import raw_over_ranks
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    got = raw_over_ranks(torch.stack(_raw_rows(rank)))
+    Path(f"{out}-{rank}.json").write_text(json.dumps(got.tolist()))
+    leave_group()
+
+
+def test_fp8_statistics_of_two_ranks_combine_into_the_global_batchs(tmp_path):
+    """Every rank ends with the statistics one process measures on the whole batch: amax (the largest value is
+    on rank 1 only), saturation, underflow and SQNR, equal on both ranks; one rank's own differ."""
+    from hf_mixedprec.scaling.stats import finish_operand_stats
+
+    run_two_ranks(_reduce_raw, [(r, f"file://{tmp_path / 'init'}", str(tmp_path / "raw")) for r in (0, 1)])
+    got = [torch.tensor(json.loads((tmp_path / f"raw-{r}.json").read_text()), dtype=torch.float64) for r in (0, 1)]
+    assert torch.allclose(got[0], got[1], rtol=0, atol=0, equal_nan=True)  # the same on both ranks
+    whole = finish_operand_stats(torch.stack(_raw_rows(None)))
+    combined = finish_operand_stats(got[0])
+    assert torch.allclose(combined, whole, rtol=1e-6, equal_nan=True), (combined, whole)
+    alone = finish_operand_stats(torch.stack(_raw_rows(0)))
+    assert not torch.allclose(alone, whole, rtol=1e-3, equal_nan=True)
+    assert (alone[:, 0] < whole[:, 0]).all()  # rank 0 alone never saw the largest value
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runs", ["fp8-delayed"], indirect=True)
+def test_rank_0_reports_the_fp8_input_amax_of_the_global_batch(runs):
+    """At step 1 (the same weights in both runs) every FP8 layer's input amax that 2 FSDP2 ranks report is the one
+    process's on the same global batch: the ranks' sampled statistics are combined before they are reported."""
+    one, two = runs["one"], runs["two"]
+    series = json.loads((one / "health.json").read_text())["series"]
+    keys = [k for k in series if k.startswith("mp/fp8/") and k.endswith("/input_amax")]
+    assert len(keys) >= 20
+    for key in keys:
+        assert _series(two, key)[1] == pytest.approx(_series(one, key)[1], rel=1e-5), key
+
+
+def test_a_health_fallback_under_fsdp2_stops_with_a_checkpoint_instead_of_swapping_layers():
+    """Moving an FP8 layer to BF16 swaps the module, which a model sharded with FSDP2 does not allow mid-run: the
+    fallback asks to stop (the integration saves a checkpoint first) and names what to resume with; nothing moves."""
+    from hf_mixedprec.demo import tiny_llama
+    from hf_mixedprec.health import HealthEvent
+    from hf_mixedprec.recipe import load_recipe
+    from hf_mixedprec.runtime import MixedPrecisionRuntime
+
+    recipe = load_recipe("h100-fp8-delayed", rehearse=True)
+    rt = MixedPrecisionRuntime(recipe, rehearse=True)
+    model = tiny_llama(0)
+    rt.convert_model(model)
+    layer = "model.layers.0.mlp.down_proj"
+    before = type(model.get_submodule(layer))
+    event = HealthEvent(3, "fp8_saturation", "fallback", 0.2, 0.01, "20% of the input saturates", layer=layer)
+    rt.reactions.sharded = True
+    rt.reactions.apply([event], model, step=3)
+    assert rt.reactions.moved_layers == [] and type(model.get_submodule(layer)) is before
+    assert "cannot move to BF16 during the run" in rt.reactions.stop_requested
+    assert f"resume it with {layer} kept in BF16" in rt.reactions.stop_requested
+    rt.reactions.sharded, rt.reactions.stop_requested = False, None  # one process: the layer moves as before
+    rt.reactions.apply([event], model, step=3)
+    assert rt.reactions.moved_layers == [layer] and type(model.get_submodule(layer)) is not before

@@ -22,9 +22,12 @@ __all__ = [
 def install_sharding(trainer: Any, recipe: RecipeSpec, rt: Any) -> bool:
     """At a Trainer's construction, before its model is prepared: FSDP2 on CPU processes where the recipe asks
     (:func:`fsdp2_on_cpu_processes`), and under FSDP2 with FP8 all-gather the optimizer's parameters found by name
-    (:func:`keep_optimizer_params_by_name`). True when FSDP2 was switched on here."""
+    (:func:`keep_optimizer_params_by_name`); under FSDP a health fallback stops the run instead of moving layers.
+    True when FSDP2 was switched on here."""
     sharded = fsdp2_on_cpu_processes(trainer, recipe, rt)
-    if recipe.distributed.fp8_all_gather and getattr(trainer, "is_fsdp_enabled", False):
+    fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
+    rt.reactions.sharded = fsdp  # a health fallback cannot swap sharded layers: it stops instead
+    if recipe.distributed.fp8_all_gather and fsdp:
         keep_optimizer_params_by_name(trainer.accelerator)
     return sharded
 

@@ -186,14 +186,14 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         if self.runtime is not None:
             return
         self.trainer = trainer
-        recipe, args = self.recipe, trainer.args
-        model = trainer.model
+        recipe, args, model = self.recipe, trainer.args, trainer.model
         device = args.device
         if not self.rehearse:
             check_recipe(recipe, detect())
         deepspeed = bool(getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False))
         notes = _check_args(recipe, args, deepspeed)
         rt = MixedPrecisionRuntime(recipe, device=device, rehearse=self.rehearse)
+        rt.checks_on_every_rank = True  # on_step_end runs on every rank with the same control.should_log
         # storage first: a refusal leaves the model, its forward and the Trainer as they were
         notes += _check_deepspeed_storage(trainer, recipe) if deepspeed else _install_storage(trainer, rt, late)
         self.runtime = rt
