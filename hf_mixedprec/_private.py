@@ -223,22 +223,20 @@ def set_mixed_precision(accelerator: Any, value: str) -> None:
     accelerator.state._mixed_precision = value
 
 
-def fsdp2_possible_on_cpu(trainer: Any) -> bool:
-    """Whether ``trainer``'s Accelerator runs several CPU processes without sharding (what :func:`fsdp2_on_cpu`
-    switches)."""
+def fsdp2_possible_on_cpu(accelerator: Any) -> bool:
+    """Whether ``accelerator`` runs several CPU processes without sharding (what :func:`fsdp2_on_cpu` switches)."""
     from accelerate.utils import DistributedType
 
-    acc = trainer.accelerator
     return (
-        acc.distributed_type == DistributedType.MULTI_CPU
-        and acc.num_processes > 1
-        and getattr(acc.state, "fsdp_plugin", None) is None
+        accelerator.distributed_type == DistributedType.MULTI_CPU
+        and accelerator.num_processes > 1
+        and getattr(accelerator.state, "fsdp_plugin", None) is None
     )
 
 
-def fsdp2_on_cpu(trainer: Any, *, broadcast_weights: bool = True) -> None:
-    """Switch a Trainer's Accelerator, built for several CPU processes (:func:`fsdp2_possible_on_cpu`), to
-    Accelerate's FSDP2 path before the model is prepared.
+def fsdp2_on_cpu(accelerator: Any, *, broadcast_weights: bool = True) -> None:
+    """Switch an Accelerator built for several CPU processes (:func:`fsdp2_possible_on_cpu`) to Accelerate's FSDP2
+    path before the model is prepared.
 
     ``accelerate/state.py`` (``AcceleratorState.__init__``) takes the FSDP branch only for GPU-like distributed types,
     so on CPU processes (gloo) Accelerate trains as DDP; its FSDP2 code itself (``fsdp2_prepare_model``:
@@ -246,14 +244,12 @@ def fsdp2_on_cpu(trainer: Any, *, broadcast_weights: bool = True) -> None:
     as not to be split (its decoder layers) sharded, then the root; parameters resharded after forward; sharded
     state dicts (Distributed Checkpoint); no FSDP mixed-precision policy, so parameters stay in their own dtype
     (autocast computes in the recipe's precision, as in one process) and gradients are reduced in float32.
-    ``trainer.is_fsdp_enabled`` (transformers/trainer.py: set once from the state) routes Trainer's checkpoints
-    through Accelerate's FSDP save and load. ``broadcast_weights``: rank 0's weights are sent to every rank at
-    preparation (Accelerate's ``cpu_ram_efficient_loading``, whose loader takes each state-dict entry for a sharded
-    parameter: a model with other buffers in its state dict, FP8 layers' scaling state, must go without it and
-    start from the same weights on every rank by itself)."""
+    ``broadcast_weights``: rank 0's weights are sent to every rank at preparation (Accelerate's
+    ``cpu_ram_efficient_loading``, whose loader takes each state-dict entry for a sharded parameter: a model with
+    other buffers in its state dict, FP8 layers' scaling state, must go without it and start from the same weights
+    on every rank by itself)."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    acc = trainer.accelerator
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2,
         auto_wrap_policy="transformer_based_wrap",
@@ -261,9 +257,13 @@ def fsdp2_on_cpu(trainer: Any, *, broadcast_weights: bool = True) -> None:
         state_dict_type="SHARDED_STATE_DICT",
         cpu_ram_efficient_loading=broadcast_weights,
     )
-    acc.state.distributed_type = DistributedType.FSDP
-    acc.state.fsdp_plugin = plugin
-    trainer.is_fsdp_enabled = True
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    # every later ``AcceleratorState()`` (an ``AcceleratedOptimizer`` makes one) copies PartialState's shared
+    # attributes over its own (accelerate/state.py, ``AcceleratorState.__init__``): the switch is made there too
+    from accelerate.state import PartialState
+
+    PartialState().distributed_type = DistributedType.FSDP
 
 
 def give_scaler(optimizer: Any, scaler: torch.amp.GradScaler) -> None:

@@ -28,12 +28,12 @@ def leave_group() -> None:
     os._exit(0)
 
 
-def run_two_ranks(target: Callable[..., None], args: Sequence[Sequence[Any]], timeout: float = 300) -> None:
-    """Start ``target(*args[rank])`` for ranks 0 and 1 as spawned processes; both must exit 0 within ``timeout``."""
+def run_ranks(target: Callable[..., None], args: Sequence[Sequence[Any]], timeout: float = 300) -> None:
+    """Start ``target(*args[rank])`` for each rank as a spawned process; all must exit 0 within ``timeout``."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=tuple(args[r])) for r in (0, 1)]
+    procs = [ctx.Process(target=target, args=tuple(a)) for a in args]
     for p in procs:
         p.start()
     for p in procs:
@@ -42,4 +42,12 @@ def run_two_ranks(target: Callable[..., None], args: Sequence[Sequence[Any]], ti
     for p in procs:
         if p.exitcode is None:
             p.kill()
-    assert codes == [0, 0], f"rank exit codes {codes} (None: still running after {timeout} s; negative: a signal)"
+    assert codes == [0] * len(procs), (
+        f"rank exit codes {codes} (None: still running after {timeout} s; negative: a signal)"
+    )
+
+
+def run_two_ranks(target: Callable[..., None], args: Sequence[Sequence[Any]], timeout: float = 300) -> None:
+    """Start ``target(*args[rank])`` for ranks 0 and 1 as spawned processes; both must exit 0 within ``timeout``."""
+    assert len(args) == 2
+    run_ranks(target, args, timeout)

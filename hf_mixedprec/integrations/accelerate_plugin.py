@@ -34,6 +34,7 @@ from hf_mixedprec._private import custom_object_count, set_mixed_precision
 from hf_mixedprec.amp import PhaseScaler, track_steps_for_scheduler
 from hf_mixedprec.fp8 import model_parameters
 from hf_mixedprec.hardware import check_recipe, detect
+from hf_mixedprec.integrations.sharding import fsdp2_on_cpu_accelerator, keep_optimizer_params_by_name
 from hf_mixedprec.runtime import MixedPrecisionRuntime
 from hf_mixedprec.schema import ACCELERATE_MIXED_PRECISION, RecipeSpec
 
@@ -124,6 +125,11 @@ class MixedPrecisionAccelerator(Accelerator):
         elif self.mp.wants_guard():
             self.scaler = self.mp.make_guard_scaler()
         self.mp.apply_tf32()
+        #: FSDP2 switched on here for CPU processes: Accelerate then autocasts nothing, the runtime does
+        self._mp_sharded_here = fsdp2_on_cpu_accelerator(self, recipe, self.mp)
+        self.mp.reactions.sharded = self.is_fsdp2  # a health fallback cannot swap sharded layers: it stops instead
+        if recipe.distributed.fp8_all_gather and self.is_fsdp2:
+            keep_optimizer_params_by_name(self)
         self._clipped_this_step = False
         self._mp_step_pending = False  # an optimizer step is done and the next has not begun (see _mp_next_step)
         #: the rows :meth:`mp_metrics` returned, with their step and the loop's values (the run report's series)
@@ -157,10 +163,22 @@ class MixedPrecisionAccelerator(Accelerator):
         for obj in args:
             if isinstance(obj, torch.optim.Optimizer):
                 replaceable(self.recipe.storage, obj)
-        for obj in args:  # in any order of the arguments, and also where Accelerate's FSDP2 path skips prepare_model
-            if isinstance(obj, torch.nn.Module):
-                self._mp_storage(obj)
-        return super().prepare(*args, device_placement=device_placement)
+        models = [obj for obj in args if isinstance(obj, torch.nn.Module)]
+        for (
+            model
+        ) in models:  # in any order of the arguments, and also where Accelerate's FSDP2 path skips prepare_model
+            self._mp_storage(model)
+        if not self.is_fsdp2:
+            return super().prepare(*args, device_placement=device_placement)
+        for model in models:  # Accelerate's FSDP2 path never calls prepare_model: its work comes before the sharding
+            self._mp_before_prepare(model)
+            if self._mp_sharded_here and self.recipe.autocast_precision() != "fp32" and self.mp.phases is None:
+                self.mp.wrap_forward_with_autocast(model)
+                self.mp.note(f"{self.recipe.autocast_precision()} autocast installed by hf_mixedprec (FSDP2 on CPU)")
+        result = super().prepare(*args, device_placement=device_placement)
+        for model in models:
+            self._mp_after_prepare(model)
+        return result
 
     def _mp_storage(self, model: torch.nn.Module) -> None:
         """The recipe's storage on ``model``'s parameters, once per model."""
@@ -173,15 +191,23 @@ class MixedPrecisionAccelerator(Accelerator):
     ):
         if not evaluation_mode:
             self._mp_storage(model)  # parameter dtypes as the recipe's storage says, then FP8 layers
-            self.mp.convert_model(model)  # FP8 state stays out of unwrap_model(model).save_pretrained()
+            self._mp_before_prepare(model)
             if self.mp.phases is not None:  # each phase's autocast, innermost (Accelerate's is fixed)
                 self.mp.wrap_forward_with_autocast(model)
-        self._mp_model = model
-        if not evaluation_mode:
-            self.mp.begin_step(model)
-            self._mp_step_pending = False
-            model.register_forward_pre_hook(_next_step_hook(self))
+            self._mp_after_prepare(model)
+        else:
+            self._mp_model = model
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    def _mp_before_prepare(self, model: torch.nn.Module) -> None:
+        self.mp.convert_model(model)  # FP8 state stays out of unwrap_model(model).save_pretrained()
+
+    def _mp_after_prepare(self, model: torch.nn.Module) -> None:
+        """The model is the run's: its steps begin at its first training forward after each optimizer step."""
+        self._mp_model = model
+        self.mp.begin_step(model)
+        self._mp_step_pending = False
+        model.register_forward_pre_hook(_next_step_hook(self))
 
     def _mp_next_step(self, model: torch.nn.Module, args: Any) -> None:
         """A forward pre-hook: the first training forward after an optimizer step begins the next step (a phase

@@ -275,8 +275,8 @@ def plan_launch(
     if device_type == "cpu" and recipe.distributed.strategy == "fsdp2":
         notes.append(
             "FSDP2 on CPU processes: Accelerate shards only on GPUs by itself; hf_mixedprec's Trainer callback "
-            "(finetune, a Trainer with recipe.callbacks()) switches its FSDP2 path on in each process. FALLBACK: a "
-            "script on the Accelerate plugin without Trainer trains as plain data parallel (no sharding) here"
+            "(finetune, a Trainer with recipe.callbacks()) and recipe.accelerator() switch its FSDP2 path on in each "
+            "process; a script with a plain Accelerator trains as plain data parallel (no sharding) here"
         )
     env = {RECIPE_ENV: str(recipe_path)}
     if not uses_torch_distributed_run(recipe, nproc, device_type):

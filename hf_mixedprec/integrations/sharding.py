@@ -12,6 +12,7 @@ from hf_mixedprec._private import ensure_scale_tensor, fsdp2_on_cpu, fsdp2_possi
 from hf_mixedprec.schema import RecipeSpec
 
 __all__ = [
+    "fsdp2_on_cpu_accelerator",
     "fsdp2_on_cpu_processes",
     "install_sharding",
     "keep_optimizer_params_by_name",
@@ -42,6 +43,16 @@ def scaler_ready_for_sharded_resume(trainer: Any, scaler: torch.amp.GradScaler) 
 
 
 def fsdp2_on_cpu_processes(trainer: Any, recipe: RecipeSpec, rt: Any) -> bool:
+    """:func:`fsdp2_on_cpu_accelerator` for a Trainer's Accelerator, whose Trainer then routes its checkpoints
+    through Accelerate's FSDP save and load (``trainer.is_fsdp_enabled``, set once from the state at construction
+    in transformers/trainer.py)."""
+    if not fsdp2_on_cpu_accelerator(trainer.accelerator, recipe, rt):
+        return False
+    trainer.is_fsdp_enabled = True
+    return True
+
+
+def fsdp2_on_cpu_accelerator(accelerator: Any, recipe: RecipeSpec, rt: Any) -> bool:
     """Switch Accelerate's FSDP2 path on for several CPU processes (it takes it on GPUs only), for every recipe
     kind. Under FSDP Accelerate leaves precision to an FSDP mixed-precision policy and autocasts nothing; the FSDP2
     switched on here has none (parameters and the gradient reduction stay float32), so the runtime installs the
@@ -50,10 +61,10 @@ def fsdp2_on_cpu_processes(trainer: Any, recipe: RecipeSpec, rt: Any) -> bool:
     scaling reduces its amaxes with MAX over ranks once per step (:func:`hf_mixedprec.fp8.fp8_step`); the gradient
     norm that clipping and the skip decision read is summed over the shards; the loss the detectors read is the
     mean over ranks."""
-    if recipe.distributed.strategy != "fsdp2" or not fsdp2_possible_on_cpu(trainer):
+    if recipe.distributed.strategy != "fsdp2" or not fsdp2_possible_on_cpu(accelerator):
         return False
     fp8 = "fp8" in recipe.precisions()
-    fsdp2_on_cpu(trainer, broadcast_weights=not fp8)
+    fsdp2_on_cpu(accelerator, broadcast_weights=not fp8)
     gather = " (FP8 weights all-gathered in FP8)" if recipe.distributed.fp8_all_gather else ""
     if fp8:
         gather += (
@@ -61,7 +72,7 @@ def fsdp2_on_cpu_processes(trainer: Any, recipe: RecipeSpec, rt: Any) -> bool:
             "every rank must build the same model (same checkpoint or same seed)"
         )
     rt.note(
-        f"FSDP2 on {trainer.accelerator.num_processes} CPU processes (gloo): Accelerate shards only on GPUs by itself, "
+        f"FSDP2 on {accelerator.num_processes} CPU processes (gloo): Accelerate shards only on GPUs by itself, "
         "so its FSDP2 path was switched on here (decoder layers and the root sharded, sharded checkpoints, gradients "
         f"reduced in float32){gather}"
     )
