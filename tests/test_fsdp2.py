@@ -4,11 +4,13 @@ that loads anywhere, and trains as one process does on the same global batches."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -142,27 +144,60 @@ def test_fsdp2_training_equals_one_process_on_the_same_global_batches(runs):
     )
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process started under ``pid``, children first (Linux ``/proc/PID/task/TID/children``)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                found += [int(child), *_descendants(int(child))]
+    return found
+
+
+def _kill_after_checkpoint(tmp: Path, rehearse: bool, out: Path) -> None:
+    """Start the 2-rank FSDP2 run of ``fsdp2.yaml`` and SIGKILL every process of it (launcher, agent and ranks at
+    once, as a scheduler ending the job does) as soon as its step-3 checkpoint is complete (its manifest, written
+    last, is there)."""
+    launch = [sys.executable, "-m", "hf_mixedprec", "launch", "--recipe", str(tmp / "fsdp2.yaml"), "--num-processes"]
+    cmd = [*launch, "2", *(["--rehearse"] if rehearse else []), str(ROOT / "hf_mixedprec" / "finetune.py"), *ARGS]
+    cmd += ["--batch-size", "2", "--output-dir", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    manifest = out / "checkpoint-3" / "hf_mixedprec_manifest.json"
+    with open(tmp / f"{out.name}.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while not manifest.exists():
+            assert proc.poll() is None, f"the run ended ({proc.returncode}) before its step-3 checkpoint"
+            assert time.monotonic() < deadline, "no step-3 checkpoint after 300 s"
+            time.sleep(0.005)
+        for pid in [proc.pid, *_descendants(proc.pid)]:  # the ranks run in sessions of their own (torchelastic)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    time.sleep(1.0)  # an orphaned rank would go on writing
+    assert not (out / "checkpoint-6").exists() and not (out / "model.safetensors").exists(), "killed too late"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("runs", ["fp16", "fp8-delayed"], indirect=True)
-def test_a_sharded_run_stopped_after_a_checkpoint_resumes_to_the_uninterrupted_run(runs):
-    """A 2-rank FSDP2 run that stopped right after its step-3 checkpoint (what a kill then leaves: the checkpoint
-    folder) resumes from it on 2 ranks and trains steps 4-6 as the uninterrupted run did, bitwise: the sharded model
-    and optimizer (Distributed Checkpoint), the loss scaler, the FP8 amax histories, the clipper and the data order
-    all come back. FP16 and FP8 delayed are the kinds with the most state of ours."""
+def test_a_sharded_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(runs):
+    """A 2-rank FSDP2 run killed (SIGKILL, every process) right after its step-3 checkpoint resumes from it with
+    ``--resume latest`` on 2 ranks and trains steps 4-6 as the uninterrupted run did, bitwise: the sharded model and
+    optimizer (Distributed Checkpoint), the loss scaler, the FP8 amax histories, the clipper, the health history and
+    the data order all come back. FP16 and FP8 delayed are the kinds with the most state of ours."""
     tmp: Path = runs["tmp"]
-    resumed = tmp / "resumed"
-    resumed.mkdir()
-    shutil.copytree(runs["two"] / "checkpoint-3", resumed / "checkpoint-3")
+    killed = tmp / "killed"
     rehearse = KINDS[runs["kind"]][2]
+    _kill_after_checkpoint(tmp, rehearse, killed)
     res = _launch(
-        tmp, tmp / "fsdp2.yaml", rehearse, "--batch-size", "2", "--output-dir", str(resumed), "--resume", "latest"
+        tmp, tmp / "fsdp2.yaml", rehearse, "--batch-size", "2", "--output-dir", str(killed), "--resume", "latest"
     )
     assert res.returncode == 0, res.stderr[-3000:]
     for name in ("loss", "mp/grad_norm", "mp/clip_threshold", "mp/loss_scale"):
-        straight, again = _series(runs["two"], name), _series(resumed, name)
+        straight, again = _series(runs["two"], name), _series(killed, name)
         assert straight == again, name  # steps 1-3 come back with the checkpoint's history
-    assert len(_series(resumed, "loss")) == 6
-    w1, w2 = load_file(runs["two"] / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert len(_series(killed, "loss")) == 6
+    w1, w2 = load_file(runs["two"] / "model.safetensors"), load_file(killed / "model.safetensors")
     assert all(torch.equal(w1[n], w2[n]) for n in w1)
 
 
