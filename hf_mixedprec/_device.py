@@ -99,6 +99,11 @@ class AsyncRead:
         return self.poll()
 
 
+def several_ranks() -> bool:
+    """A process group of more than one rank exists (what every cross-rank reduction checks first)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def is_main_rank() -> bool:
     """Rank 0 of a distributed run (or a single process), before or after the process group exists."""
     if dist.is_available() and dist.is_initialized():

@@ -33,7 +33,7 @@ from torch import nn
 
 from hf_mixedprec import formats
 from hf_mixedprec import metrics as M
-from hf_mixedprec._device import Constants, is_main_rank
+from hf_mixedprec._device import Constants, is_main_rank, several_ranks
 from hf_mixedprec.amp import GuardScaler, LossScaling
 from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper, with_grads
 from hf_mixedprec.fp8 import (
@@ -540,7 +540,7 @@ def _load_runtime_state(rt: MixedPrecisionRuntime, state: dict[str, Any], model:
 
 def _mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:
     """``loss`` averaged over the ranks of a distributed run, so that every rank takes the same decision."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if several_ranks():
         loss = loss.clone()
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)  # one decision for every rank
         loss = loss / dist.get_world_size()

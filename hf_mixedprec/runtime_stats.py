@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hf_mixedprec import metrics as M
+from hf_mixedprec._device import several_ranks
 from hf_mixedprec.fp8 import EmulatedFP8GEMM, monitored_layers
 from hf_mixedprec.fp8.emulated import raw_stats_table
 from hf_mixedprec.scaling.stats import (
@@ -103,8 +103,10 @@ def raw_over_ranks(raw: torch.Tensor) -> torch.Tensor:
     their summed squares, amax the MAX, the MX clamp fraction weighted by each rank's elements. One all-gather (at
     the check that finishes a sampled step, never on other steps), so every rank's health monitor sees the same
     figures and takes the same decisions, and rank 0 reports the global one. One process: ``raw`` as it is."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not several_ranks():
         return raw
+    import torch.distributed as dist
+
     n = dist.get_world_size()
     every = raw.new_empty((n * raw.shape[0], *raw.shape[1:]))  # ranks concatenated along the first dim
     dist.all_gather_into_tensor(every, raw.contiguous())

@@ -10,9 +10,29 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for ``MASTER_PORT``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_as_rank(rank: int, world: int, port: int) -> None:
+    """Make this spawned process rank ``rank`` of ``world`` CPU processes for Accelerate (torchrun's variables,
+    ``ACCELERATE_USE_CPU``), with one torch thread: the ranks share the 2 cores."""
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "ACCELERATE_USE_CPU": "true"}
+    )  # fmt: skip
 
 
 def leave_group() -> None:

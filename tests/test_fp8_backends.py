@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from hf_mixedprec.scaling import (
     quantize_mxfp8,
     tensor_amax,
 )
-from tests.ranks import leave_group
+from tests.ranks import free_port, leave_group
 
 
 def fp8_recipe(scaling: str, **kw):
@@ -333,12 +332,6 @@ def test_stats_are_recorded_on_request_without_sync(monkeypatch):
 # -- distributed amax reduction --------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_worker(rank: int, world: int, port: int, out: dict) -> None:
     import torch.distributed as dist
 
@@ -358,7 +351,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: dict) -> None:
 def test_delayed_amax_is_reduced_across_ranks():
     mgr = mp.Manager()
     out = mgr.dict()
-    mp.spawn(_ddp_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), out), nprocs=2, join=True)
     s0, h0 = out[0]
     s1, h1 = out[1]
     assert torch.equal(s0, s1) and torch.equal(h0, h1)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.ranks import leave_group, run_ranks, run_two_ranks
+from tests.ranks import free_port, join_as_rank, leave_group, run_ranks, run_two_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--max-steps", "6", "--save-steps", "3", "--seq-len", "16", "--eval-split", "0"]
@@ -36,15 +36,23 @@ def _recipe(name: str, kind: str, distributed: str) -> str:
     return f"name: {name}\nextends: {base}\nclipping: {{method: zclip, warmup_steps: 2}}\n{fp8}{distributed}"
 
 
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+
+
 def _run(cmd: list[str], tmp: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(), cwd=tmp)
+
+
+def _launch_cmd(recipe: Path, rehearse: bool, *args: str) -> list[str]:
+    """``hf-mixedprec launch`` of finetune on 2 ranks under ``recipe``, with :data:`ARGS` and ``args``."""
+    launch = [sys.executable, "-m", "hf_mixedprec", "launch", "--recipe", str(recipe), "--num-processes", "2"]
+    script = str(ROOT / "hf_mixedprec" / "finetune.py")
+    return [*launch, *(["--rehearse"] if rehearse else []), script, *ARGS, *args]
 
 
 def _launch(tmp: Path, recipe: Path, rehearse: bool, *args: str) -> subprocess.CompletedProcess[str]:
-    launch = [sys.executable, "-m", "hf_mixedprec", "launch", "--recipe", str(recipe), "--num-processes", "2"]
-    script = str(ROOT / "hf_mixedprec" / "finetune.py")
-    return _run([*launch, *(["--rehearse"] if rehearse else []), script, *ARGS, *args], tmp)
+    return _run(_launch_cmd(recipe, rehearse, *args), tmp)
 
 
 @pytest.fixture(scope="module", params=list(KINDS))
@@ -158,13 +166,10 @@ def _kill_after_checkpoint(tmp: Path, rehearse: bool, out: Path) -> None:
     """Start the 2-rank FSDP2 run of ``fsdp2.yaml`` and SIGKILL every process of it (launcher, agent and ranks at
     once, as a scheduler ending the job does) as soon as its step-3 checkpoint is complete (its manifest, written
     last, is there)."""
-    launch = [sys.executable, "-m", "hf_mixedprec", "launch", "--recipe", str(tmp / "fsdp2.yaml"), "--num-processes"]
-    cmd = [*launch, "2", *(["--rehearse"] if rehearse else []), str(ROOT / "hf_mixedprec" / "finetune.py"), *ARGS]
-    cmd += ["--batch-size", "2", "--output-dir", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    cmd = _launch_cmd(tmp / "fsdp2.yaml", rehearse, "--batch-size", "2", "--output-dir", str(out))
     manifest = out / "checkpoint-3" / "hf_mixedprec_manifest.json"
     with open(tmp / f"{out.name}.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=log, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=_env(), cwd=tmp, stdout=log, stderr=log, start_new_session=True)
         deadline = time.monotonic() + 300
         while not manifest.exists():
             assert proc.poll() is None, f"the run ended ({proc.returncode}) before its step-3 checkpoint"
@@ -204,11 +209,7 @@ def test_a_sharded_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_ru
 def _inf_on_one_rank(rank: int, port: int, out: str) -> None:
     """One of 2 gloo ranks training v100-fp16 (rehearsed) under FSDP2 for 5 steps; on rank 1 alone the backward of
     step 3 carries an inf. Each rank writes what it saw after every step."""
-    torch.set_num_threads(1)  # two ranks share the 2 cores
-    os.environ.update(
-        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "ACCELERATE_USE_CPU": "true"}
-    )  # fmt: skip
+    join_as_rank(rank, 2, port)
     from transformers import Trainer, TrainerCallback
 
     from hf_mixedprec.demo import tiny_llama
@@ -258,11 +259,7 @@ def test_an_inf_on_one_rank_makes_both_skip_the_same_step_with_equal_loss_scales
     """FP16 under FSDP2: rank 1 alone back-propagates an inf at step 3. torch's GradScaler finds infs on the
     sharded gradients and reduces its found-inf over the ranks; both skip step 3 (their shards keep their
     values), both halve the scale, and both go on updating at steps 4 and 5."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path / "rank"
     run_two_ranks(_inf_on_one_rank, [(r, port, str(out)) for r in (0, 1)])
     ranks = [json.loads(Path(f"{out}-{r}.json").read_text()) for r in (0, 1)]
@@ -386,12 +383,10 @@ def test_a_health_fallback_under_fsdp2_stops_with_a_checkpoint_instead_of_swappi
 def _plugin_loop(rank: int, world: int, port: int, base: str, out: str) -> None:
     """A training loop of one's own on ``recipe.accelerator()``: 4 steps on the same global batches of 4 rows, in
     one process or split over 2 ranks (``world``), with the recipe's FSDP2 strategy."""
-    torch.set_num_threads(1)  # two ranks share the 2 cores
     if world > 1:
-        os.environ.update(
-            {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "ACCELERATE_USE_CPU": "true"}
-        )  # fmt: skip
+        join_as_rank(rank, world, port)
+    else:
+        torch.set_num_threads(1)  # as the ranks have
     from hf_mixedprec.demo import tiny_llama
     from hf_mixedprec.fp8.emulated import EmulatedFP8GEMM
     from hf_mixedprec.recipe import resolve_recipe
@@ -432,11 +427,7 @@ def test_a_loop_of_ones_own_on_the_accelerate_plugin_shards_with_fsdp2_as_the_tr
     """``recipe.accelerator()`` under a recipe with strategy fsdp2 on 2 CPU ranks shards for real (Accelerate alone
     would train as DDP there), converts the FP8 layers before sharding, autocasts, and trains as one process does on
     the same global batches (bounds and their reasons: see the Trainer comparison above)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     run_ranks(_plugin_loop, [(0, 1, port, base, str(one))])
     run_two_ranks(_plugin_loop, [(r, 2, port, base, str(two)) for r in (0, 1)])

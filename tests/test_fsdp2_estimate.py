@@ -5,13 +5,12 @@ backward, recorded by the same hook as tests/test_estimate.py."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.ranks import leave_group, run_two_ranks
+from tests.ranks import free_port, join_as_rank, leave_group, run_two_ranks
 from tests.test_estimate import BATCH, SEQ, _Ids, _Peak, small_llama_cfg
 
 RECIPES = ("cpu-bf16", "h100-fp8-delayed")
@@ -27,11 +26,7 @@ def _local_bytes(tensors) -> int:
 
 
 def _rank(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)  # two ranks share the 2 cores
-    os.environ.update(
-        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "ACCELERATE_USE_CPU": "true"}
-    )  # fmt: skip
+    join_as_rank(rank, 2, port)
     from accelerate.state import AcceleratorState
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback
 
@@ -83,11 +78,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def per_rank(tmp_path_factory) -> list[dict]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path_factory.mktemp("fsdp2-estimate") / "rank"
     run_two_ranks(_rank, [(r, port, str(out)) for r in (0, 1)])
     return [json.loads(Path(f"{out}-{r}.json").read_text()) for r in (0, 1)]

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hf_mixedprec._device import Constants
+from hf_mixedprec._device import Constants, several_ranks
 from hf_mixedprec._private import foreach_copy_, foreach_zero_
 from hf_mixedprec.formats import FP8_SCALING_DEFAULTS, NumberFormat, get_format
 from hf_mixedprec.fp8.swap import linear_holding
@@ -496,7 +496,7 @@ class _DelayedGroup:
         hists = [m.fp8_amax_history for m in mods]
         scales = [m.fp8_scale for m in mods]
         pending = torch.stack(pendings)  # [n, 3]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if several_ranks():
             dist.all_reduce(pending, op=dist.ReduceOp.MAX)
         if self.scaled_max.device != pending.device:  # the model moved since the group was made
             self.scaled_max = self.scaled_max.to(pending.device)

@@ -163,15 +163,14 @@ class MixedPrecisionAccelerator(Accelerator):
         for obj in args:
             if isinstance(obj, torch.optim.Optimizer):
                 replaceable(self.recipe.storage, obj)
+        # in any order of the arguments, and also where Accelerate's FSDP2 path skips prepare_model
         models = [obj for obj in args if isinstance(obj, torch.nn.Module)]
-        for (
-            model
-        ) in models:  # in any order of the arguments, and also where Accelerate's FSDP2 path skips prepare_model
+        for model in models:
             self._mp_storage(model)
         if not self.is_fsdp2:
             return super().prepare(*args, device_placement=device_placement)
         for model in models:  # Accelerate's FSDP2 path never calls prepare_model: its work comes before the sharding
-            self._mp_before_prepare(model)
+            self.mp.convert_model(model)
             if self._mp_sharded_here and self.recipe.autocast_precision() != "fp32" and self.mp.phases is None:
                 self.mp.wrap_forward_with_autocast(model)
                 self.mp.note(f"{self.recipe.autocast_precision()} autocast installed by hf_mixedprec (FSDP2 on CPU)")
@@ -191,16 +190,13 @@ class MixedPrecisionAccelerator(Accelerator):
     ):
         if not evaluation_mode:
             self._mp_storage(model)  # parameter dtypes as the recipe's storage says, then FP8 layers
-            self._mp_before_prepare(model)
+            self.mp.convert_model(model)  # FP8 state stays out of unwrap_model(model).save_pretrained()
             if self.mp.phases is not None:  # each phase's autocast, innermost (Accelerate's is fixed)
                 self.mp.wrap_forward_with_autocast(model)
             self._mp_after_prepare(model)
         else:
             self._mp_model = model
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-
-    def _mp_before_prepare(self, model: torch.nn.Module) -> None:
-        self.mp.convert_model(model)  # FP8 state stays out of unwrap_model(model).save_pretrained()
 
     def _mp_after_prepare(self, model: torch.nn.Module) -> None:
         """The model is the run's: its steps begin at its first training forward after each optimizer step."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hf_mixedprec._device import several_ranks
 from hf_mixedprec._private import trainer_output_dir, wrap_save_checkpoint
 from hf_mixedprec.checkpoints import CheckpointDamaged, newest_verified, verify, write_manifest
 
@@ -48,7 +49,7 @@ def manage_checkpoints(trainer: Any, note: Callable[[str], None]) -> None:
             if args.should_save and folder.is_dir() and verify(folder) is not None:
                 # what a killed save left: written afresh, no stale file survives in it
                 shutil.rmtree(folder, ignore_errors=True)
-            if _distributed():
+            if several_ranks():
                 dist.barrier()  # no rank writes its files into the folder before it is gone
             setattr(trainer, _FOLDER, folder)  # where on_save finds it (a search trial's run folder included)
             limit, args.save_total_limit = args.save_total_limit, None
@@ -68,10 +69,6 @@ def manage_checkpoints(trainer: Any, note: Callable[[str], None]) -> None:
     trainer.train = train_verified  # type: ignore[method-assign]
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def finish_checkpoint(trainer: Any) -> None:
     """After every file of the checkpoint just saved is written (every rank's): its manifest, then Trainer's deferred
     rotation. Nothing when this Trainer's saves are not managed (:func:`manage_checkpoints` was not installed)."""
@@ -80,7 +77,7 @@ def finish_checkpoint(trainer: Any) -> None:
     if folder is None:
         return
     setattr(trainer, _FOLDER, None)
-    if _distributed():
+    if several_ranks():
         dist.barrier()  # the other ranks' files (their RNG states) are written before the manifest lists them
     if not args.should_save or not Path(folder).is_dir():
         return
@@ -106,7 +103,7 @@ def resume_target(out: str | os.PathLike[str] | None, wanted: Any, note: Callabl
     In a distributed run rank 0 alone reads and hashes the checkpoints and hands its decision (the target, its notes
     or the refusal) to every rank: one pass over the files instead of one per rank, and every rank resumes from the
     same checkpoint."""
-    if wanted is None or wanted is False or out is None or not _distributed():
+    if wanted is None or wanted is False or out is None or not several_ranks():
         return _resume_target(out, wanted, note)
     box: list[Any] = [None]
     if dist.get_rank() == 0:

@@ -20,15 +20,15 @@ __all__ = [
 ]
 
 
-def install_sharding(trainer: Any, recipe: RecipeSpec, rt: Any) -> bool:
-    """At a Trainer's construction, before its model is prepared: FSDP2 on CPU processes where the recipe asks
-    (:func:`fsdp2_on_cpu_processes`), and under FSDP2 with FP8 all-gather the optimizer's parameters found by name
-    (:func:`keep_optimizer_params_by_name`); under FSDP a health fallback stops the run instead of moving layers.
-    True when FSDP2 was switched on here."""
-    sharded = fsdp2_on_cpu_processes(trainer, recipe, rt)
+def install_sharding(trainer: Any, recipe: RecipeSpec, rt: Any, *, late: bool) -> bool:
+    """At a Trainer's construction, before its model is prepared (not ``late``): FSDP2 on CPU processes where the
+    recipe asks (:func:`fsdp2_on_cpu_processes`), and under FSDP2 with FP8 all-gather the optimizer's parameters
+    found by name (:func:`keep_optimizer_params_by_name`). Under FSDP, however late, a health fallback stops the run
+    instead of moving layers. True when FSDP2 was switched on here."""
+    sharded = not late and fsdp2_on_cpu_processes(trainer, recipe, rt)
     fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
     rt.reactions.sharded = fsdp  # a health fallback cannot swap sharded layers: it stops instead
-    if recipe.distributed.fp8_all_gather and fsdp:
+    if not late and recipe.distributed.fp8_all_gather and fsdp:
         keep_optimizer_params_by_name(trainer.accelerator)
     return sharded
 
@@ -98,7 +98,7 @@ def keep_optimizer_params_by_name(accelerator: Any) -> None:
         optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
         if model is None or not optimizers:
             return prepare(*args, **kwargs)
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in fsdp2_canonicalize_names(dict(model.named_parameters())).items()}
         before = [[[names.get(id(p)) for p in g["params"]] for g in o.param_groups] for o in optimizers]
         result = prepare(*args, **kwargs)
         prepared = result if isinstance(result, (tuple, list)) else (result,)
@@ -109,7 +109,7 @@ def keep_optimizer_params_by_name(accelerator: Any) -> None:
             for group, wanted in zip(opt.param_groups, groups, strict=True):
                 if None in wanted:  # a parameter the model does not name: leave Accelerate's choice
                     continue
-                group["params"] = [sharded[fsdp2_canonicalize_names({n: None}).popitem()[0]] for n in wanted]
+                group["params"] = [sharded[n] for n in wanted]
         return result
 
     accelerator.prepare = prepare_by_name

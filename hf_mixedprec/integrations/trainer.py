@@ -203,7 +203,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         acc = trainer.accelerator
         rt.apply_tf32()
         _ATTACHED[model] = (rt, weakref.ref(trainer))
-        sharded = not late and install_sharding(trainer, recipe, rt)  # then Accelerate autocasts nothing
+        sharded = install_sharding(trainer, recipe, rt, late=late)  # then Accelerate autocasts nothing
         if deepspeed:
             # DeepSpeed through TrainingArguments(deepspeed=...) or through `accelerate launch` with a
             # DeepSpeed config (what `hf-mixedprec launch` writes for distributed.strategy: deepspeed)
