@@ -234,7 +234,7 @@ def fsdp2_possible_on_cpu(accelerator: Any) -> bool:
     )
 
 
-def fsdp2_on_cpu(accelerator: Any, *, broadcast_weights: bool = True) -> None:
+def fsdp2_on_cpu(accelerator: Any, *, broadcast_weights: bool = True, mp_policy: Any = None) -> None:
     """Switch an Accelerator built for several CPU processes (:func:`fsdp2_possible_on_cpu`) to Accelerate's FSDP2
     path before the model is prepared.
 
@@ -242,8 +242,8 @@ def fsdp2_on_cpu(accelerator: Any, *, broadcast_weights: bool = True) -> None:
     so on CPU processes (gloo) Accelerate trains as DDP; its FSDP2 code itself (``fsdp2_prepare_model``:
     ``fully_shard`` per wrapped module, then the root) runs on CPU. The plugin: every module class the model names
     as not to be split (its decoder layers) sharded, then the root; parameters resharded after forward; sharded
-    state dicts (Distributed Checkpoint); no FSDP mixed-precision policy, so parameters stay in their own dtype
-    (autocast computes in the recipe's precision, as in one process) and gradients are reduced in float32.
+    state dicts (Distributed Checkpoint); ``mp_policy``, the recipe's FSDP2 ``MixedPrecisionPolicy`` (None: FSDP2's
+    default, parameters gathered as stored and gradients reduced in their dtype).
     ``broadcast_weights``: rank 0's weights are sent to every rank at preparation (Accelerate's
     ``cpu_ram_efficient_loading``, whose loader takes each state-dict entry for a sharded parameter: a model with
     other buffers in its state dict, FP8 layers' scaling state, must go without it and start from the same weights
@@ -256,6 +256,7 @@ def fsdp2_on_cpu(accelerator: Any, *, broadcast_weights: bool = True) -> None:
         reshard_after_forward=True,
         state_dict_type="SHARDED_STATE_DICT",
         cpu_ram_efficient_loading=broadcast_weights,
+        mixed_precision_policy=mp_policy,
     )
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
@@ -264,6 +265,52 @@ def fsdp2_on_cpu(accelerator: Any, *, broadcast_weights: bool = True) -> None:
     from accelerate.state import PartialState
 
     PartialState().distributed_type = DistributedType.FSDP
+
+
+def fsdp2_retarget(root: Any, qualified_name: str, old: Any, new: Any) -> None:
+    """After ``new`` replaced ``old`` at ``qualified_name`` under ``root`` holding the same Parameter objects: make the
+    FSDP2 unit that owns those parameters set them on ``new`` from now on. A no-op without FSDP2.
+
+    FSDP2 swaps each parameter between its sharded and unsharded tensor with ``setattr`` on the module it found the
+    parameter on at ``fully_shard`` (torch/distributed/fsdp/_fully_shard/_fsdp_param.py: ``ParamModuleInfo``,
+    ``FSDPParam._setattr_on_modules``), and registers a state-dict pre-hook on that module that reshards first
+    (``_fsdp_param_group.py``: ``_register_state_dict_hooks``). A module swapped in later (an FP8 layer at a phase
+    boundary, a Linear at its end) would otherwise keep the sharded tensor while the forward's unsharded one went to
+    the detached old module. The owner is the innermost fully-sharded module on the path to ``qualified_name``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    owner = root if isinstance(root, FSDPModule) else None
+    path = qualified_name.split(".")[:-1]
+    node = root
+    for part in path:
+        node = getattr(node, part)
+        if isinstance(node, FSDPModule):
+            owner = node
+    if owner is None:
+        return
+    group = owner._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return
+    for fsdp_param in group.fsdp_params:
+        info = fsdp_param._module_info
+        if info.module is old:
+            info.module = new
+        info.shared_modules = [new if m is old else m for m in info.shared_modules]
+    for hooks in (group._module_to_pre_save_state_dict_hook_handle, group._module_to_pre_load_state_dict_hook_handle):
+        handle = hooks.pop(old, None)
+        if handle is not None:
+            handle.remove()
+    if group._module_to_pre_save_state_dict_hook_handle or group._module_to_pre_load_state_dict_hook_handle:
+        # hooks are registered once, at the first forward; re-register this module's pair on the new one
+        reshard = group._to_sharded
+        group._module_to_pre_save_state_dict_hook_handle[new] = new.register_state_dict_pre_hook(
+            lambda *a, **k: reshard()
+        )
+        group._module_to_pre_load_state_dict_hook_handle[new] = new._register_load_state_dict_pre_hook(
+            lambda *a, **k: reshard()
+        )
 
 
 def give_scaler(optimizer: Any, scaler: torch.amp.GradScaler) -> None:
@@ -460,6 +507,26 @@ PRIVATES: tuple[Private, ...] = (
     Private(
         "torch.amp.grad_scaler:GradScaler._lazy_init_scale_growth_tracker", "torch 2.13", "makes _scale on a device"
     ),
+    Private("torch.distributed.fsdp:FSDPModule._get_fsdp_state", "torch 2.13", "the FSDP2 unit of a module"),
+    Private(
+        "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._module_info",
+        "torch 2.13",
+        "the module FSDP2 sets a parameter on",
+    ),
+    Private(
+        "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup._module_to_pre_save_state_dict_hook_handle",
+        "torch 2.13",
+        "FSDP2's reshard-before-save hooks",
+    ),
+    Private(
+        "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup._module_to_pre_load_state_dict_hook_handle",
+        "torch 2.13",
+        "FSDP2's reshard-before-load hooks",
+    ),
+    Private(
+        "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup._to_sharded", "torch 2.13", "reshard"
+    ),
+    Private("torch.nn:Module._register_load_state_dict_pre_hook", "torch 2.13", "FSDP2's pre-load hook, moved"),
     Private("torch.optim.lr_scheduler:LRScheduler._last_lr", "torch 2.13", "what get_last_lr() returns"),
     Private("torch.optim:Adam._step_supports_amp_scaling", "torch 2.13", "fused optimizers skip on the device"),
     Private("accelerate.state:AcceleratorState._mixed_precision", "accelerate 1.15", "backs mixed_precision"),

@@ -38,7 +38,8 @@ class Reactions:
         self.fallback_recipe: str | None = None
         #: FP8 layers a fallback reaction moved to high precision, in order (restored on resume)
         self.moved_layers: list[str] = []
-        #: the model is sharded with FSDP2: its layers cannot be swapped mid-run, so a fallback stops instead
+        #: the model is sharded with FSDP2 and the ranks' checks may decide differently (rank 0 alone checks): a
+        #: fallback moving layers on some ranks only would unmatch their collectives, so it stops instead
         self.sharded = False
 
     def apply(
@@ -60,9 +61,10 @@ class Reactions:
             elif ev.reaction == "fallback" and self.sharded:
                 if self.stop_requested is None:
                     self.stop_requested = (
-                        f"{text}: FP8 layers of a model sharded with FSDP2 cannot move to BF16 during the run, so it "
-                        f"stops with a checkpoint instead; resume it with {ev.layer or 'the flagged layers'} kept in "
-                        "BF16 (a modules: rule with fp8: off) or under a BF16 recipe"
+                        f"{text}: in a model sharded with FSDP2, FP8 layers move to BF16 during the run only where "
+                        "every rank checks at the same steps (the Trainer callback; this loop checks on rank 0 "
+                        f"alone), so it stops with a checkpoint instead; resume it with {ev.layer or 'the flagged layers'} "
+                        "kept in BF16 (a modules: rule with fp8: off) or under a BF16 recipe"
                     )
             elif ev.reaction == "fallback":
                 if ev.layer is not None:

@@ -133,7 +133,14 @@ def _phase_rules(spec: RecipeSpec) -> tuple[RecipeSpec, ...]:
         raise _rule(
             "phases",
             f"not supported with distributed.strategy {spec.distributed.strategy} (allowed: "
-            f"{', '.join(PHASE_STRATEGIES)}): layers are swapped in place at a boundary, which a sharded model forbids",
+            f"{', '.join(PHASE_STRATEGIES)}): DeepSpeed's engine flattens the parameters into its own buffers at "
+            "the start, so no layer can be swapped at a boundary",
+        )
+    if spec.distributed.fp8_all_gather:
+        raise _rule(
+            "distributed.fp8_all_gather",
+            "not with phases: torchao wraps the FP8 layers' weights for the FP8 all-gather once, before FSDP2 shards "
+            "them, so a phase boundary cannot change which weights are gathered in FP8 (allowed: false)",
         )
     if phases[0].start != 0:
         raise _rule(
@@ -169,6 +176,15 @@ def _phase_rules(spec: RecipeSpec) -> tuple[RecipeSpec, ...]:
                 "phases.{index}: {count} problem(s)",
                 {"index": i, "count": exc.error_count(), "errors": exc.errors(include_url=False)},
             ) from None
+    if spec.distributed.strategy == "fsdp2":
+        for i, one in enumerate(out[1:], start=1):
+            if one.fp8 is not None and one.fp8.backend == "transformer_engine":
+                raise _rule(
+                    f"phases.{i}.fp8.backend",
+                    "transformer_engine cannot enter at a phase boundary under distributed.strategy fsdp2: its "
+                    "layers own new parameters, which the sharded model and optimizer have never seen (allowed: "
+                    "torchao, native, emulated, or auto where Transformer Engine is not installed)",
+                )
     return tuple(out)
 
 
@@ -288,6 +304,14 @@ class RecipeSpec(_Section):
                     )
                 if ls.max_scale is not None:
                     raise _rule("loss_scale.max_scale", "DeepSpeed's scaler has no ceiling; remove it")
+        return self
+
+    @model_validator(mode="after")
+    def _fsdp2_dtypes(self) -> RecipeSpec:
+        try:
+            self.distributed.check_dtypes(self.precision)
+        except PydanticCustomError as exc:
+            raise _rule(f"distributed.{exc.context['key']}", exc.context["message"]) from None  # type: ignore[index]
         return self
 
     @model_validator(mode="after")

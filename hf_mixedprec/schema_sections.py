@@ -437,6 +437,19 @@ class DistributedConfig(_Section):
         "(torchao's enable_fsdp_float8_all_gather, half the bytes of BF16) and compute their scales after each "
         "optimizer step with one all-reduce for all of them (precompute_float8_dynamic_scale_for_fsdp).",
     )
+    param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="fsdp2 only: the dtype FSDP2 all-gathers the weights in and the forward sees them in "
+        "(MixedPrecisionPolicy.param_dtype). auto: as stored (storage.master; FP32 by default), so the recipe's "
+        "autocast computes exactly as in one process; bf16 (bf16/fp8 recipes) or fp16 (fp16 recipes): half the "
+        "all-gather bytes, and every parameter, norms included, enters the forward in it.",
+    )
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="fsdp2 only: the dtype gradients are reduce-scattered in (MixedPrecisionPolicy.reduce_dtype). "
+        "fp32 (default): sums over ranks lose nothing; bf16 (bf16/fp8 recipes): half the bytes, each sum rounded to "
+        "8 mantissa bits. Accelerate's own FSDP2 default under bf16 is bf16.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -462,13 +475,36 @@ class DistributedConfig(_Section):
             raise _rule("zero3_init", f"only applies to strategy deepspeed with zero_stage 3 ({where}); remove it")
         if self.fp8_all_gather and self.strategy != "fsdp2":
             raise _rule("fp8_all_gather", f"only applies to strategy fsdp2 (strategy is {self.strategy!r}); remove it")
+        for key, default in (("param_dtype", "auto"), ("reduce_dtype", "fp32")):
+            if getattr(self, key) != default and self.strategy != "fsdp2":
+                raise _rule(key, f"only applies to strategy fsdp2 (strategy is {self.strategy!r}); remove it")
         return self
+
+    def check_dtypes(self, precision: str) -> None:
+        """FSDP2's 16-bit gather and reduce dtypes must be the recipe's own 16-bit format (``precision``: the
+        recipe's or a phase's): BF16 for bf16 and fp8 recipes (FP8 layers run inside BF16 autocast), FP16 for fp16."""
+        half = {"bf16": "bf16", "fp8": "bf16", "fp16": "fp16"}.get(precision)
+        if self.param_dtype not in ("auto", "fp32") and self.param_dtype != half:
+            allowed = "auto, fp32" + (f", {half}" if half else "")
+            raise _rule(
+                "param_dtype",
+                f"{self.param_dtype} under precision {precision} would compute in another format than the recipe's "
+                f"(allowed: {allowed})",
+            )
+        if self.reduce_dtype == "bf16" and half != "bf16":
+            why = (
+                "loss-scaled FP16 gradients are unscaled after the reduction, and BF16 would round them before"
+                if precision == "fp16"
+                else "an fp32 recipe keeps its gradients in FP32"
+            )
+            raise _rule("reduce_dtype", f"bf16 under precision {precision}: {why} (allowed: fp32)")
 
 
 #: At most this many phases (each is validated as a recipe of its own).
 MAX_PHASES = 32
-#: ``distributed.strategy`` values under which layers can be swapped in place at a phase boundary.
-PHASE_STRATEGIES: tuple[str, ...] = ("none", "ddp")
+#: ``distributed.strategy`` values under which layers can be swapped in place at a phase boundary (under fsdp2 the
+#: swapped-in layer holds the same sharded parameters and the FSDP2 unit is pointed at it).
+PHASE_STRATEGIES: tuple[str, ...] = ("none", "ddp", "fsdp2")
 
 
 def _step_or_fraction(value: Any) -> Any:

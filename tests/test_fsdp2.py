@@ -22,12 +22,15 @@ from tests.ranks import free_port, join_as_rank, leave_group, run_ranks, run_two
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--max-steps", "6", "--save-steps", "3", "--seq-len", "16", "--eval-split", "0"]
 GLOBAL_BATCH = 4
+PHASES = "{start: 0, precision: bf16}, {start: 2, precision: fp8}, {start: 5, precision: bf16}"
 #: kind -> (base recipe, fp8 section or "", rehearse, FSDP2-only distributed keys)
 KINDS = {
     "bf16": ("cpu-bf16", "", False, ""),
     "fp16": ("v100-fp16", "", True, ""),
     "fp8-delayed": ("h100-fp8-delayed", "", True, ""),
     "torchao-all-gather": ("h100-fp8-current", "fp8: {backend: torchao}\n", True, ", fp8_all_gather: true"),
+    # BF16, FP8 delayed from step 3, BF16 from step 6: FP8 layers are swapped into and out of the sharded blocks
+    "phases": ("h100-fp8-delayed", f"phases: [{PHASES}]\n", True, ""),
 }
 
 
@@ -85,8 +88,13 @@ def test_fsdp2_on_two_cpu_ranks_shards_checkpoints_and_leaves_a_loadable_model(r
     two: Path = runs["two"]
     assert "FSDP2 on 2 CPU processes (gloo)" in runs["log"]
     assert "FALLBACK" not in runs["log"]
-    precision = {"bf16": "bf16", "fp16": "fp16"}.get(runs["kind"], "bf16")
-    assert f"{precision} autocast installed by hf_mixedprec" in runs["log"]  # Accelerate autocasts nothing under FSDP
+    if runs["kind"] == "phases":
+        assert "hf_mixedprec sets the autocast of each phase (bf16 -> fp8 -> bf16)" in runs["log"]
+        assert "phase 'phase 1' (fp8) begins after step 2: 28 layers to FP8" in runs["log"]
+        assert "phase 'phase 2' (bf16) begins after step 5: 28 FP8 layers back to high precision" in runs["log"]
+    else:
+        precision = {"bf16": "bf16", "fp16": "fp16"}.get(runs["kind"], "bf16")
+        assert f"{precision} autocast installed by hf_mixedprec" in runs["log"]  # Accelerate autocasts nothing
     shards = sorted(p.name for p in (two / "checkpoint-6" / "pytorch_model_fsdp_0").glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own shard: FSDP2, not DDP
     assert "hf_mixedprec_manifest.json" in {p.name for p in (two / "checkpoint-6").iterdir()}
@@ -104,6 +112,7 @@ BOUNDS = {
     "fp16": ((5e-4, 1e-2, 1e-2), (5e-5, 1e-3)),
     "fp8-delayed": ((4e-3, 1e-1, 5e-2), (4e-4, 1e-1)),
     "torchao-all-gather": ((4e-3, 1e-1, 5e-2), (4e-4, 1e-1)),
+    "phases": ((4e-3, 1e-1, 5e-2), (4e-4, 1e-1)),
 }
 
 
@@ -184,12 +193,15 @@ def _kill_after_checkpoint(tmp: Path, rehearse: bool, out: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("runs", ["fp16", "fp8-delayed"], indirect=True)
+@pytest.mark.parametrize("runs", ["fp16", "phases"], indirect=True)
 def test_a_sharded_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(runs):
     """A 2-rank FSDP2 run killed (SIGKILL, every process) right after its step-3 checkpoint resumes from it with
     ``--resume latest`` on 2 ranks and trains steps 4-6 as the uninterrupted run did, bitwise: the sharded model and
     optimizer (Distributed Checkpoint), the loss scaler, the FP8 amax histories, the clipper, the health history and
-    the data order all come back. FP16 and FP8 delayed are the kinds with the most state of ours."""
+    the data order all come back. FP16 and the phased run are the kinds with the most state of ours: the phased
+    run's checkpoint is written inside its FP8 delayed phase, so the resumed run first converts the sharded model
+    back to that phase's FP8 layers (amax histories loaded into them), then leaves FP8 at step 5 as the straight
+    run did."""
     tmp: Path = runs["tmp"]
     killed = tmp / "killed"
     rehearse = KINDS[runs["kind"]][2]
@@ -355,9 +367,76 @@ def test_rank_0_reports_the_fp8_input_amax_of_the_global_batch(runs):
         assert _series(two, key)[1] == pytest.approx(_series(one, key)[1], rel=1e-5), key
 
 
-def test_a_health_fallback_under_fsdp2_stops_with_a_checkpoint_instead_of_swapping_layers():
-    """Moving an FP8 layer to BF16 swaps the module, which a model sharded with FSDP2 does not allow mid-run: the
-    fallback asks to stop (the integration saves a checkpoint first) and names what to resume with; nothing moves."""
+def _fallback_on_two_ranks(rank: int, port: int, out: str) -> None:
+    """One of 2 gloo ranks training h100-fp8-delayed (rehearsed) under FSDP2 with the Trainer callback for 6 steps,
+    whose FP8 saturation detector moves a layer to BF16 (threshold 1e-4). Each rank writes what it saw."""
+    join_as_rank(rank, 2, port)
+    from transformers import Trainer, TrainerCallback
+
+    from hf_mixedprec.demo import tiny_llama
+    from hf_mixedprec.fp8.emulated import EmulatedFP8GEMM
+    from hf_mixedprec.integrations.trainer import runtime_of
+    from hf_mixedprec.recipe import resolve_recipe
+    from tests.test_integration import Bytes
+
+    class Shards(TrainerCallback):
+        def __init__(self) -> None:
+            self.rows: list = []
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            moved = list(runtime_of(trainer).reactions.moved_layers)
+            local = {n: float(p.to_local().double().sum()) for n, p in model.named_parameters()}
+            fp8 = sorted(n for n, m in model.named_modules() if isinstance(m, EmulatedFP8GEMM))
+            self.rows.append({"moved": moved, "shards": local, "fp8": fp8})
+
+    recipe = resolve_recipe(
+        {"name": "fp8-fsdp2", "extends": "h100-fp8-delayed", "distributed": {"strategy": "fsdp2"},
+         "health": {"fp8_sample_every": 1, "detectors": {"fp8_saturation": {"threshold": 1e-4, "reaction": "fallback"}}}}
+    ).rehearsed(True)  # fmt: skip
+    args = recipe.training_args(
+        output_dir=f"{out}-run", max_steps=6, per_device_train_batch_size=2, report_to=[], use_cpu=True,
+        save_strategy="no", logging_steps=1, disable_tqdm=True,
+    )  # fmt: skip
+    probe = Shards()
+    trainer = Trainer(
+        model=tiny_llama(0), args=args, train_dataset=Bytes(n=40, seq_len=16), callbacks=[*recipe.callbacks(), probe]
+    )
+    trainer.train()
+    stop = runtime_of(trainer).reactions.stop_requested
+    Path(f"{out}-{rank}.json").write_text(
+        json.dumps({"rows": probe.rows, "steps": trainer.state.global_step, "stop": stop})
+    )
+    leave_group()
+
+
+@pytest.mark.slow
+def test_a_health_fallback_under_fsdp2_moves_the_same_layers_to_bf16_on_every_rank(tmp_path):
+    """Under the Trainer callback every rank checks the combined FP8 statistics at the same steps, so a fallback
+    moves the same layers to BF16 on both ranks, inside the sharded blocks, and the run goes on: the moved layers'
+    shards keep being updated (FSDP2 now sets their gathered weights on the new BF16 module; before, the run died
+    in the next forward)."""
+    port = free_port()
+    out = tmp_path / "rank"
+    run_two_ranks(_fallback_on_two_ranks, [(r, port, str(out)) for r in (0, 1)])
+    ranks = [json.loads(Path(f"{out}-{r}.json").read_text()) for r in (0, 1)]
+    for seen in ranks:
+        assert seen["steps"] == 6 and seen["stop"] is None
+    moved = ranks[0]["rows"][-1]["moved"]
+    assert moved and [r["moved"] for r in ranks[0]["rows"]] == [r["moved"] for r in ranks[1]["rows"]]
+    first = next(i for i, r in enumerate(ranks[0]["rows"]) if r["moved"])
+    assert first < 5, "the fallback came too late to see the moved layers train"
+    for seen in ranks:
+        rows = seen["rows"]
+        assert not set(moved) & set(rows[-1]["fp8"])  # no longer FP8 layers
+        for layer in moved:
+            w = f"{layer}.weight"
+            assert all(rows[i]["shards"][w] != rows[i + 1]["shards"][w] for i in range(first, 5)), layer
+
+
+def test_a_health_fallback_under_fsdp2_stops_where_the_ranks_may_decide_differently():
+    """A loop of one's own may check on rank 0 alone: moving layers on one rank would leave the ranks' FP8 amax
+    reductions unmatched, so under FSDP2 there the fallback asks to stop (the integration saves a checkpoint
+    first) and names what to resume with; nothing moves."""
     from hf_mixedprec.demo import tiny_llama
     from hf_mixedprec.health import HealthEvent
     from hf_mixedprec.recipe import load_recipe
@@ -373,7 +452,7 @@ def test_a_health_fallback_under_fsdp2_stops_with_a_checkpoint_instead_of_swappi
     rt.reactions.sharded = True
     rt.reactions.apply([event], model, step=3)
     assert rt.reactions.moved_layers == [] and type(model.get_submodule(layer)) is before
-    assert "cannot move to BF16 during the run" in rt.reactions.stop_requested
+    assert "only where every rank checks at the same steps" in rt.reactions.stop_requested
     assert f"resume it with {layer} kept in BF16" in rt.reactions.stop_requested
     rt.reactions.sharded, rt.reactions.stop_requested = False, None  # one process: the layer moves as before
     rt.reactions.apply([event], model, step=3)
@@ -444,3 +523,96 @@ def test_a_loop_of_ones_own_on_the_accelerate_plugin_shards_with_fsdp2_as_the_tr
         assert r2["loss"] == pytest.approx(r1["loss"], rel=loss_rel), step
         assert r2["mp/grad_norm"] == pytest.approx(r1["mp/grad_norm"], rel=norm_rel), step
         assert r2["mp/clipped"] == r1["mp/clipped"], step
+
+
+def _te_into_sharded(rank: int, port: int, out: str) -> None:
+    join_as_rank(rank, 1, port)
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_mixedprec.demo import tiny_llama
+    from hf_mixedprec.fp8.transformer_engine import refuse_sharded
+
+    model = tiny_llama(0)
+    refuse_sharded(model)  # not sharded: nothing to refuse
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    try:
+        refuse_sharded(model)
+        Path(out).write_text("accepted")
+    except RuntimeError as exc:
+        Path(out).write_text(str(exc))
+    leave_group()
+
+
+def test_transformer_engine_layers_are_refused_into_a_model_fsdp2_has_sharded(tmp_path):
+    """A phase entering FP8 under fsdp2 whose ``fp8.backend: auto`` resolves to Transformer Engine (installed on that
+    GPU) is refused in one sentence before any layer moves: TE layers own new parameters, which the sharded model and
+    optimizer have never seen (an explicit transformer_engine phase is refused by the schema already)."""
+    out = tmp_path / "out.txt"
+    run_ranks(_te_into_sharded, [(0, free_port(), str(out))])
+    assert out.read_text().startswith("fp8.backend transformer_engine cannot convert a model FSDP2 has already sharded")
+
+
+def _policy_loop(rank: int, port: int, param_dtype: str, reduce_dtype: str, out: str) -> None:
+    """2 ranks of a cpu-bf16 loop on ``recipe.accelerator()`` under FSDP2 with the recipe's gather and reduce dtypes;
+    rank 0 writes the dtypes FSDP2's all-gathers and reduce-scatters carried, and the losses."""
+    join_as_rank(rank, 2, port)
+    import torch.distributed as dist
+
+    from hf_mixedprec.demo import tiny_llama
+    from hf_mixedprec.recipe import resolve_recipe
+
+    carried: dict[str, set[str]] = {"all_gather": set(), "reduce_scatter": set()}
+    for name, key in (("all_gather_single", "all_gather"), ("reduce_scatter_single", "reduce_scatter")):
+        real = getattr(dist, name)
+
+        def spy(output, input, *a, _real=real, _key=key, **k):
+            carried[_key].add(str(input.dtype))
+            return _real(output, input, *a, **k)
+
+        setattr(dist, name, spy)
+    recipe = resolve_recipe(
+        {"name": "bf16-fsdp2", "extends": "cpu-bf16",
+         "distributed": {"strategy": "fsdp2", "param_dtype": param_dtype, "reduce_dtype": reduce_dtype}}
+    )  # fmt: skip
+    acc = recipe.accelerator(cpu=True)
+    model = tiny_llama(0)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        x = torch.randint(0, 100, (4, 16), generator=g)[rank * 2 : (rank + 1) * 2]
+        loss = model(input_ids=x, labels=x).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(acc.reduce(loss.detach(), "mean")))
+    stored = sorted({str(p.dtype) for p in model.parameters()})
+    if rank == 0:
+        seen = {k: sorted(v) for k, v in carried.items()}
+        Path(out).write_text(json.dumps({"carried": seen, "losses": losses, "stored": stored, "notes": acc.mp.notes}))
+    leave_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_gathers_and_reduces_in_the_dtypes_the_recipe_names(tmp_path):
+    """``distributed.param_dtype`` / ``reduce_dtype`` become FSDP2's MixedPrecisionPolicy: by default the FP32 shards
+    are gathered as stored and gradients reduced in FP32 (the one-process math); with bf16/bf16 both collectives
+    carry BF16 (half the bytes) while the shards, the master, stay FP32, and training stays close to the default
+    (norm weights then enter the forward in BF16 too)."""
+    port = free_port()
+    runs = {}
+    for dtypes in (("auto", "fp32"), ("bf16", "bf16")):
+        out = tmp_path / f"{'-'.join(dtypes)}.json"
+        run_two_ranks(_policy_loop, [(r, port, *dtypes, str(out)) for r in (0, 1)])
+        runs[dtypes] = json.loads(out.read_text())
+    default, half = runs[("auto", "fp32")], runs[("bf16", "bf16")]
+    assert default["carried"] == {"all_gather": ["torch.float32"], "reduce_scatter": ["torch.float32"]}
+    assert half["carried"] == {"all_gather": ["torch.bfloat16"], "reduce_scatter": ["torch.bfloat16"]}
+    assert default["stored"] == half["stored"] == ["torch.float32"]
+    assert any("weights all-gathered as stored, gradients reduced in fp32" in n for n in default["notes"])
+    assert any("weights all-gathered in bf16, gradients reduced in bf16" in n for n in half["notes"])
+    assert half["losses"][0] == pytest.approx(default["losses"][0], rel=5e-3)
+    assert half["losses"] != default["losses"]  # the policy changed the math: it is in effect
+    assert half["losses"] == pytest.approx(default["losses"], rel=2e-2)

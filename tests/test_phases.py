@@ -154,8 +154,21 @@ BAD_PHASES = [
         "phases.1.loss_scale.grow: unknown key",
     ),
     (
-        "{distributed: {strategy: fsdp2}, phases: [{start: 0, precision: bf16}, {start: 3, precision: fp8}]}",
-        "phases: not supported with distributed.strategy fsdp2 (allowed: none, ddp)",
+        "{precision: bf16, fp8: null, distributed: {strategy: deepspeed, zero_stage: 2}, "
+        "phases: [{start: 0, precision: bf16}, "
+        "{start: 3, precision: fp32}]}",
+        "phases: not supported with distributed.strategy deepspeed (allowed: none, ddp, fsdp2): DeepSpeed's engine",
+    ),
+    (
+        "{distributed: {strategy: fsdp2}, phases: [{start: 0, precision: bf16}, "
+        "{start: 3, precision: fp8, fp8: {backend: transformer_engine}}]}",
+        "phases.1.fp8.backend: transformer_engine cannot enter at a phase boundary under distributed.strategy fsdp2",
+    ),
+    (
+        "{distributed: {strategy: fsdp2, fp8_all_gather: true}, precision: fp8, "
+        "fp8: {backend: torchao, scaling: current}, "
+        "phases: [{start: 0, precision: fp8, fp8: {backend: torchao, scaling: current}}, {start: 3, precision: bf16}]}",
+        "distributed.fp8_all_gather: not with phases",
     ),
 ]
 

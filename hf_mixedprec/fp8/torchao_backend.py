@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_mixedprec._private import fsdp2_retarget
 from hf_mixedprec.fp8.policy import LayerDecision
 from hf_mixedprec.fp8.probe import QuantizeRule, attach_probe
 from hf_mixedprec.fp8.swap import linear_holding
@@ -117,7 +118,10 @@ def convert_torchao(model: nn.Module, recipe: RecipeSpec, decisions: list[LayerD
     if recipe.fp8.epsilon in (None, 0.0):
         notes.append("torchao clamps every amax at 1e-12 before scaling (the recipe's fp8.epsilon is 0)")
     wanted = {d.name for d in decisions if d.to_swap}
+    before = {name: model.get_submodule(name) for name in wanted}
     convert_to_float8_training(model, config=cfg, module_filter_fn=lambda mod, fqn: fqn in wanted)
+    for name, old in before.items():  # torchao swaps with its own setattr: an FSDP2 unit must follow (phases)
+        fsdp2_retarget(model, name, old, model.get_submodule(name))
     rule, formats = _quantize_rule(cfg)
     for name in wanted:
         layer = model.get_submodule(name)

@@ -161,6 +161,19 @@ def _te_autocast(te: Any, te_rec: Any) -> Any:
     return te.fp8_autocast(enabled=True, fp8_recipe=te_rec)  # TE < 2.8 spelling
 
 
+def refuse_sharded(model: nn.Module) -> None:
+    """Refuse to swap TE layers into a model FSDP2 has already sharded (a phase boundary under ``fsdp2``): a TE layer
+    owns new parameters, which the FSDP2 unit and the sharded optimizer have never seen."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise RuntimeError(
+            "fp8.backend transformer_engine cannot convert a model FSDP2 has already sharded (its layers own new "
+            "parameters, which the sharded optimizer has never seen): a phase entering FP8 under distributed.strategy "
+            "fsdp2 needs fp8.backend torchao, native or emulated (layers that keep the same parameters)"
+        )
+
+
 def convert_te(
     model: nn.Module, recipe: RecipeSpec, decisions: list[LayerDecision], optimizer: torch.optim.Optimizer | None = None
 ) -> list[str]:
@@ -169,6 +182,7 @@ def convert_te(
     TE Linears own new parameters, so parameter identity is not kept; pass ``optimizer`` to have its
     parameter groups pointed at the new parameters. Returns notes for the report.
     """
+    refuse_sharded(model)
     te, _ = _import_te()
     te_rec = build_te_recipe(recipe)
     notes: list[str] = []

@@ -34,7 +34,11 @@ from hf_mixedprec._private import custom_object_count, set_mixed_precision
 from hf_mixedprec.amp import PhaseScaler, track_steps_for_scheduler
 from hf_mixedprec.fp8 import model_parameters
 from hf_mixedprec.hardware import check_recipe, detect
-from hf_mixedprec.integrations.sharding import fsdp2_on_cpu_accelerator, keep_optimizer_params_by_name
+from hf_mixedprec.integrations.sharding import (
+    fsdp2_on_cpu_accelerator,
+    fsdp2_policy_on_accelerate,
+    keep_optimizer_params_by_name,
+)
 from hf_mixedprec.runtime import MixedPrecisionRuntime
 from hf_mixedprec.schema import ACCELERATE_MIXED_PRECISION, RecipeSpec
 
@@ -127,7 +131,11 @@ class MixedPrecisionAccelerator(Accelerator):
         self.mp.apply_tf32()
         #: FSDP2 switched on here for CPU processes: Accelerate then autocasts nothing, the runtime does
         self._mp_sharded_here = fsdp2_on_cpu_accelerator(self, recipe, self.mp)
-        self.mp.reactions.sharded = self.is_fsdp2  # a health fallback cannot swap sharded layers: it stops instead
+        if not self._mp_sharded_here:
+            fsdp2_policy_on_accelerate(self, recipe, self.mp)
+        # a loop's checks may run on rank 0 alone: a fallback moving layers on one rank would leave the ranks'
+        # FP8 amax reductions unmatched, so under FSDP2 it stops instead
+        self.mp.reactions.sharded = self.is_fsdp2 and not self.mp.checks_on_every_rank
         if recipe.distributed.fp8_all_gather and self.is_fsdp2:
             keep_optimizer_params_by_name(self)
         self._clipped_this_step = False

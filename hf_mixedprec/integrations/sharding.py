@@ -12,8 +12,11 @@ from hf_mixedprec._private import ensure_scale_tensor, fsdp2_on_cpu, fsdp2_possi
 from hf_mixedprec.schema import RecipeSpec
 
 __all__ = [
+    "describe_policy",
     "fsdp2_on_cpu_accelerator",
     "fsdp2_on_cpu_processes",
+    "fsdp2_policy",
+    "fsdp2_policy_on_accelerate",
     "install_sharding",
     "keep_optimizer_params_by_name",
     "scaler_ready_for_sharded_resume",
@@ -23,11 +26,15 @@ __all__ = [
 def install_sharding(trainer: Any, recipe: RecipeSpec, rt: Any, *, late: bool) -> bool:
     """At a Trainer's construction, before its model is prepared (not ``late``): FSDP2 on CPU processes where the
     recipe asks (:func:`fsdp2_on_cpu_processes`), and under FSDP2 with FP8 all-gather the optimizer's parameters
-    found by name (:func:`keep_optimizer_params_by_name`). Under FSDP, however late, a health fallback stops the run
-    instead of moving layers. True when FSDP2 was switched on here."""
+    found by name (:func:`keep_optimizer_params_by_name`). Under FSDP, however late, a health fallback moves layers
+    only where every rank checks alike (``rt.checks_on_every_rank``); elsewhere it stops the run. True when FSDP2
+    was switched on here."""
     sharded = not late and fsdp2_on_cpu_processes(trainer, recipe, rt)
+    if not late and not sharded:
+        fsdp2_policy_on_accelerate(trainer.accelerator, recipe, rt)
     fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
-    rt.reactions.sharded = fsdp  # a health fallback cannot swap sharded layers: it stops instead
+    # every rank checks at the same steps on combined statistics: a fallback moves the same layers on every rank
+    rt.reactions.sharded = fsdp and not rt.checks_on_every_rank
     if not late and recipe.distributed.fp8_all_gather and fsdp:
         keep_optimizer_params_by_name(trainer.accelerator)
     return sharded
@@ -64,7 +71,7 @@ def fsdp2_on_cpu_accelerator(accelerator: Any, recipe: RecipeSpec, rt: Any) -> b
     if recipe.distributed.strategy != "fsdp2" or not fsdp2_possible_on_cpu(accelerator):
         return False
     fp8 = "fp8" in recipe.precisions()
-    fsdp2_on_cpu(accelerator, broadcast_weights=not fp8)
+    fsdp2_on_cpu(accelerator, broadcast_weights=not fp8, mp_policy=fsdp2_policy(recipe))
     gather = " (FP8 weights all-gathered in FP8)" if recipe.distributed.fp8_all_gather else ""
     if fp8:
         gather += (
@@ -73,9 +80,41 @@ def fsdp2_on_cpu_accelerator(accelerator: Any, recipe: RecipeSpec, rt: Any) -> b
         )
     rt.note(
         f"FSDP2 on {accelerator.num_processes} CPU processes (gloo): Accelerate shards only on GPUs by itself, "
-        "so its FSDP2 path was switched on here (decoder layers and the root sharded, sharded checkpoints, gradients "
-        f"reduced in float32){gather}"
+        "so its FSDP2 path was switched on here (decoder layers and the root sharded, sharded checkpoints, "
+        f"{describe_policy(recipe)}){gather}"
     )
+    return True
+
+
+def fsdp2_policy(recipe: RecipeSpec) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` from ``distributed.param_dtype`` / ``reduce_dtype``: the dtype weights are
+    all-gathered in (None for ``auto``: as stored) and the dtype gradients are reduce-scattered in. The output dtype
+    is left alone (the recipe's autocast decides it) and floating inputs are cast to the gathered dtype, as FSDP2
+    does by default (torch/distributed/fsdp/_fully_shard/_fsdp_api.py)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtypes = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    d = recipe.distributed
+    return MixedPrecisionPolicy(param_dtype=dtypes[d.param_dtype], reduce_dtype=dtypes[d.reduce_dtype])
+
+
+def describe_policy(recipe: RecipeSpec) -> str:
+    """The FSDP2 precision of the run in words, for its notes."""
+    d = recipe.distributed
+    gather = "as stored" if d.param_dtype == "auto" else f"in {d.param_dtype}"
+    return f"weights all-gathered {gather}, gradients reduced in {d.reduce_dtype}"
+
+
+def fsdp2_policy_on_accelerate(accelerator: Any, recipe: RecipeSpec, rt: Any) -> bool:
+    """Where Accelerate built the FSDP2 plugin itself (a GPU launch with an FSDP2 config), put the recipe's
+    ``MixedPrecisionPolicy`` in place of the one Accelerate derives from its ``mixed_precision`` (param and reduce
+    dtype both BF16 under bf16: ``FullyShardedDataParallelPlugin.set_mixed_precision`` in accelerate/utils/
+    dataclasses.py). Before the model is prepared; True when a policy was set."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if recipe.distributed.strategy != "fsdp2" or plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
+        return False
+    plugin.mixed_precision_policy = fsdp2_policy(recipe)
+    rt.note(f"FSDP2 precision from the recipe: {describe_policy(recipe)}")
     return True
 
 
