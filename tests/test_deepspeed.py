@@ -80,6 +80,7 @@ def _scenarios() -> dict[str, Any]:  # pragma: no cover - runs in the subprocess
                     "ds_loss_scaler_cur_scale": float(zero.loss_scaler.cur_scale),
                     "ds_cur_hysteresis": getattr(zero.loss_scaler, "cur_hysteresis", None),
                     "ds_overflow": bool(zero.overflow),
+                    "ds_grad_norm": float(engine.get_global_grad_norm() or 0.0),
                     "ds_skipped_steps": int(engine.skipped_steps),
                     "ds_global_steps": int(engine.global_steps),
                     "accelerate_step_was_skipped": bool(optimizer.step_was_skipped),
@@ -234,7 +235,27 @@ def test_config_is_zero1_fp16_dynamic(runs: dict[str, Any]) -> None:
         "hysteresis": 1,
         "min_loss_scale": 1.0,
     }
-    assert any("FALLBACK" in n for n in runs["notes"])  # zclip -> fixed gradient_clipping
+    assert not any("FALLBACK" in n for n in runs["notes"])  # ZeRO-1: zclip decides DeepSpeed's clipping
+    assert cfg["gradient_clipping"] == 1.0  # > 0, so DeepSpeed clips; the threshold comes from the clipper
+
+
+@pytest.mark.parametrize(
+    ("method", "stage", "why"),
+    [("zclip", 0, "ZeRO stage 0 clips with torch's clip_grad_norm_"), ("agc", 2, "AGC clips each weight row")],
+)
+def test_deepspeed_config_says_where_adaptive_clipping_falls_back(method: str, stage: int, why: str) -> None:
+    from hf_mixedprec.integrations.deepspeed import deepspeed_config
+    from hf_mixedprec.recipe import resolve_recipe
+
+    recipe = resolve_recipe(
+        {"name": "c", "extends": "cpu-bf16", "clipping": {"method": method},
+         "distributed": {"strategy": "deepspeed", "zero_stage": stage}}
+    )  # fmt: skip
+    cfg, notes = deepspeed_config(recipe)
+    assert [n for n in notes if n.startswith("FALLBACK")] == [
+        next(n for n in notes if why in n and "using a fixed gradient_clipping of 1" in n)
+    ]
+    assert cfg["gradient_clipping"] == 1.0
 
 
 def test_trainer_runs_zero1_fp16_on_cpu(runs: dict[str, Any]) -> None:
@@ -424,7 +445,8 @@ def test_recipe_callbacks_log_deepspeeds_loss_scale(runs: dict[str, Any]) -> Non
     assert [h["mp/overflow"] for h in logs] == [0.0] * 4 + [1.0] + [0.0] * 3
     # and they agree with DeepSpeed's engine, step by step
     assert [rec["ds_cur_scale"] for rec in r["records"]] == [h["mp/loss_scale"] for h in logs]
-    assert "mp/grad_norm" not in logs[0]  # DeepSpeed clips; the recipe's ZClip is not applied (said loudly)
+    # the recipe's ZClip decides DeepSpeed's clipping (tests/test_deepspeed_clipping.py): its norm is logged
+    assert [h["mp/grad_norm"] for h in logs] == pytest.approx([rec["ds_grad_norm"] for rec in r["records"]])
     # the health monitor is fed from DeepSpeed's step state: its skipped step 5 had a non-finite gradient
     # (nonfinite_grad) and is seen by consecutive_skips
     events = [(e["detector"], e["step"], e["value"]) for e in r["mp_events"]]

@@ -123,7 +123,9 @@ def test_deepspeed_zero2_fp16_variant_of_v100(tmp_path):
         "min_loss_scale": ls.min_scale,
     }
     assert ds["bf16"] == {"enabled": False}
-    assert "FALLBACK: clipping.method 'zclip' is adaptive" in sections[f"file: {out}/accelerate_config.yaml"]
+    # ZeRO-2: the recipe's ZClip decides DeepSpeed's clipping in the training process, nothing falls back
+    assert "FALLBACK" not in sections[f"file: {out}/accelerate_config.yaml"]
+    assert ds["gradient_clipping"] == 1.0
     # Accelerate's launcher accepts it
     plan = plan_launch(recipe, "train.py", [], config_dir=str(out))
     plan.write()

@@ -2,8 +2,10 @@
 
 DeepSpeed's dynamic loss scaler names (``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
 ``min_loss_scale``) are derived from the recipe's torch-style ``loss_scale`` keys; ``loss_scale: 0`` selects
-dynamic scaling. DeepSpeed clips inside ``engine.step()`` with a value fixed at init, so adaptive clipping
-cannot run there: that is reported as a fallback note, never silently.
+dynamic scaling. DeepSpeed clips inside ``engine.step()``; under ZeRO stages 1-3 the recipe's adaptive clipper
+(ZClip, AutoClip) decides the threshold from the global gradient norm DeepSpeed computes there, and DeepSpeed's own
+clipping applies it (:func:`route_adaptive_clipping`); AGC and stage 0 keep a fixed ``gradient_clipping``, said in a
+fallback note, never silently.
 
 ZeRO-3 shards the weights over the ranks, so ``trainer.save_model()`` can write a loadable
 ``model.safetensors`` only when DeepSpeed gathers them first: the config sets
@@ -25,12 +27,16 @@ from hf_mixedprec._private import mkldnn_fp16_supported
 from hf_mixedprec.schema import RecipeSpec
 
 __all__ = [
+    "clip_through_deepspeed",
     "deepspeed_config",
     "deepspeed_device",
     "deepspeed_fp16_supported",
     "deepspeed_refusal",
     "deepspeed_storage_keys",
+    "drop_clipper",
     "read_deepspeed_scaler",
+    "route_adaptive_clipping",
+    "zero_optimizer",
 ]
 
 
@@ -82,13 +88,31 @@ def deepspeed_config(recipe: RecipeSpec, *, zero_stage: int | None = None) -> tu
         cfg["fp16"] = {"enabled": False}
     clip = recipe.clipping
     cfg["gradient_clipping"] = cap = deepspeed_clip_value(recipe)
-    if clip.method not in ("norm", "none"):
+    why = adaptive_refusal(clip.method, stage)
+    if why is not None:
         notes.append(
-            f"FALLBACK: clipping.method {clip.method!r} is adaptive, but DeepSpeed clips inside engine.step() with a "
-            f"value fixed at init; using a fixed gradient_clipping of {cap:g} under DeepSpeed "
-            "(set clipping.method: norm to choose it, or use ddp/fsdp2 for adaptive clipping)"
+            f"FALLBACK: clipping.method {clip.method!r} is adaptive, but {why}; using a fixed gradient_clipping of "
+            f"{cap:g} under DeepSpeed (set clipping.method: norm to choose it)"
         )
     return cfg, notes
+
+
+def adaptive_refusal(method: str, stage: int | None) -> str | None:
+    """Why the recipe's adaptive clipper cannot decide DeepSpeed's clipping at ZeRO ``stage`` (None: it can, or
+    the method is not adaptive)."""
+    if method in ("norm", "none"):
+        return None
+    if method == "agc":
+        return (
+            "AGC clips each weight row by its own norm, and DeepSpeed clips the whole step by one factor on its "
+            "flattened, partitioned gradients"
+        )
+    if not stage:
+        return (
+            "ZeRO stage 0 clips with torch's clip_grad_norm_ inside DeepSpeed's BF16/FP16 optimizers, which takes no "
+            "threshold from outside (zero_stage 1, 2 or 3 can)"
+        )
+    return None
 
 
 def deepspeed_clip_value(recipe: RecipeSpec) -> float:
@@ -102,6 +126,112 @@ def deepspeed_clip_value(recipe: RecipeSpec) -> float:
     if clip.method == "none":
         return 0.0
     return float(clip.max_norm) if clip.method == "zclip" and clip.max_norm else 1.0
+
+
+# --- Adaptive clipping through DeepSpeed's own ----------------------------------------------------------------------
+
+
+def zero_optimizer(obj: Any) -> Any:
+    """The ZeRO stage 1/2/3 optimizer behind ``obj`` (an engine, Accelerate's wrapper, the optimizer itself), or
+    None (stage 0, no DeepSpeed)."""
+    if "deepspeed" not in sys.modules:
+        return None
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    for _ in range(8):
+        if isinstance(obj, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
+            return obj
+        inner = getattr(obj, "optimizer", None)
+        if inner is None or inner is obj:
+            return None
+        obj = inner
+    return None
+
+
+def drop_clipper(rt: Any, method: str, why: str, max_norm: float) -> None:
+    """Drop the runtime's clipper under DeepSpeed with a FALLBACK note saying ``why`` (DeepSpeed's fixed
+    ``gradient_clipping``, ``max_norm``, clips instead)."""
+    if rt.clipper is None:
+        return
+    rt.note(
+        f"FALLBACK: clipping.method {method!r} is not applied under DeepSpeed: {why}; DeepSpeed clips with its fixed "
+        f"gradient_clipping ({max_norm:g} here)"
+    )
+    rt.clipper = None
+
+
+def clip_through_deepspeed(rt: Any, engine: Any, method: str, max_norm: float) -> None:
+    """Once the DeepSpeed engine exists (a Trainer's first step): let the runtime's clipper decide DeepSpeed's
+    clipping (:func:`route_adaptive_clipping`; each step's result is what the runtime reports), or drop it with a
+    FALLBACK note naming why."""
+    clipper = rt.clipper
+    if clipper is None:
+        return
+
+    def decide(norm: Any) -> Any:
+        rt._last = clipper.clip_grads_([], [], total_norm=norm)
+        return rt._last.threshold
+
+    why = route_adaptive_clipping(engine, decide)
+    if why is not None:
+        drop_clipper(rt, method, why, max_norm)
+        return
+    rt.note(
+        f"clipping.method {method!r} under DeepSpeed: the threshold comes from the global gradient norm DeepSpeed "
+        "computes over its partitions, and DeepSpeed's own clipping applies it"
+    )
+
+
+def route_adaptive_clipping(optimizer: Any, decide: Any) -> str | None:
+    """Let ``decide(norm) -> threshold`` (0-d tensors: the unscaled global gradient norm of the step, and the
+        clipper's threshold, inf for no clipping) set the clipping of the ZeRO optimizer behind ``optimizer``. Returns
+        why it cannot (a fallback note's reason), or None when routed.
+
+        ZeRO stages 1-3 (deepspeed/runtime/zero/stage_1_and_2.py and stage3.py, ``step``) compute the global norm of
+        the partitioned gradients with one all-reduce, skip the step on an overflow, and hand that norm (times the loss
+        scale) to ``unscale_and_clip_grads``, once per parameter group, which scales the gradients by
+        ``1 / (loss_scale * max(1, (norm / loss_scale + 1e-6) / clip_grad))``. Its first call of a step asks
+        ``decide`` once; every call of the step then gets the norm that makes DeepSpeed's own factor
+        ``max(1, (norm + 1e-6) / threshold)``: the clipper's rule, with no gradient gathered, no extra collective and
+        no host read. A step DeepSpeed skips for an overflow hands ``decide`` an infinite norm after the step, which the
+    clipper records as a non-finite step (its statistics unchanged), as it does without DeepSpeed."""
+    opt = zero_optimizer(optimizer)
+    if opt is None:
+        return "no ZeRO stage 1-3 optimizer found (stage 0 clips with torch's clip_grad_norm_ inside DeepSpeed)"
+    if not float(opt.clip_grad) > 0:
+        return (
+            "DeepSpeed's gradient_clipping is 0 in this config, so DeepSpeed clips nothing (set it to any value > 0: "
+            "the recipe's clipper then decides the threshold; deepspeed_config(recipe) writes 1.0)"
+        )
+    import torch
+
+    original, original_step = opt.unscale_and_clip_grads, opt.step
+    step_norm: dict[str, Any] = {}
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        step_norm.clear()  # a new step: its first unscale_and_clip_grads asks the clipper
+        out = original_step(*args, **kwargs)
+        if "arg" not in step_norm:  # skipped for an overflow: the clipper sees a non-finite norm, as without DeepSpeed
+            decide(torch.full((), math.inf))
+        return out
+
+    def unscale_and_clip_grads(first: Any, total_norm: Any, *rest: Any, **kwargs: Any) -> Any:
+        if "arg" not in step_norm:
+            scale = opt.loss_scale
+            scaled = total_norm if torch.is_tensor(total_norm) else torch.tensor(float(total_norm))
+            norm = scaled.float() / scale
+            threshold = decide(norm)
+            cap = float(opt.clip_grad)  # a Python float in DeepSpeed's config (a checkpoint's value after a load)
+            # DeepSpeed's factor is max(1, (n / scale + 1e-6) / cap): n = scale * (cap * (norm + 1e-6) / threshold
+            # - 1e-6) makes it max(1, (norm + 1e-6) / threshold); clamped at 0 (no clipping: threshold inf), which
+            # DeepSpeed's invalid-norm check (norm < 0) would turn into zeroed gradients
+            step_norm["arg"] = (cap * (norm + 1e-6) / threshold.to(norm.device) - 1e-6).clamp_min(0) * scale
+        return original(first, step_norm["arg"], *rest, **kwargs)
+
+    opt.step = step
+    opt.unscale_and_clip_grads = unscale_and_clip_grads
+    return None
 
 
 # --- What DeepSpeed will refuse on this machine -------------------------------------------------------------------

@@ -135,6 +135,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         self.runtime: MixedPrecisionRuntime | None = None
         self.trainer: Trainer | None = None
         self.deepspeed = False
+        self._ds_routed = False  # under DeepSpeed: whether the first step routed the clipper into the engine
         self._pre_step_done = False
         self._stop_saved = False
 
@@ -305,7 +306,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
 
     def _setup_deepspeed(self, trainer: Trainer, rt: MixedPrecisionRuntime) -> None:
         """DeepSpeed owns loss scaling and clipping: monitor its scaler, apply nothing that would fight it."""
-        from hf_mixedprec.integrations.deepspeed import deepspeed_step_state
+        from hf_mixedprec.integrations.deepspeed import adaptive_refusal, deepspeed_step_state, drop_clipper
 
         self.deepspeed = True
         rt.external_scaler = lambda: deepspeed_step_state(trainer.model_wrapped)
@@ -328,13 +329,9 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                 "under DeepSpeed the health monitor reads its skipped steps, loss scale and gradient norm, and the "
                 "loss; the skip_step reaction is not applied (DeepSpeed owns the step and skips non-finite ones)"
             )
-        if rt.clipper is not None:
-            clip = self.recipe.clipping.method
-            rt.note(
-                f"FALLBACK: clipping.method {clip!r} is not applied under DeepSpeed, which clips inside "
-                f"engine.step() with its fixed gradient_clipping ({trainer.args.max_grad_norm:g} here)"
-            )
-            rt.clipper = None
+        why = adaptive_refusal(self.recipe.clipping.method, 1)  # the stage is known once the engine exists
+        if why is not None:
+            drop_clipper(rt, self.recipe.clipping.method, why, trainer.args.max_grad_norm)
 
     def _runtime(self, model: Any) -> MixedPrecisionRuntime:
         if self.runtime is None:  # a fresh instance made by Trainer when restoring callback state
@@ -372,6 +369,12 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         if not self.deepspeed:
             self._runtime(kw["model"]).begin_step(kw["model"], kw.get("optimizer"))
+        elif not self._ds_routed and self.trainer is not None:  # the engine exists from the first step on
+            from hf_mixedprec.integrations.deepspeed import clip_through_deepspeed
+
+            self._ds_routed = True
+            rt = self._runtime(kw["model"])
+            clip_through_deepspeed(rt, self.trainer.model_wrapped, self.recipe.clipping.method, args.max_grad_norm)
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         if self.deepspeed:

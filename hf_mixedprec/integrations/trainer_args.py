@@ -41,8 +41,8 @@ def training_args(recipe: RecipeSpec, *, args_class: type | None = None, **overr
 
         # DeepSpeed runs FP16 itself (its own loss scaler, on CPU too) and Trainer checks fp16 against its config
         wanted["fp16"] = recipe.precision == "fp16"
-        # DeepSpeed clips inside engine.step() with the config's fixed gradient_clipping, and Trainer
-        # refuses a max_grad_norm that differs from it
+        # DeepSpeed clips inside engine.step() by the config's gradient_clipping (under ZeRO 1-3 the recipe's
+        # clipper sets the threshold through it), and Trainer refuses a max_grad_norm that differs from it
         wanted["max_grad_norm"] = deepspeed_clip_value(recipe)
     elif recipe.clipping.method != "none":
         if "max_grad_norm" in overrides:  # the user's own clipping (0: Trainer's "none") against the recipe's
