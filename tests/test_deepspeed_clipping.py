@@ -20,7 +20,9 @@ SPIKE_AT = 4
 ZCLIP = {"method": "zclip", "warmup_steps": 2, "z_thresh": 1.5}
 
 
-def _ds_rank(rank: int, world: int, port: int, stage: int, method: str, out: str) -> None:
+def _ds_rank(
+    rank: int, world: int, port: int, stage: int, method: str, out: str, save_every: int = 0, resume: str | None = None
+) -> None:
     """One of ``world`` DeepSpeed ranks training cpu-bf16 under ZeRO ``stage`` with the recipe's clipping, on
     4 // world rows a step; rank 0 writes per step: DeepSpeed's global norm, the norm of the gradients its torch
     optimizer stepped with, the callback's logged threshold and clip flag, the loss; and the run's notes."""
@@ -75,7 +77,8 @@ def _ds_rank(rank: int, world: int, port: int, stage: int, method: str, out: str
 
     args = recipe.training_args(
         output_dir=f"{out}-run", deepspeed=cfg, max_steps=STEPS, per_device_train_batch_size=4 // world,
-        learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+        learning_rate=1e-3, logging_steps=1, save_strategy="steps" if save_every else "no", save_steps=save_every or 1,
+        report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
     )  # fmt: skip
 
     class Spike(Trainer):  # a loss of the user's own: step 4's is 30 times larger, so its gradient norm spikes
@@ -86,7 +89,7 @@ def _ds_rank(rank: int, world: int, port: int, stage: int, method: str, out: str
     trainer = Spike(
         model=tiny_llama(0), args=args, train_dataset=Bytes(n=40, seq_len=16), callbacks=[*recipe.callbacks(), Probe()]
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     rows = [h for h in trainer.state.log_history if "loss" in h]
     if rank == 0:
         seen = {
@@ -172,3 +175,16 @@ def test_agc_under_deepspeed_falls_back_to_a_fixed_threshold_and_says_why(tmp_pa
     assert not seen["clipper"]
     assert any("FALLBACK" in n and "AGC clips each weight row by its own norm" in n for n in seen["notes"])
     assert seen["threshold"] == [None] * STEPS
+
+
+@pytest.mark.slow
+def test_a_deepspeed_run_resumed_from_a_checkpoint_clips_as_the_straight_run(tmp_path):
+    """ZClip's statistics travel with the checkpoint under DeepSpeed too: resumed from step 3 (before the spike),
+    the run clips step 4 to the same threshold and logs the same thresholds and losses as the straight run."""
+    straight, resumed = tmp_path / "straight.json", tmp_path / "resumed.json"
+    run_ranks(_ds_rank, [(0, 1, free_port(), 2, "zclip", str(straight), 3)])
+    run_ranks(_ds_rank, [(0, 1, free_port(), 2, "zclip", str(resumed), 3, f"{straight}-run/checkpoint-3")])
+    a, b = json.loads(straight.read_text()), json.loads(resumed.read_text())
+    assert a["clipped"][SPIKE_AT - 1] == 1.0
+    assert b["threshold"][-3:] == a["threshold"][-3:] and b["clipped"][-3:] == a["clipped"][-3:]
+    assert b["loss"][-3:] == a["loss"][-3:]

@@ -213,7 +213,7 @@ def route_adaptive_clipping(optimizer: Any, decide: Any) -> str | None:
         step_norm.clear()  # a new step: its first unscale_and_clip_grads asks the clipper
         out = original_step(*args, **kwargs)
         if "arg" not in step_norm:  # skipped for an overflow: the clipper sees a non-finite norm, as without DeepSpeed
-            decide(torch.full((), math.inf))
+            decide(torch.full((), math.inf, device=getattr(opt, "device", "cpu")))  # made there: no copy
         return out
 
     def unscale_and_clip_grads(first: Any, total_norm: Any, *rest: Any, **kwargs: Any) -> Any:
