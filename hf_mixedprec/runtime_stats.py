@@ -74,21 +74,21 @@ def _tell_fp8_layers(model: nn.Module, on: bool, told: tuple[list[Any] | None, b
 
 
 class _FP8Sample:
-    """A sampled step's FP8 statistics, kept as taken (references, no tensor operation): the emulated layers'
-    records, the other backends' probes; stacked, finished and given to the monitor at the next check."""
+    """A sampled step's FP8 statistics, kept as taken (references, no tensor operation): the raw records of the
+    emulated layers and of the other backends' probes; stacked, finished and given to the monitor at the next
+    check."""
 
     def __init__(self, model: nn.Module) -> None:
-        layers = monitored_layers(model)
-        emulated = [(n, m) for n, m in layers if isinstance(m, EmulatedFP8GEMM) and any(m.measured)]
-        self.names = [n for n, _ in emulated]
-        self.flags = [(m.measured, m.spec.scaling == "mxfp8") for _, m in emulated]
-        self.records = [list(m.records) for _, m in emulated]  # a later sampled step replaces the layers' lists
-        self.others = {n: m.stats for n, m in layers if not isinstance(m, EmulatedFP8GEMM) and m.stats}
+        # emulated layers and other backends' probes keep the same raw records: one table for all of them
+        sampled = [(n, m) for n, m in monitored_layers(model) if any(m.measured)]
+        self.names = [n for n, _ in sampled]
+        self.flags = [(m.measured, isinstance(m, EmulatedFP8GEMM) and m.spec.scaling == "mxfp8") for _, m in sampled]
+        self.records = [list(m.records) for _, m in sampled]  # a later sampled step replaces the layers' lists
 
     def layer_stats(self, over_ranks: bool = False) -> dict[str, LayerStats]:
-        """The sample's statistics per layer; ``over_ranks``: our layers' combined over the ranks
-        (:func:`raw_over_ranks`, a collective: every rank must ask)."""
-        out = dict(self.others)
+        """The sample's statistics per layer; ``over_ranks``: combined over the ranks (:func:`raw_over_ranks`, a
+        collective: every rank must ask), for every backend's layers."""
+        out: dict[str, LayerStats] = {}
         raw = raw_stats_table(self.records)
         if raw is not None:  # one finished table; every layer's record views it (a fixed number of operations)
             raw = raw_over_ranks(raw) if over_ranks else raw

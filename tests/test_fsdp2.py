@@ -355,16 +355,24 @@ def test_fp8_statistics_of_two_ranks_combine_into_the_global_batchs(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("runs", ["fp8-delayed"], indirect=True)
+@pytest.mark.parametrize("runs", ["fp8-delayed", "torchao-all-gather"], indirect=True)
 def test_rank_0_reports_the_fp8_input_amax_of_the_global_batch(runs):
     """At step 1 (the same weights in both runs) every FP8 layer's input amax that 2 FSDP2 ranks report is the one
-    process's on the same global batch: the ranks' sampled statistics are combined before they are reported."""
+    process's on the same global batch: the ranks' sampled statistics are combined before they are reported, for
+    our emulated layers and for torchao's (whose probes keep the same raw records). Under torchao's current scaling
+    each rank scales its own rows, so from the second block on the inputs differ by a few BF16 ulps (up to 4% seen);
+    the first block's inputs agree exactly. Without the combination rank 0 reports its own rows' maximum, 10-15% off
+    where the global maximum lies in rank 1's rows (delayed: 3.46 for 3.67; torchao: layers.2 gate_proj 3.62 for
+    4.22)."""
     one, two = runs["one"], runs["two"]
     series = json.loads((one / "health.json").read_text())["series"]
     keys = [k for k in series if k.startswith("mp/fp8/") and k.endswith("/input_amax")]
     assert len(keys) >= 20
+    exact = [k for k in keys if runs["kind"] == "fp8-delayed" or k.startswith("mp/fp8/model.layers.0.")]
+    assert len(exact) >= 5
     for key in keys:
-        assert _series(two, key)[1] == pytest.approx(_series(one, key)[1], rel=1e-5), key
+        rel = 1e-5 if key in exact else 1e-1
+        assert _series(two, key)[1] == pytest.approx(_series(one, key)[1], rel=rel), key
 
 
 def _fallback_on_two_ranks(rank: int, port: int, out: str) -> None:

@@ -3,8 +3,9 @@ Transformer Engine's modules).
 
 A :class:`LayerProbe` hangs off one such layer. On sampled steps only (the runtime sets :attr:`record_stats`), a
 forward hook quantizes the layer's input and weight, and a hook on the output's gradient the incoming gradient,
-with the backend's own rule (a :data:`QuantizeRule` the backend supplies), and keeps the same
-:class:`~hf_mixedprec.scaling.stats.LayerStats` the emulated layers keep: amax, saturation, underflow, SQNR. It is a
+with the backend's own rule (a :data:`QuantizeRule` the backend supplies), and keeps the same records the emulated
+layers keep (:func:`~hf_mixedprec.scaling.stats.raw_operand_stats` rows, so the runtime stacks, combines over ranks
+and finishes them with theirs): amax, saturation, underflow, SQNR. It is a
 second quantization of the very tensors the layer quantizes, on the device, with no host read; on other steps the
 hooks return at once. Each probe also knows how to put its layer back in high precision (the health fallback).
 """
@@ -18,8 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_mixedprec.fp8.emulated import StatsRecord, raw_stats_table
 from hf_mixedprec.scaling.fp8 import FP8Format
-from hf_mixedprec.scaling.stats import LayerStats, operand_stats
+from hf_mixedprec.scaling.stats import ROLES, LayerStats, finish_operand_stats, layer_stats_of, raw_operand_stats
 
 __all__ = ["LayerProbe", "QuantizeRule", "attach_probe", "iter_probed", "probe_of"]
 
@@ -47,7 +49,8 @@ class LayerProbe:
         self._to_high_precision = to_high_precision
         #: set by the runtime for the steps that sample FP8 statistics
         self.record_stats = False
-        self.stats = LayerStats()
+        #: the latest sampled raw statistics of each role (None: never measured), as the emulated layers keep them
+        self.records: list[StatsRecord] = [None, None, None]
         self._module = weakref.ref(module)
         self._handle = module.register_forward_hook(self._forward_hook)
 
@@ -74,7 +77,19 @@ class LayerProbe:
         if out is None:
             return
         data, deq = out
-        self.stats = self.stats.with_role(role, operand_stats(t2, data, deq, self.formats[role]))
+        self.records[ROLES.index(role)] = raw_operand_stats(t2, data, deq, self.formats[role])
+
+    @property
+    def measured(self) -> tuple[bool, bool, bool]:
+        """Which roles have statistics (a host fact: nothing is read)."""
+        r = self.records
+        return (r[0] is not None, r[1] is not None, r[2] is not None)
+
+    @property
+    def stats(self) -> LayerStats:
+        """The latest sampled statistics of each operand (device tensors; empty before the first sampled step)."""
+        table = raw_stats_table([self.records])
+        return LayerStats() if table is None else layer_stats_of(finish_operand_stats(table[0]), self.measured, False)
 
     def high_precision(self) -> nn.Module:
         """The layer's high-precision equivalent holding the same Parameter objects (the health fallback)."""
