@@ -624,3 +624,55 @@ def test_fsdp2_gathers_and_reduces_in_the_dtypes_the_recipe_names(tmp_path):
     assert half["losses"][0] == pytest.approx(default["losses"][0], rel=5e-3)
     assert half["losses"] != default["losses"]  # the policy changed the math: it is in effect
     assert half["losses"] == pytest.approx(default["losses"], rel=2e-2)
+
+
+def _plugin_resume(rank: int, port: int, ckpt: str, out: str, resume: bool) -> None:
+    """2 ranks of a loop of one's own on ``recipe.accelerator()`` under FSDP2 (v100-fp16 rehearsed, ZClip): 6 steps
+    straight with ``save_state`` after step 3, or ``load_state`` of that checkpoint then steps 4-6. Rank 0 writes the
+    losses and metrics of the steps it ran, and the sum of its shards at the end."""
+    join_as_rank(rank, 2, port)
+    from hf_mixedprec.demo import tiny_llama
+    from hf_mixedprec.recipe import resolve_recipe
+
+    recipe = resolve_recipe(
+        {"name": "fp16-fsdp2", "extends": "v100-fp16", "clipping": {"method": "zclip", "warmup_steps": 2},
+         "distributed": {"strategy": "fsdp2"}}
+    ).rehearsed(True)  # fmt: skip
+    acc = recipe.accelerator(cpu=True)
+    model = tiny_llama(0)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 100, (4, 16), generator=g)[rank * 2 : (rank + 1) * 2] for _ in range(6)]
+    start = 3 if resume else 0
+    if resume:
+        acc.load_state(ckpt)
+    rows = []
+    for i in range(start, 6):
+        loss = model(input_ids=batches[i], labels=batches[i]).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        rows.append({**acc.mp_metrics(), "loss": float(acc.reduce(loss.detach(), "mean"))})
+        if i == 2 and not resume:
+            acc.save_state(ckpt)
+    local = sum(float(p.to_local().double().sum()) for p in model.parameters())
+    if rank == 0:
+        Path(out).write_text(json.dumps({"rows": rows, "shards": local}))
+    leave_group()
+
+
+@pytest.mark.slow
+def test_a_loop_of_ones_own_resumes_from_a_sharded_save_state_to_the_straight_run(tmp_path):
+    """``accelerator.save_state`` under FSDP2 writes the sharded model and optimizer (Distributed Checkpoint) with
+    our state beside them (loss scaler, clipper, detector windows); ``load_state`` in a fresh pair of ranks brings
+    all of it back, and steps 4-6 equal the straight run's bit for bit (losses, norms, thresholds, loss scale, the
+    shards)."""
+    ckpt, straight, resumed = tmp_path / "ckpt", tmp_path / "straight.json", tmp_path / "resumed.json"
+    for out, resume in ((straight, False), (resumed, True)):
+        port = free_port()
+        run_two_ranks(_plugin_resume, [(r, port, str(ckpt), str(out), resume) for r in (0, 1)])
+    a, b = json.loads(straight.read_text()), json.loads(resumed.read_text())
+    assert len(a["rows"]) == 6 and len(b["rows"]) == 3
+    assert {"mp/loss_scale", "mp/clip_threshold", "mp/grad_norm"} <= set(a["rows"][-1]), sorted(a["rows"][-1])
+    assert b["rows"] == a["rows"][3:]
+    assert b["shards"] == a["shards"]
