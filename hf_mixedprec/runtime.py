@@ -351,24 +351,20 @@ class MixedPrecisionRuntime:
 
     def after_optimizer_step(self, model: nn.Module, optimizer: Any = None) -> None:
         """Advance FP8 delayed scaling, update the monitor and count skipped steps (device only)."""
-        if self.active.precision == "fp8":
-            fp8_step(model)
-            if self.recipe.distributed.fp8_all_gather:
-                precompute_fsdp_scales(model)
+        _fp8_after_step(self, model)
         if self.monitor is not None:
             ratio = self._update_probe.ratio(self.amp.found_inf.device)
             if ratio is not None:
                 self.monitor.observe_update(ratio, self.amp.found_inf)
             self.monitor.post_step(skipped=self.amp.found_inf, scale=self.amp.device_scale())
-            if self._sampling and self.active.precision == "fp8":
-                self._fp8_samples.append(_FP8Sample(model))  # finished and observed at the next check
-                self._fp8_pending = True
         self.amp.after_step(optimizer)
         self.steps += 1
 
-    def after_external_step(self) -> None:
-        """Under DeepSpeed, after the engine's step: feed its skip, loss scale and the step's loss to the monitor
-        (see :func:`_feed_external_step`)."""
+    def after_external_step(self, model: nn.Module | None = None) -> None:
+        """Under DeepSpeed, after the engine's step: advance FP8 scaling as :meth:`after_optimizer_step` does, and
+        feed the engine's skip, loss scale and the step's loss to the monitor (see :func:`_feed_external_step`)."""
+        if model is not None:
+            _fp8_after_step(self, model)
         _feed_external_step(self)
         self._loss_n = 0
         self.steps += 1
@@ -463,6 +459,19 @@ def _convert_model(
     if is_main_rank():  # which layers run in FP8 is a decision the user must see, once; loud if it is none
         log.warning("hf_mixedprec: %s", report.summary())
     return report
+
+
+def _fp8_after_step(rt: MixedPrecisionRuntime, model: nn.Module) -> None:
+    """After an optimizer step of an FP8 phase: advance delayed scaling (amaxes reduced over the ranks), recompute
+    FSDP2's FP8 all-gather scales, and keep a sampled step's statistics for the next check."""
+    if rt.active.precision != "fp8":
+        return
+    fp8_step(model)
+    if rt.recipe.distributed.fp8_all_gather:
+        precompute_fsdp_scales(model)
+    if rt.monitor is not None and rt._sampling:
+        rt._fp8_samples.append(_FP8Sample(model))  # finished and observed at the next check
+        rt._fp8_pending = True
 
 
 def _runtime_state(rt: MixedPrecisionRuntime) -> dict[str, Any]:

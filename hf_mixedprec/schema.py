@@ -188,6 +188,10 @@ def _phase_rules(spec: RecipeSpec) -> tuple[RecipeSpec, ...]:
     return tuple(out)
 
 
+#: DeepSpeed ZeRO stages an FP8 recipe trains under (DeepSpeed in FP32, hf_mixedprec's FP8 layers and BF16 autocast).
+DEEPSPEED_FP8_STAGES: tuple[int, ...] = (1, 2)
+
+
 class RecipeSpec(_Section):
     """A complete, validated mixed-precision training recipe (what :class:`hf_mixedprec.recipe.Recipe` adds:
     applying it to a Trainer or an Accelerate loop)."""
@@ -286,9 +290,18 @@ class RecipeSpec(_Section):
     @model_validator(mode="after")
     def _deepspeed_scaler(self) -> RecipeSpec:
         if self.distributed.strategy == "deepspeed":
-            if self.precision == "fp8":
+            stage = self.distributed.zero_stage
+            if self.precision == "fp8" and stage not in DEEPSPEED_FP8_STAGES:
+                why = (
+                    "ZeRO-3 gathers each layer's weights through hooks DeepSpeed puts on the modules it finds at "
+                    "initialization, and an FP8 layer moved to BF16 by a health fallback would be a module without them"
+                    if stage == 3
+                    else "stage 0 is DeepSpeed without ZeRO: use distributed.strategy ddp for that"
+                )
                 raise _rule(
-                    "distributed.strategy", "deepspeed is not supported with precision fp8 (allowed: none, ddp, fsdp2)"
+                    "distributed.zero_stage",
+                    f"{stage} with precision fp8: {why} (allowed with fp8: zero_stage "
+                    f"{', '.join(map(str, DEEPSPEED_FP8_STAGES))}; or strategy ddp/fsdp2)",
                 )
             ls = self.loss_scale
             if ls is not None:

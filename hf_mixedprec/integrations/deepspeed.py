@@ -34,6 +34,8 @@ __all__ = [
     "deepspeed_refusal",
     "deepspeed_storage_keys",
     "drop_clipper",
+    "fp8_under_deepspeed",
+    "ownership_notes",
     "read_deepspeed_scaler",
     "route_adaptive_clipping",
     "zero_optimizer",
@@ -55,8 +57,6 @@ def deepspeed_config(recipe: RecipeSpec, *, zero_stage: int | None = None) -> tu
 
     Batch size, accumulation and optimizer settings are ``"auto"`` so that Trainer / Accelerate fill them.
     """
-    if recipe.precision == "fp8":
-        raise ValueError(f"recipe {recipe.name!r}: DeepSpeed is not supported with precision fp8")
     notes: list[str] = []
     stage = zero_stage if zero_stage is not None else (recipe.distributed.zero_stage or 0)
     cfg: dict[str, Any] = {
@@ -86,6 +86,12 @@ def deepspeed_config(recipe: RecipeSpec, *, zero_stage: int | None = None) -> tu
     else:
         cfg["bf16"] = {"enabled": False}
         cfg["fp16"] = {"enabled": False}
+        if recipe.precision == "fp8":
+            notes.append(
+                "precision fp8 under DeepSpeed: DeepSpeed runs in FP32 (FP32 weights, master and gradient reduction; "
+                "its bf16 mode would cast the FP8 layers' scaling state to BF16), and hf_mixedprec's FP8 layers "
+                "compute inside its BF16 autocast"
+            )
     clip = recipe.clipping
     cfg["gradient_clipping"] = cap = deepspeed_clip_value(recipe)
     why = adaptive_refusal(clip.method, stage)
@@ -126,6 +132,63 @@ def deepspeed_clip_value(recipe: RecipeSpec) -> float:
     if clip.method == "none":
         return 0.0
     return float(clip.max_norm) if clip.method == "zclip" and clip.max_norm else 1.0
+
+
+def ownership_notes(recipe: RecipeSpec) -> list[str]:
+    """What DeepSpeed owns in a run of ``recipe`` (the Trainer callback's notes)."""
+    st = recipe.storage
+    master = "its FP32 master and FP32 states" if st.master == "fp32" else "bf16.bf16_master_weights_and_grads"
+    return [
+        "DeepSpeed owns loss scaling (its dynamic scaler, with hysteresis), clipping and the skipping of non-finite "
+        "steps (FP16 and BF16); hf_mixedprec reads its loss scale, overflow and skipped steps",
+        f"storage.master {st.master} / optimizer_states {st.optimizer_states}: DeepSpeed keeps the master and "
+        f"optimizer states itself ({master}; hf_mixedprec's deepspeed_config writes the matching keys)",
+    ]
+
+
+# --- FP8 under DeepSpeed -------------------------------------------------------------------------------------------
+
+
+def fp8_under_deepspeed(rt: Any, model: Any, state: Any, *, late: bool = False) -> None:
+    """An FP8 recipe under DeepSpeed (``state``: Accelerate's, holding the DeepSpeed plugin and its config): refuse a
+    config that cannot carry it, then convert the model's layers to FP8 before DeepSpeed takes the parameters and run
+    its forward under the recipe's BF16 autocast.
+
+    DeepSpeed runs FP32 for an FP8 recipe (``deepspeed_config``): its ``bf16`` mode casts the whole module with
+    ``module.bfloat16()`` (deepspeed/runtime/engine.py, ``_configure_distributed_model``), FP8 layers' scaling
+    buffers included, and autocasts nothing. ZeRO 1 and 2 partition the FP32 optimizer states and gradients; the
+    FP8 layers keep their Parameters, so the optimizer steps them as any other. Delayed scaling's amaxes are reduced
+    over the ranks (MAX) at each step as without DeepSpeed."""
+    from hf_mixedprec.schema import DEEPSPEED_FP8_STAGES
+
+    if late:
+        raise ValueError(
+            f"recipe {rt.recipe.name!r} (precision fp8) under DeepSpeed: the callback was added after the DeepSpeed "
+            "engine took the model, so its layers can no longer be converted to FP8 (allowed: pass "
+            "recipe.callbacks() to Trainer(callbacks=...))"
+        )
+    plugin = getattr(state, "deepspeed_plugin", None)
+    cfg = getattr(plugin, "deepspeed_config", None) or {}
+    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    if stage not in DEEPSPEED_FP8_STAGES:
+        raise ValueError(
+            f"recipe {rt.recipe.name!r} (precision fp8) under DeepSpeed ZeRO stage {stage}: FP8 runs under stages "
+            f"{', '.join(map(str, DEEPSPEED_FP8_STAGES))} (zero_optimization.stage; build the config with "
+            "deepspeed_config(recipe))"
+        )
+    for key in ("bf16", "fp16"):
+        if (cfg.get(key) or {}).get("enabled") is True:
+            raise ValueError(
+                f"recipe {rt.recipe.name!r} (precision fp8) under DeepSpeed with {key}.enabled true: DeepSpeed would "
+                "cast the FP8 layers' scaling state to 16 bits (allowed: bf16 and fp16 disabled, DeepSpeed in FP32, "
+                "as deepspeed_config(recipe) writes)"
+            )
+    rt.convert_model(model)
+    rt.wrap_forward_with_autocast(model)
+    rt.note(
+        f"FP8 under DeepSpeed ZeRO-{stage}: FP8 layers converted before DeepSpeed takes the parameters, BF16 autocast "
+        "installed by hf_mixedprec; DeepSpeed keeps FP32 weights, master, gradients and optimizer states"
+    )
 
 
 # --- Adaptive clipping through DeepSpeed's own ----------------------------------------------------------------------

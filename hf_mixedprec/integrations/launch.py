@@ -62,6 +62,7 @@ def fp8_via_accelerate(recipe: RecipeSpec) -> bool:
     fp8 = recipe.fp8
     return (
         recipe.phases is None
+        and recipe.distributed.strategy != "deepspeed"  # DeepSpeed runs FP32; our layers and autocast do FP8
         and recipe.precision == "fp8"
         and fp8 is not None
         and (fp8.backend == "transformer_engine" or (fp8.backend == "auto" and _te_installed()))

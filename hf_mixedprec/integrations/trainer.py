@@ -208,8 +208,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         if deepspeed:
             # DeepSpeed through TrainingArguments(deepspeed=...) or through `accelerate launch` with a
             # DeepSpeed config (what `hf-mixedprec launch` writes for distributed.strategy: deepspeed)
-            self._setup_deepspeed(trainer, rt)
-            self._route_backward_and_log(trainer, rt)
+            self._setup_deepspeed(trainer, rt, late)
             return
         autocast_by_accelerate = acc.native_amp and acc.mixed_precision == accelerate_precision(recipe) and not sharded
         if recipe.autocast_precision() == "fp32" and acc.mixed_precision != "no":
@@ -304,23 +303,15 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
 
         acc.clip_grad_norm_ = clip_grad_norm_  # type: ignore[method-assign]
 
-    def _setup_deepspeed(self, trainer: Trainer, rt: MixedPrecisionRuntime) -> None:
-        """DeepSpeed owns loss scaling and clipping: monitor its scaler, apply nothing that would fight it."""
-        from hf_mixedprec.integrations.deepspeed import adaptive_refusal, deepspeed_step_state, drop_clipper
+    def _setup_deepspeed(self, trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) -> None:
+        """DeepSpeed owns loss scaling and clipping: monitor its scaler, apply nothing that would fight it; an FP8
+        recipe's layers and autocast are ours (DeepSpeed in FP32)."""
+        from hf_mixedprec.integrations import deepspeed as ds
 
         self.deepspeed = True
-        rt.external_scaler = lambda: deepspeed_step_state(trainer.model_wrapped)
-        rt.note(
-            "DeepSpeed owns loss scaling (its dynamic scaler, with hysteresis), clipping and the skipping of "
-            "non-finite steps (FP16 and BF16); hf_mixedprec reads its loss scale, overflow and skipped steps"
-        )
-        st = self.recipe.storage
-        rt.note(
-            f"storage.master {st.master} / optimizer_states {st.optimizer_states}: DeepSpeed keeps the master and "
-            "optimizer states itself ("
-            + ("its FP32 master and FP32 states" if st.master == "fp32" else "bf16.bf16_master_weights_and_grads")
-            + "; hf_mixedprec's deepspeed_config writes the matching keys)"
-        )
+        rt.external_scaler = lambda: ds.deepspeed_step_state(trainer.model_wrapped)
+        for text in ds.ownership_notes(self.recipe):
+            rt.note(text)
         if rt.monitor is not None:
             # fed from DeepSpeed's host-side step state (skips, scale, gradient norm) and the loss; skip_step
             # would need the step DeepSpeed owns
@@ -329,9 +320,12 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                 "under DeepSpeed the health monitor reads its skipped steps, loss scale and gradient norm, and the "
                 "loss; the skip_step reaction is not applied (DeepSpeed owns the step and skips non-finite ones)"
             )
-        why = adaptive_refusal(self.recipe.clipping.method, 1)  # the stage is known once the engine exists
+        why = ds.adaptive_refusal(self.recipe.clipping.method, 1)  # the stage is known once the engine exists
         if why is not None:
-            drop_clipper(rt, self.recipe.clipping.method, why, trainer.args.max_grad_norm)
+            ds.drop_clipper(rt, self.recipe.clipping.method, why, trainer.args.max_grad_norm)
+        self._route_backward_and_log(trainer, rt)
+        if self.recipe.precision == "fp8":
+            ds.fp8_under_deepspeed(rt, trainer.model, trainer.accelerator.state, late=late)
 
     def _runtime(self, model: Any) -> MixedPrecisionRuntime:
         if self.runtime is None:  # a fresh instance made by Trainer when restoring callback state
@@ -362,14 +356,15 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         _restore_fp8_state(rt, model, state)
 
     def on_save(self, args: TrainingArguments, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-        _save_fp8_state(self._runtime(model), model, args, state)  # FP8 recipes never run under DeepSpeed
+        _save_fp8_state(self._runtime(model), model, args, state)  # beside a DeepSpeed checkpoint too
         if self.trainer is not None:  # every file is written: the manifest marks the checkpoint complete
             finish_checkpoint(self.trainer)
 
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
-        if not self.deepspeed:
-            self._runtime(kw["model"]).begin_step(kw["model"], kw.get("optimizer"))
-        elif not self._ds_routed and self.trainer is not None:  # the engine exists from the first step on
+        self._runtime(kw["model"]).begin_step(kw["model"], kw.get("optimizer"))  # FP8 sampling (DeepSpeed too)
+        if (
+            self.deepspeed and not self._ds_routed and self.trainer is not None
+        ):  # the engine exists from the first step on
             from hf_mixedprec.integrations.deepspeed import clip_through_deepspeed
 
             self._ds_routed = True
@@ -390,7 +385,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
 
     def on_optimizer_step(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         if self.deepspeed:
-            self._runtime(kw["model"]).after_external_step()
+            self._runtime(kw["model"]).after_external_step(kw["model"])
             return
         self._runtime(kw["model"]).after_optimizer_step(kw["model"], kw.get("optimizer"))
 

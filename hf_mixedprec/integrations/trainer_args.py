@@ -41,6 +41,8 @@ def training_args(recipe: RecipeSpec, *, args_class: type | None = None, **overr
 
         # DeepSpeed runs FP16 itself (its own loss scaler, on CPU too) and Trainer checks fp16 against its config
         wanted["fp16"] = recipe.precision == "fp16"
+        # an FP8 recipe runs DeepSpeed in FP32 (deepspeed_config); the BF16 autocast around its FP8 layers is ours
+        wanted["bf16"] = recipe.precision == "bf16"
         # DeepSpeed clips inside engine.step() by the config's gradient_clipping (under ZeRO 1-3 the recipe's
         # clipper sets the threshold through it), and Trainer refuses a max_grad_norm that differs from it
         wanted["max_grad_norm"] = deepspeed_clip_value(recipe)
@@ -118,10 +120,16 @@ def _check_args(recipe: RecipeSpec, args: TrainingArguments, deepspeed: bool = F
             f"TrainingArguments.bf16=True contradicts recipe {recipe.name!r} (precision {p}); "
             "remove bf16=True or build the arguments with recipe.training_args(...)"
         )
-    if getattr(args, "deepspeed", None) and p not in ("fp16", "bf16", "fp32"):
+    if getattr(args, "deepspeed", None) and p not in ("fp16", "bf16", "fp32", "fp8"):
         raise ValueError(
             f"recipe {recipe.name!r} (precision {p}) cannot run under DeepSpeed here "
-            "(allowed: fp32, fp16 or bf16 recipes; build the config with deepspeed_config(recipe))"
+            "(allowed: fp32, fp16, bf16 or fp8 recipes; build the config with deepspeed_config(recipe))"
+        )
+    if getattr(args, "deepspeed", None) and p == "fp8" and args.bf16:
+        raise ValueError(
+            f"TrainingArguments.bf16=True with recipe {recipe.name!r} (precision fp8) under DeepSpeed: DeepSpeed runs "
+            "FP32 for an FP8 recipe and hf_mixedprec autocasts around its FP8 layers (allowed: bf16=False; build the "
+            "arguments with recipe.training_args(...) and the config with deepspeed_config(recipe))"
         )
     return notes
 
