@@ -122,8 +122,8 @@ def accelerate_config(
 def _add_fp8_section(cfg: dict[str, Any], recipe: RecipeSpec, notes: list[str]) -> None:
     """Accelerate's ``fp8_config`` (Transformer Engine) where Accelerate can build the recipe's FP8, else a note."""
     fp8 = recipe.fp8
-    if recipe.precision != "fp8" or fp8 is None:
-        return
+    if recipe.precision != "fp8" or fp8 is None or recipe.distributed.strategy == "deepspeed":
+        return  # under DeepSpeed the FP8 layers are always ours (deepspeed_config says so in its note)
     if cfg["mixed_precision"] != "fp8":
         why = " (Transformer Engine is not installed here)" if fp8.backend == "auto" and not _te_installed() else ""
         notes.append(
