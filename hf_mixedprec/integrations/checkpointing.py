@@ -35,8 +35,11 @@ _DEFERRED = "_hf_mixedprec_save_total_limit"
 _FOLDER = "_hf_mixedprec_checkpoint_folder"
 
 
-def manage_checkpoints(trainer: Any, note: Callable[[str], None]) -> None:
-    """Wrap ``trainer``'s checkpoint save and ``train`` (see the module docs); once per Trainer."""
+def manage_checkpoints(
+    trainer: Any, note: Callable[[str], None], before_resume: Callable[[str], None] | None = None
+) -> None:
+    """Wrap ``trainer``'s checkpoint save and ``train`` (see the module docs); once per Trainer. ``before_resume``:
+    called with the verified checkpoint folder a ``train`` resumes from, before Trainer loads anything from it."""
     if hasattr(trainer, _DEFERRED):
         return
     setattr(trainer, _DEFERRED, None)
@@ -63,6 +66,8 @@ def manage_checkpoints(trainer: Any, note: Callable[[str], None]) -> None:
 
     def train_verified(resume_from_checkpoint: Any = None, *a: Any, **kw: Any) -> Any:
         target = resume_target(trainer.args.output_dir, resume_from_checkpoint, note)
+        if before_resume is not None and isinstance(target, (str, os.PathLike)):
+            before_resume(os.fspath(target))
         return train(target, *a, **kw)
 
     wrap_save_checkpoint(trainer, make)

@@ -28,10 +28,12 @@ Linears go to FP8 (LoRA adapters stay in high precision). The ``TrainingArgument
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -200,7 +202,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         self.runtime = rt
         for text in notes:
             rt.note(text)
-        manage_checkpoints(trainer, rt.note)
+        manage_checkpoints(trainer, rt.note, before_resume=lambda folder: _phase_before_load(trainer, rt, folder))
         acc = trainer.accelerator
         rt.apply_tf32()
         _ATTACHED[model] = (rt, weakref.ref(trainer))
@@ -413,6 +415,25 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                 else f"trainer.train(resume_from_checkpoint={ckpt!r}) after changing what the message says"
             )
             rt.note(f"STOPPED: {rt.stop_requested}. Resume with {how}")
+
+
+def _phase_before_load(trainer: Trainer, rt: MixedPrecisionRuntime, folder: str) -> None:
+    """A phased run resumed under FSDP: put the model in the checkpoint's phase before Trainer loads the sharded
+    model. Distributed Checkpoint loads into the model's own state-dict keys and refuses keys the checkpoint lacks,
+    so a model still in phase 0 (FP8 layers with scaling buffers) cannot take a checkpoint written in a BF16 phase,
+    or the reverse; the runtime state read at ``on_train_begin`` then finds the model already in that phase."""
+    if rt.phases is None or not getattr(trainer, "is_fsdp_enabled", False):
+        return
+    try:
+        saved = json.loads((Path(folder) / "trainer_state.json").read_text(encoding="utf-8"))
+        stored = (saved.get("stateful_callbacks") or {}).get(MixedPrecisionCallback.__name__)
+        stored = stored[0] if isinstance(stored, list) and stored else stored
+        phases = ((stored or {}).get("attributes", {}).get("restored") or {}).get("phases")
+    except (OSError, ValueError, AttributeError):
+        return  # Trainer's own load reports a damaged file; the runtime state then restores what it can
+    if isinstance(phases, dict):
+        rt.phases.load_state_dict(phases)
+        rt._switch_phase(trainer.model, None, resume=True)
 
 
 def _install_storage(trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) -> list[str]:
