@@ -61,10 +61,11 @@ class Reactions:
             elif ev.reaction == "fallback" and self.sharded:
                 if self.stop_requested is None:
                     self.stop_requested = (
-                        f"{text}: in a model sharded with FSDP2, FP8 layers move to BF16 during the run only where "
-                        "every rank checks at the same steps (the Trainer callback; this loop checks on rank 0 "
-                        f"alone), so it stops with a checkpoint instead; resume it with {ev.layer or 'the flagged layers'} "
-                        "kept in BF16 (a modules: rule with fp8: off) or under a BF16 recipe"
+                        f"{text}: in a sharded model, FP8 layers move to BF16 during the run only under FSDP2 without "
+                        "distributed.fp8_all_gather, where every rank checks at the same steps (the Trainer callback; "
+                        "a loop of one's own checks on rank 0 alone), so it stops with a checkpoint instead; resume it "
+                        f"with {ev.layer or 'the flagged layers'} kept in BF16 (a modules: rule with fp8: off) or under "
+                        "a BF16 recipe"
                     )
             elif ev.reaction == "fallback":
                 if ev.layer is not None:

@@ -59,10 +59,10 @@ from hf_mixedprec.reactions import Reactions
 from hf_mixedprec.runtime_stats import (
     _FP8Sample,
     _LogRead,
-    _observe_fp8_samples,
     _read_for_log,
     _tell_fp8_layers,
     _UpdateProbe,
+    observe_fp8_samples,
 )
 from hf_mixedprec.scaling.stats import LayerStats
 from hf_mixedprec.schema import RecipeSpec
@@ -476,7 +476,7 @@ def _fp8_after_step(rt: MixedPrecisionRuntime, model: nn.Module) -> None:
 
 def _runtime_state(rt: MixedPrecisionRuntime) -> dict[str, Any]:
     """:meth:`MixedPrecisionRuntime.state_dict`."""
-    _observe_fp8_samples(rt)  # the monitor's state holds them
+    observe_fp8_samples(rt)  # the monitor's state holds them
     clip = None
     if rt.clipper is not None:
         sd = rt.clipper.state_dict()
@@ -530,6 +530,10 @@ def _load_runtime_state(rt: MixedPrecisionRuntime, state: dict[str, Any], model:
         rt.scaler.load_state_dict(state["scaler"])
     rt.amp.load_counts(state["skipped"], int(state.get("schedule_rewound", 0)), int(state.get("external_skips", 0)))
     clip = state.get("clipper")
+    if clip is None and rt.clipper is not None and rt.external_scaler is not None:
+        # under DeepSpeed the run that wrote it found at its first step that its engine could not take the clipper
+        rt.clipper = None
+        rt.note("resume: the checkpointed run trained without the recipe's clipper under DeepSpeed; so does this one")
     if (clip is None) != (rt.clipper is None):
         raise ValueError("checkpointed clipping state does not match the recipe's clipping.method")
     if clip is not None and rt.clipper is not None:

@@ -118,8 +118,9 @@ def raw_over_ranks(raw: torch.Tensor) -> torch.Tensor:
     return torch.stack(columns, -1)
 
 
-def _observe_fp8_samples(rt: Any) -> None:
-    """Hand the FP8 samples taken since the last check to the health monitor (device operations only)."""
+def observe_fp8_samples(rt: Any) -> None:
+    """Hand the FP8 samples taken since the last check to the health monitor (device operations only). Combining
+    them over the ranks is a collective: every rank must call this at the same point (a check, a checkpoint save)."""
     samples, rt._fp8_samples = rt._fp8_samples, []
     if rt.monitor is not None:
         for sample in samples:
@@ -156,7 +157,7 @@ def _read_for_log(rt: Any, model: nn.Module | None) -> _LogRead:
 
     got = _LogRead(rt.steps)
     if model is not None:
-        _observe_fp8_samples(rt)
+        observe_fp8_samples(rt)
     request = rt.monitor.check_request() if (model is not None and rt.monitor is not None) else None
     monitor = add([request] if request is not None else [])
     layers, layout = (None, [])

@@ -12,7 +12,8 @@ holds chains, run two at a time (the machine has 2 cores), the steps of one chai
 
 A step with ``at: K`` is killed the moment the folder ``kill_in`` holds K entries, whoever writes them (Python,
 safetensors' or tokenizers' own writers; a thread polls every 0.2 ms): the K-th file is then being written or just
-done, and every later one is missing. ``at: "manifest"`` kills it as the manifest is about to be written (every other
+done, and every later one is missing. On a loaded machine the polling thread can wait for the GIL while the save
+goes on; it is then killed at the latest as the manifest is to be written, so the checkpoint is never complete. ``at: "manifest"`` kills it as the manifest is about to be written (every other
 file is). ``at: 0`` kills nothing and writes the most entries the folder ever held into the file ``count``. A ``cmd`` whose first word
 ends in ``.py`` is a training script run as ``__main__``; otherwise it is ``hf_mixedprec.cli.main``'s arguments.
 ``results.json`` gets, per chain, each step's exit status (``-9`` for a kill).
@@ -83,6 +84,15 @@ def _child(step: dict) -> None:
                 time.sleep(0.0002)
 
         threading.Thread(target=watch, daemon=True).start()
+        if at:  # a watcher starved of the GIL on a loaded machine must still kill before the checkpoint completes
+            write_late = managed.write_manifest
+
+            def kill_if_due(target):
+                if Path(target).resolve() == folder.resolve() and len(os.listdir(folder)) >= at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return write_late(target)
+
+            managed.write_manifest = kill_if_due
     if folder is not None and at == MANIFEST_MOMENT:
         write = managed.write_manifest
 

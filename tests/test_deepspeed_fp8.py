@@ -192,3 +192,21 @@ def test_an_fp8_callback_added_after_deepspeed_took_the_model_is_refused_before_
     seen = json.loads(out.read_text())
     assert "the callback was added after the DeepSpeed engine took the model" in seen["seen"]
     assert seen["step"] == 0 and not seen["fp8_layers"]
+
+
+@pytest.mark.parametrize("how", ["plugin", "env"])
+def test_an_fp8_recipe_with_deepspeed_on_a_loop_of_ones_own_is_refused_before_anything_is_built(how, monkeypatch):
+    """``recipe.accelerator()`` under DeepSpeed: Accelerate's DeepSpeed preparation never reaches our FP8 conversion
+    and autocast, so the loop would train plain FP32 and say nothing; it is refused first, naming what runs it."""
+    from hf_mixedprec.recipe import resolve_recipe
+
+    recipe = resolve_recipe(
+        {"name": "ds-fp8", "extends": "h100-fp8-delayed", "distributed": {"strategy": "deepspeed", "zero_stage": 1}}
+    ).rehearsed(True)
+    kwargs = {}
+    if how == "plugin":
+        kwargs["deepspeed_plugin"] = object()  # refused before Accelerate reads it
+    else:
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what accelerate launch with a DeepSpeed config sets
+    with pytest.raises(ValueError, match=r"'ds-fp8' \(precision fp8\) with DeepSpeed on recipe.accelerator\(\)"):
+        recipe.accelerator(cpu=True, **kwargs)

@@ -151,9 +151,10 @@ def test_fp8_statistics_of_two_ranks_combine_into_the_global_batchs(tmp_path):
     assert (alone[:, 0] < whole[:, 0]).all()  # rank 0 alone never saw the largest value
 
 
-def _fallback_on_two_ranks(rank: int, port: int, out: str) -> None:
-    """One of 2 gloo ranks training h100-fp8-delayed (rehearsed) under FSDP2 with the Trainer callback for 6 steps,
-    whose FP8 saturation detector moves a layer to BF16 (threshold 1e-4). Each rank writes what it saw."""
+def _fallback_on_two_ranks(rank: int, port: int, out: str, resume: str | None = None) -> None:
+    """One of 2 gloo ranks training h100-fp8-delayed (rehearsed) under FSDP2 with the Trainer callback for 6 steps
+    (logging every 2, FP8 sampled every step, a checkpoint after step 3), whose FP8 saturation detector moves a layer
+    to BF16 (threshold 1e-4); or resuming from ``resume``. Each rank writes what it saw."""
     join_as_rank(rank, 2, port)
     from transformers import Trainer, TrainerCallback
 
@@ -179,13 +180,13 @@ def _fallback_on_two_ranks(rank: int, port: int, out: str) -> None:
     ).rehearsed(True)  # fmt: skip
     args = recipe.training_args(
         output_dir=f"{out}-run", max_steps=6, per_device_train_batch_size=2, report_to=[], use_cpu=True,
-        save_strategy="no", logging_steps=1, disable_tqdm=True,
+        save_strategy="steps", save_steps=3, logging_steps=2, disable_tqdm=True,
     )  # fmt: skip
     probe = Shards()
     trainer = Trainer(
         model=tiny_llama(0), args=args, train_dataset=Bytes(n=40, seq_len=16), callbacks=[*recipe.callbacks(), probe]
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     stop = runtime_of(trainer).reactions.stop_requested
     Path(f"{out}-{rank}.json").write_text(
         json.dumps({"rows": probe.rows, "steps": trainer.state.global_step, "stop": stop})
@@ -198,23 +199,36 @@ def test_a_health_fallback_under_fsdp2_moves_the_same_layers_to_bf16_on_every_ra
     """Under the Trainer callback every rank checks the combined FP8 statistics at the same steps, so a fallback
     moves the same layers to BF16 on both ranks, inside the sharded blocks, and the run goes on: the moved layers'
     shards keep being updated (FSDP2 now sets their gathered weights on the new BF16 module; before, the run died
-    in the next forward)."""
+    in the next forward). The checkpoint after step 3 comes after a sampled step that no log checked: its statistics
+    are combined on every rank before the save (Trainer asks the callback for its state on rank 0 only; the
+    collective there hung). Resumed from it, the model gets the moved layers back before Distributed Checkpoint
+    loads it (a model with every layer in FP8 has keys that checkpoint lacks) and ends on the straight run's shards
+    bit for bit."""
     port = free_port()
     out = tmp_path / "rank"
     run_two_ranks(_fallback_on_two_ranks, [(r, port, str(out)) for r in (0, 1)])
     ranks = [json.loads(Path(f"{out}-{r}.json").read_text()) for r in (0, 1)]
+    again = tmp_path / "again"
+    ckpt = f"{out}-run/checkpoint-3"
+    port = free_port()
+    run_two_ranks(_fallback_on_two_ranks, [(r, port, str(again), ckpt) for r in (0, 1)])
+    resumed = [json.loads(Path(f"{again}-{r}.json").read_text()) for r in (0, 1)]
     for seen in ranks:
         assert seen["steps"] == 6 and seen["stop"] is None
     moved = ranks[0]["rows"][-1]["moved"]
     assert moved and [r["moved"] for r in ranks[0]["rows"]] == [r["moved"] for r in ranks[1]["rows"]]
     first = next(i for i, r in enumerate(ranks[0]["rows"]) if r["moved"])
-    assert first < 5, "the fallback came too late to see the moved layers train"
+    assert first < 2, "the fallback came after the checkpoint: its resume would not need the moved layers"
     for seen in ranks:
         rows = seen["rows"]
         assert not set(moved) & set(rows[-1]["fp8"])  # no longer FP8 layers
         for layer in moved:
             w = f"{layer}.weight"
             assert all(rows[i]["shards"][w] != rows[i + 1]["shards"][w] for i in range(first, 5)), layer
+    for straight, seen in zip(ranks, resumed, strict=True):
+        assert seen["steps"] == 6 and len(seen["rows"]) == 3  # steps 4-6
+        assert seen["rows"][-1]["moved"] == moved and seen["rows"][-1]["fp8"] == straight["rows"][-1]["fp8"]
+        assert seen["rows"][-1]["shards"] == straight["rows"][-1]["shards"]
 
 
 def test_a_health_fallback_under_fsdp2_stops_where_the_ranks_may_decide_differently():
@@ -236,7 +250,7 @@ def test_a_health_fallback_under_fsdp2_stops_where_the_ranks_may_decide_differen
     rt.reactions.sharded = True
     rt.reactions.apply([event], model, step=3)
     assert rt.reactions.moved_layers == [] and type(model.get_submodule(layer)) is before
-    assert "only where every rank checks at the same steps" in rt.reactions.stop_requested
+    assert "only under FSDP2 without distributed.fp8_all_gather, where every rank checks" in rt.reactions.stop_requested
     assert f"resume it with {layer} kept in BF16" in rt.reactions.stop_requested
     rt.reactions.sharded, rt.reactions.stop_requested = False, None  # one process: the layer moves as before
     rt.reactions.apply([event], model, step=3)

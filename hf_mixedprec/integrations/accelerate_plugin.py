@@ -382,11 +382,18 @@ class _RuntimeCheckpoint:
 def _check_deepspeed_plugin(recipe: RecipeSpec, kwargs: dict[str, Any]) -> None:
     """A DeepSpeed recipe needs an Accelerator that runs DeepSpeed (a ``deepspeed_plugin``, or the
     ``ACCELERATE_USE_DEEPSPEED`` an ``accelerate launch`` DeepSpeed config sets); otherwise the loop would train
-    without it, silently."""
-    if recipe.distributed.strategy != "deepspeed":
-        return
+    without it, silently. An FP8 recipe under DeepSpeed is the Trainer callback's (its layers are converted before the
+    engine takes them); here Accelerate's DeepSpeed preparation would skip our conversion and autocast: refused."""
     asked = kwargs.get("deepspeed_plugin") is not None or kwargs.get("deepspeed_plugins") is not None
-    if asked or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").strip().lower() == "true":
+    runs = asked or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").strip().lower() == "true"
+    if runs and "fp8" in recipe.precisions():
+        raise ValueError(
+            f"recipe {recipe.name!r} (precision fp8) with DeepSpeed on recipe.accelerator(): Accelerate's DeepSpeed "
+            "preparation never reaches hf_mixedprec's FP8 conversion and autocast, so the loop would train without FP8 "
+            "(allowed: an FP8 recipe under DeepSpeed through a Trainer with recipe.callbacks(); or distributed.strategy "
+            "none, ddp or fsdp2 on recipe.accelerator())"
+        )
+    if recipe.distributed.strategy != "deepspeed" or runs:
         return
     raise ValueError(
         f"recipe {recipe.name!r} has distributed.strategy deepspeed, but this Accelerator runs without DeepSpeed (no "

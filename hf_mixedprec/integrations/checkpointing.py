@@ -36,10 +36,15 @@ _FOLDER = "_hf_mixedprec_checkpoint_folder"
 
 
 def manage_checkpoints(
-    trainer: Any, note: Callable[[str], None], before_resume: Callable[[str], None] | None = None
+    trainer: Any,
+    note: Callable[[str], None],
+    before_resume: Callable[[str], None] | None = None,
+    before_save: Callable[[], None] | None = None,
 ) -> None:
     """Wrap ``trainer``'s checkpoint save and ``train`` (see the module docs); once per Trainer. ``before_resume``:
-    called with the verified checkpoint folder a ``train`` resumes from, before Trainer loads anything from it."""
+    called with the verified checkpoint folder a ``train`` resumes from, before Trainer loads anything from it;
+    ``before_save``: on every rank before a checkpoint is saved (Trainer asks callbacks for their state on rank 0
+    only, so whatever needs the other ranks is done here)."""
     if hasattr(trainer, _DEFERRED):
         return
     setattr(trainer, _DEFERRED, None)
@@ -55,6 +60,8 @@ def manage_checkpoints(
             if several_ranks():
                 dist.barrier()  # no rank writes its files into the folder before it is gone
             setattr(trainer, _FOLDER, folder)  # where on_save finds it (a search trial's run folder included)
+            if before_save is not None:
+                before_save()
             limit, args.save_total_limit = args.save_total_limit, None
             setattr(trainer, _DEFERRED, limit)
             try:

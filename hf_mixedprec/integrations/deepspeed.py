@@ -103,6 +103,24 @@ def deepspeed_config(recipe: RecipeSpec, *, zero_stage: int | None = None) -> tu
     return cfg, notes
 
 
+def clipping_refusal(method: str, config: dict[str, Any], max_grad_norm: float) -> str | None:
+    """Why the recipe's clipper cannot decide the clipping of a DeepSpeed engine built from ``config`` (its stage and
+    ``gradient_clipping``, ``"auto"`` being Trainer's ``max_grad_norm``); None when it can, as far as the config
+    says (the engine's optimizer is checked at the first step)."""
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    why = adaptive_refusal(method, stage if isinstance(stage, int) else 1)
+    if why is not None or method == "none":
+        return why
+    cap = config.get("gradient_clipping", 0.0)
+    cap = max_grad_norm if cap == "auto" else cap
+    if not (isinstance(cap, (int, float)) and cap > 0):
+        return (
+            f"DeepSpeed's gradient_clipping is {cap!r} in this config, so DeepSpeed clips nothing (set it to any value "
+            "> 0: the recipe's clipper then decides the threshold; deepspeed_config(recipe) writes 1.0)"
+        )
+    return None
+
+
 def adaptive_refusal(method: str, stage: int | None) -> str | None:
     """Why the recipe's adaptive clipper cannot decide DeepSpeed's clipping at ZeRO ``stage`` (None: it can, or
     the method is not adaptive)."""
@@ -246,6 +264,10 @@ def clip_through_deepspeed(rt: Any, engine: Any, method: str, max_norm: float) -
     )
 
 
+#: The attribute of a routed ZeRO optimizer holding the ``decide`` its clipping asks.
+_DECIDE = "_hf_mixedprec_decide"
+
+
 def route_adaptive_clipping(optimizer: Any, decide: Any) -> str | None:
     """Let ``decide(norm) -> threshold`` (0-d tensors: the unscaled global gradient norm of the step, and the
         clipper's threshold, inf for no clipping) set the clipping of the ZeRO optimizer behind ``optimizer``. Returns
@@ -261,7 +283,15 @@ def route_adaptive_clipping(optimizer: Any, decide: Any) -> str | None:
     clipper records as a non-finite step (its statistics unchanged), as it does without DeepSpeed."""
     opt = zero_optimizer(optimizer)
     if opt is None:
-        return "no ZeRO stage 1-3 optimizer found (stage 0 clips with torch's clip_grad_norm_ inside DeepSpeed)"
+        inner = getattr(getattr(optimizer, "optimizer", optimizer), "optimizer", None)
+        return (
+            f"DeepSpeed steps with {type(inner).__name__ if inner is not None else 'no'} optimizer, not a ZeRO stage 1-3 "
+            "one (stage 0, and BF16 under ZeRO-1 with FP32 gradient accumulation, clip with torch's clip_grad_norm_ "
+            "inside DeepSpeed)"
+        )
+    if getattr(opt, _DECIDE, None) is not None:  # routed before (a second train() on the same engine): re-point
+        setattr(opt, _DECIDE, decide)
+        return None
     if not float(opt.clip_grad) > 0:
         return (
             "DeepSpeed's gradient_clipping is 0 in this config, so DeepSpeed clips nothing (set it to any value > 0: "
@@ -271,20 +301,24 @@ def route_adaptive_clipping(optimizer: Any, decide: Any) -> str | None:
 
     original, original_step = opt.unscale_and_clip_grads, opt.step
     step_norm: dict[str, Any] = {}
+    setattr(opt, _DECIDE, decide)
 
     def step(*args: Any, **kwargs: Any) -> Any:
-        step_norm.clear()  # a new step: its first unscale_and_clip_grads asks the clipper
+        # a new step: its first unscale_and_clip_grads asks the clipper. The norm DeepSpeed hands over carries the
+        # scale of the backward, which its scaler may grow before the clipping (stage_1_and_2.py: _update_scale)
+        step_norm.clear()
+        step_norm["backward_scale"] = opt.loss_scale
         out = original_step(*args, **kwargs)
         if "arg" not in step_norm:  # skipped for an overflow: the clipper sees a non-finite norm, as without DeepSpeed
-            decide(torch.full((), math.inf, device=getattr(opt, "device", "cpu")))  # made there: no copy
+            getattr(opt, _DECIDE)(torch.full((), math.inf, device=getattr(opt, "device", "cpu")))  # no copy
         return out
 
     def unscale_and_clip_grads(first: Any, total_norm: Any, *rest: Any, **kwargs: Any) -> Any:
         if "arg" not in step_norm:
-            scale = opt.loss_scale
+            scale = opt.loss_scale  # what DeepSpeed divides by below
             scaled = total_norm if torch.is_tensor(total_norm) else torch.tensor(float(total_norm))
-            norm = scaled.float() / scale
-            threshold = decide(norm)
+            norm = scaled.float() / step_norm.get("backward_scale", scale)
+            threshold = getattr(opt, _DECIDE)(norm)
             cap = float(opt.clip_grad)  # a Python float in DeepSpeed's config (a checkpoint's value after a load)
             # DeepSpeed's factor is max(1, (n / scale + 1e-6) / cap): n = scale * (cap * (norm + 1e-6) / threshold
             # - 1e-6) makes it max(1, (norm + 1e-6) / threshold); clamped at 0 (no clipping: threshold inf), which

@@ -27,14 +27,18 @@ def install_sharding(trainer: Any, recipe: RecipeSpec, rt: Any, *, late: bool) -
     """At a Trainer's construction, before its model is prepared (not ``late``): FSDP2 on CPU processes where the
     recipe asks (:func:`fsdp2_on_cpu_processes`), and under FSDP2 with FP8 all-gather the optimizer's parameters
     found by name (:func:`keep_optimizer_params_by_name`). Under FSDP, however late, a health fallback moves layers
-    only where every rank checks alike (``rt.checks_on_every_rank``); elsewhere it stops the run. True when FSDP2
-    was switched on here."""
+    only under FSDP2 without FP8 all-gather where every rank checks alike (``rt.checks_on_every_rank``); elsewhere
+    it stops the run. True when FSDP2 was switched on here."""
     sharded = not late and fsdp2_on_cpu_processes(trainer, recipe, rt)
     if not late and not sharded:
         fsdp2_policy_on_accelerate(trainer.accelerator, recipe, rt)
     fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
-    # every rank checks at the same steps on combined statistics: a fallback moves the same layers on every rank
-    rt.reactions.sharded = fsdp and not rt.checks_on_every_rank
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    # a fallback may move layers inside the sharded blocks only under FSDP2 (the unit is pointed at the new module),
+    # with every rank checking at the same steps on combined statistics (they move the same layers), and without
+    # torchao's FP8 all-gather (its weights reach a Linear as FP8 tensors)
+    swap = getattr(plugin, "fsdp_version", 1) == 2 and rt.checks_on_every_rank and not recipe.distributed.fp8_all_gather
+    rt.reactions.sharded = fsdp and not swap
     if not late and recipe.distributed.fp8_all_gather and fsdp:
         keep_optimizer_params_by_name(trainer.accelerator)
     return sharded
@@ -61,9 +65,8 @@ def fsdp2_on_cpu_processes(trainer: Any, recipe: RecipeSpec, rt: Any) -> bool:
 
 def fsdp2_on_cpu_accelerator(accelerator: Any, recipe: RecipeSpec, rt: Any) -> bool:
     """Switch Accelerate's FSDP2 path on for several CPU processes (it takes it on GPUs only), for every recipe
-    kind. Under FSDP Accelerate leaves precision to an FSDP mixed-precision policy and autocasts nothing; the FSDP2
-    switched on here has none (parameters and the gradient reduction stay float32), so the runtime installs the
-    recipe's autocast. What keeps the ranks in step: FP16's ``GradScaler`` finds infs on sharded (DTensor)
+    kind. Under FSDP Accelerate leaves precision to an FSDP mixed-precision policy (here the recipe's,
+    :func:`fsdp2_policy`) and autocasts nothing, so the runtime installs the recipe's autocast. What keeps the ranks in step: FP16's ``GradScaler`` finds infs on sharded (DTensor)
     gradients with a MAX all-reduce of its found-inf flag (torch/distributed/tensor/_dispatch.py); FP8 delayed
     scaling reduces its amaxes with MAX over ranks once per step (:func:`hf_mixedprec.fp8.fp8_step`); the gradient
     norm that clipping and the skip decision read is summed over the shards; the loss the detectors read is the

@@ -60,6 +60,7 @@ from hf_mixedprec.integrations.trainer_args import RECIPE_CLIPS, _check_args, tr
 from hf_mixedprec.module_policy import assign_rules
 from hf_mixedprec.recipe_files import resolve_recipe
 from hf_mixedprec.runtime import MixedPrecisionRuntime, fp8_state_dict, load_fp8_state, save_fp8_state
+from hf_mixedprec.runtime_stats import observe_fp8_samples
 from hf_mixedprec.schema import RecipeSpec
 
 __all__ = ["MixedPrecisionCallback", "attach", "recipe_callbacks", "runtime_of", "training_args"]
@@ -202,7 +203,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         self.runtime = rt
         for text in notes:
             rt.note(text)
-        manage_checkpoints(trainer, rt.note, before_resume=lambda folder: _phase_before_load(trainer, rt, folder))
+        _manage_checkpoints(trainer, rt)
         acc = trainer.accelerator
         rt.apply_tf32()
         _ATTACHED[model] = (rt, weakref.ref(trainer))
@@ -322,8 +323,9 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                 "under DeepSpeed the health monitor reads its skipped steps, loss scale and gradient norm, and the "
                 "loss; the skip_step reaction is not applied (DeepSpeed owns the step and skips non-finite ones)"
             )
-        why = ds.adaptive_refusal(self.recipe.clipping.method, 1)  # the stage is known once the engine exists
-        if why is not None:
+        config = getattr(getattr(trainer.accelerator.state, "deepspeed_plugin", None), "deepspeed_config", None) or {}
+        why = ds.clipping_refusal(self.recipe.clipping.method, config, trainer.args.max_grad_norm)
+        if why is not None:  # decided before any checkpoint loads, so a resumed run expects the same clipper
             ds.drop_clipper(rt, self.recipe.clipping.method, why, trainer.args.max_grad_norm)
         self._route_backward_and_log(trainer, rt)
         if self.recipe.precision == "fp8":
@@ -341,6 +343,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             # added with trainer.add_callback(...): Trainer.train has already prepared the model and optimizer;
             # else (set up already) this checks that no second callback or second Trainer appeared since
             self.setup(self._calling_trainer("on_train_begin"), late=True)
+        self._ds_routed = False  # each train() builds its DeepSpeed engine anew: route its clipping at its first step
         rt = self._runtime(model)
         if rt.phases is not None:
             rt.set_max_steps(state.max_steps)
@@ -417,23 +420,39 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             rt.note(f"STOPPED: {rt.stop_requested}. Resume with {how}")
 
 
-def _phase_before_load(trainer: Trainer, rt: MixedPrecisionRuntime, folder: str) -> None:
-    """A phased run resumed under FSDP: put the model in the checkpoint's phase before Trainer loads the sharded
-    model. Distributed Checkpoint loads into the model's own state-dict keys and refuses keys the checkpoint lacks,
-    so a model still in phase 0 (FP8 layers with scaling buffers) cannot take a checkpoint written in a BF16 phase,
-    or the reverse; the runtime state read at ``on_train_begin`` then finds the model already in that phase."""
-    if rt.phases is None or not getattr(trainer, "is_fsdp_enabled", False):
+def _manage_checkpoints(trainer: Trainer, rt: MixedPrecisionRuntime) -> None:
+    """Complete, verified checkpoints (:func:`manage_checkpoints`), with the model given the checkpoint's layers
+    before a resume loads it, and pending FP8 samples combined over the ranks on every rank before a save (Trainer
+    asks the callback for its state on rank 0 only)."""
+    manage_checkpoints(
+        trainer,
+        rt.note,
+        before_resume=lambda folder: _layers_before_load(trainer, rt, folder),
+        before_save=lambda: observe_fp8_samples(rt),
+    )
+
+
+def _layers_before_load(trainer: Trainer, rt: MixedPrecisionRuntime, folder: str) -> None:
+    """A run resumed under FSDP or DeepSpeed: give the model the layers of the checkpoint (its phase, the FP8 layers a
+    health fallback had moved to BF16) before Trainer loads it. Distributed Checkpoint loads into the model's own
+    state-dict keys and refuses keys the checkpoint lacks, and DeepSpeed loads the module strictly, so a model still
+    holding FP8 layers (with their scaling buffers) cannot take a checkpoint written with those layers in BF16, or
+    the reverse; the runtime state read at ``on_train_begin`` then finds the model as it is."""
+    if not (getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False)):
         return
     try:
         saved = json.loads((Path(folder) / "trainer_state.json").read_text(encoding="utf-8"))
         stored = (saved.get("stateful_callbacks") or {}).get(MixedPrecisionCallback.__name__)
         stored = stored[0] if isinstance(stored, list) and stored else stored
-        phases = ((stored or {}).get("attributes", {}).get("restored") or {}).get("phases")
+        payload = (stored or {}).get("attributes", {}).get("restored") or {}
     except (OSError, ValueError, AttributeError):
         return  # Trainer's own load reports a damaged file; the runtime state then restores what it can
-    if isinstance(phases, dict):
-        rt.phases.load_state_dict(phases)
+    if rt.phases is not None and isinstance(payload.get("phases"), dict):
+        rt.phases.load_state_dict(payload["phases"])
         rt._switch_phase(trainer.model, None, resume=True)
+    moved = payload.get("moved_layers")
+    if isinstance(moved, list) and moved:
+        rt.reactions.load(list(payload.get("events") or []), moved, trainer.model)
 
 
 def _install_storage(trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) -> list[str]:
