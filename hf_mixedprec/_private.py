@@ -274,7 +274,8 @@ def fsdp2_retarget(root: Any, qualified_name: str, old: Any, new: Any) -> None:
     FSDP2 swaps each parameter between its sharded and unsharded tensor with ``setattr`` on the module it found the
     parameter on at ``fully_shard`` (torch/distributed/fsdp/_fully_shard/_fsdp_param.py: ``ParamModuleInfo``,
     ``FSDPParam._setattr_on_modules``), and registers a state-dict pre-hook on that module that reshards first
-    (``_fsdp_param_group.py``: ``_register_state_dict_hooks``). A module swapped in later (an FP8 layer at a phase
+    (``_fsdp_param_group.py``: ``_register_state_dict_hooks``) and, per parameter, a post-load hook that re-points
+    the sharded parameter after an ``assign=True`` load (``_fsdp_param.py``). A module swapped in later (an FP8 layer at a phase
     boundary, a Linear at its end) would otherwise keep the sharded tensor while the forward's unsharded one went to
     the detached old module. The owner is the innermost fully-sharded module on the path to ``qualified_name``."""
     try:
@@ -297,6 +298,11 @@ def fsdp2_retarget(root: Any, qualified_name: str, old: Any, new: Any) -> None:
         info = fsdp_param._module_info
         if info.module is old:
             info.module = new
+            # the post-load hook that re-points the sharded parameter after an assign=True load (_fsdp_param.py)
+            fsdp_param._post_load_hook_handle.remove()
+            fsdp_param._post_load_hook_handle = new.register_load_state_dict_post_hook(
+                lambda *a, _p=fsdp_param, **k: _p.reset_sharded_param()
+            )
         info.shared_modules = [new if m is old else m for m in info.shared_modules]
     for hooks in (group._module_to_pre_save_state_dict_hook_handle, group._module_to_pre_load_state_dict_hook_handle):
         handle = hooks.pop(old, None)
@@ -525,6 +531,11 @@ PRIVATES: tuple[Private, ...] = (
     ),
     Private(
         "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup._to_sharded", "torch 2.13", "reshard"
+    ),
+    Private(
+        "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._post_load_hook_handle",
+        "torch 2.13",
+        "FSDP2's post-load re-pointing of the sharded parameter, moved with the module",
     ),
     Private("torch.nn:Module._register_load_state_dict_pre_hook", "torch 2.13", "FSDP2's pre-load hook, moved"),
     Private("torch.optim.lr_scheduler:LRScheduler._last_lr", "torch 2.13", "what get_last_lr() returns"),
