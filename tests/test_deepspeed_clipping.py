@@ -166,16 +166,29 @@ def test_two_deepspeed_ranks_clip_as_one_process_on_the_same_global_batches(zcli
     assert two["loss"] == pytest.approx(one["loss"], rel=5e-3)
 
 
-@pytest.mark.slow
-def test_agc_under_deepspeed_falls_back_to_a_fixed_threshold_and_says_why(tmp_path):
-    """AGC clips each weight row by its own norm: DeepSpeed's one factor per step cannot do that, so the recipe's
-    clipper is dropped with a FALLBACK note naming the reason, and DeepSpeed's fixed gradient_clipping applies."""
-    out = tmp_path / "agc.json"
-    run_ranks(_ds_rank, [(0, 1, free_port(), 2, "agc", str(out))])
-    seen = json.loads(out.read_text())
-    assert not seen["clipper"]
-    assert any("FALLBACK" in n and "AGC clips each weight row by its own norm" in n for n in seen["notes"])
-    assert seen["threshold"] == [None] * STEPS
+@pytest.mark.parametrize(
+    ("method", "config", "why"),
+    [
+        ("agc", {"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}, "AGC clips each weight row by its own"),
+        ("zclip", {"zero_optimization": {"stage": 0}, "gradient_clipping": 1.0}, "ZeRO stage 0 clips with torch's"),
+        ("zclip", {"gradient_clipping": 1.0}, "ZeRO stage 0 clips with torch's"),  # no zero_optimization: stage 0
+        ("zclip", {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.0}, "gradient_clipping is 0.0"),
+        ("norm", {"zero_optimization": {"stage": 3}, "gradient_clipping": "auto"}, None),  # auto: max_grad_norm 1.0
+        ("zclip", {"zero_optimization": {"stage": 2}, "gradient_clipping": "auto"}, None),
+        ("none", {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.0}, None),
+    ],
+)
+def test_the_deepspeed_config_decides_where_the_recipes_clipper_cannot_run(method, config, why):
+    """Decided at setup from the DeepSpeed config (before any checkpoint loads, so a resumed run expects the clipper
+    state its checkpoint holds): AGC, stage 0 and a gradient_clipping of 0 keep DeepSpeed's fixed clipping, each with
+    its reason in the FALLBACK note; the Trainer callback then drops the clipper (tests/test_faults_deepspeed.py sees
+    it do so at stage 0)."""
+    from hf_mixedprec.integrations.deepspeed import clipping_refusal
+
+    got = clipping_refusal(method, config, max_grad_norm=1.0)
+    assert (got is None) == (why is None), got
+    if why is not None:
+        assert why in got
 
 
 @pytest.mark.slow

@@ -139,6 +139,8 @@ def _scenarios(out_dir: Path) -> dict[str, Any]:  # pragma: no cover - runs in t
             "global_step": tr.state.global_step,
             "checkpoints": checkpoints,
             "engine_skipped": int(tr.model_wrapped.skipped_steps),
+            "clipper": runtime_of(tr).clipper is not None,
+            "clip_fallback": [n for n in runtime_of(tr).notes if n.startswith("FALLBACK: clipping.method")],
         }
     return results
 
@@ -183,3 +185,17 @@ def test_deepspeed_skips_the_non_finite_step_and_the_monitor_sees_it(runs, stage
         assert f"checkpoint-{FAULT_AT}" in r["checkpoints"]
     else:
         assert r["global_step"] == STEPS
+
+
+@pytest.mark.parametrize(("stage", "kind", "reaction"), SCENARIOS)
+def test_the_recipes_clipper_runs_under_zero_1_to_3_and_stage_0_says_why_not(runs, stage, kind, reaction):
+    """cpu-bf16's ZClip decides DeepSpeed's clipping at ZeRO 1-3 (tests/test_deepspeed_clipping.py checks the
+    numbers); at stage 0 the callback drops it at setup with a FALLBACK note naming why."""
+    r = runs[f"{stage}-{kind}-{reaction}"]
+    assert r["clipper"] == (stage > 0)
+    if stage == 0:
+        assert (
+            len(r["clip_fallback"]) == 1 and "ZeRO stage 0 clips with torch's clip_grad_norm_" in r["clip_fallback"][0]
+        )
+    else:
+        assert r["clip_fallback"] == []
