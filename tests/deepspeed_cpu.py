@@ -63,3 +63,19 @@ def install_deepspeed_cpu_accelerator(*, fp16: bool = True, shm_comm: bool = Fal
     accel = _TestCPUAccelerator()
     set_accelerator(accel)
     return accel
+
+
+def join_as_deepspeed_rank(rank: int, world: int, port: int) -> None:
+    """Make this spawned process rank ``rank`` of ``world`` DeepSpeed CPU processes (gloo on loopback): one torch
+    thread (the ranks share the cores), the rendezvous variables ``deepspeed.init_distributed`` reads, and the CPU
+    accelerator of :func:`install_deepspeed_cpu_accelerator` without FP16."""
+    import os
+
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        {"DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+         "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+    )  # fmt: skip
+    install_deepspeed_cpu_accelerator(fp16=False)

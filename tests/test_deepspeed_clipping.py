@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -26,14 +25,9 @@ def _ds_rank(
     """One of ``world`` DeepSpeed ranks training cpu-bf16 under ZeRO ``stage`` with the recipe's clipping, on
     4 // world rows a step; rank 0 writes per step: DeepSpeed's global norm, the norm of the gradients its torch
     optimizer stepped with, the callback's logged threshold and clip flag, the loss; and the run's notes."""
-    torch.set_num_threads(1)
-    os.environ.update(
-        {"DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-         "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
-    )  # fmt: skip
-    from tests.deepspeed_cpu import install_deepspeed_cpu_accelerator
+    from tests.deepspeed_cpu import join_as_deepspeed_rank
 
-    install_deepspeed_cpu_accelerator(fp16=False)
+    join_as_deepspeed_rank(rank, world, port)
     import torch.distributed as dist
     from transformers import Trainer, TrainerCallback
 

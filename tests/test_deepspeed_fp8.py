@@ -5,11 +5,9 @@ the FP8 layers' scaling state); the FP8 layers and the BF16 autocast are hf_mixe
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.ranks import free_port, leave_group, run_ranks
 
@@ -26,14 +24,9 @@ def _fp8_rank(
 ) -> None:
     """One of ``world`` DeepSpeed ranks training an FP8 recipe (rehearsed) for 6 steps on 4 // world rows a step;
     each rank writes its losses, norms, FP8 metrics, layer types and FP8 scaling state."""
-    torch.set_num_threads(1)
-    os.environ.update(
-        {"DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-         "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
-    )  # fmt: skip
-    from tests.deepspeed_cpu import install_deepspeed_cpu_accelerator
+    from tests.deepspeed_cpu import join_as_deepspeed_rank
 
-    install_deepspeed_cpu_accelerator(fp16=False)
+    join_as_deepspeed_rank(rank, world, port)
     from transformers import Trainer
 
     from hf_mixedprec.demo import tiny_llama
@@ -149,14 +142,9 @@ def test_an_fp8_deepspeed_run_resumes_to_the_straight_run(tmp_path):
 
 
 def _late_rank(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(
-        {"DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
-         "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-    )  # fmt: skip
-    from tests.deepspeed_cpu import install_deepspeed_cpu_accelerator
+    from tests.deepspeed_cpu import join_as_deepspeed_rank
 
-    install_deepspeed_cpu_accelerator(fp16=False)
+    join_as_deepspeed_rank(0, 1, port)
     from transformers import Trainer
 
     from hf_mixedprec.demo import tiny_llama

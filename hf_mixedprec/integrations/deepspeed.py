@@ -28,12 +28,14 @@ from hf_mixedprec.schema import RecipeSpec
 
 __all__ = [
     "clip_through_deepspeed",
+    "config_stage",
     "deepspeed_config",
     "deepspeed_device",
     "deepspeed_fp16_supported",
     "deepspeed_refusal",
     "deepspeed_storage_keys",
     "drop_clipper",
+    "engine_config",
     "fp8_under_deepspeed",
     "ownership_notes",
     "read_deepspeed_scaler",
@@ -103,21 +105,35 @@ def deepspeed_config(recipe: RecipeSpec, *, zero_stage: int | None = None) -> tu
     return cfg, notes
 
 
+def engine_config(state: Any) -> dict[str, Any]:
+    """The DeepSpeed config Accelerate's ``state`` holds for the engine it will build (empty without DeepSpeed)."""
+    return getattr(getattr(state, "deepspeed_plugin", None), "deepspeed_config", None) or {}
+
+
+def config_stage(config: dict[str, Any]) -> Any:
+    """``zero_optimization.stage`` of a DeepSpeed config, 0 (no ZeRO) when absent, as DeepSpeed reads it."""
+    return (config.get("zero_optimization") or {}).get("stage", 0)
+
+
+def _clips_nothing(cap: Any) -> str:
+    return (
+        f"DeepSpeed's gradient_clipping is {cap!r} in this config, so DeepSpeed clips nothing (set it to any value > 0: "
+        "the recipe's clipper then decides the threshold; deepspeed_config(recipe) writes 1.0)"
+    )
+
+
 def clipping_refusal(method: str, config: dict[str, Any], max_grad_norm: float) -> str | None:
     """Why the recipe's clipper cannot decide the clipping of a DeepSpeed engine built from ``config`` (its stage and
     ``gradient_clipping``, ``"auto"`` being Trainer's ``max_grad_norm``); None when it can, as far as the config
     says (the engine's optimizer is checked at the first step)."""
-    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    stage = config_stage(config)
     why = adaptive_refusal(method, stage if isinstance(stage, int) else 1)
     if why is not None or method == "none":
         return why
     cap = config.get("gradient_clipping", 0.0)
     cap = max_grad_norm if cap == "auto" else cap
     if not (isinstance(cap, (int, float)) and cap > 0):
-        return (
-            f"DeepSpeed's gradient_clipping is {cap!r} in this config, so DeepSpeed clips nothing (set it to any value "
-            "> 0: the recipe's clipper then decides the threshold; deepspeed_config(recipe) writes 1.0)"
-        )
+        return _clips_nothing(cap)
     return None
 
 
@@ -185,9 +201,8 @@ def fp8_under_deepspeed(rt: Any, model: Any, state: Any, *, late: bool = False) 
             "engine took the model, so its layers can no longer be converted to FP8 (allowed: pass "
             "recipe.callbacks() to Trainer(callbacks=...))"
         )
-    plugin = getattr(state, "deepspeed_plugin", None)
-    cfg = getattr(plugin, "deepspeed_config", None) or {}
-    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    cfg = engine_config(state)
+    stage = config_stage(cfg)
     if stage not in DEEPSPEED_FP8_STAGES:
         raise ValueError(
             f"recipe {rt.recipe.name!r} (precision fp8) under DeepSpeed ZeRO stage {stage}: FP8 runs under stages "
@@ -293,10 +308,7 @@ def route_adaptive_clipping(optimizer: Any, decide: Any) -> str | None:
         setattr(opt, _DECIDE, decide)
         return None
     if not float(opt.clip_grad) > 0:
-        return (
-            "DeepSpeed's gradient_clipping is 0 in this config, so DeepSpeed clips nothing (set it to any value > 0: "
-            "the recipe's clipper then decides the threshold; deepspeed_config(recipe) writes 1.0)"
-        )
+        return _clips_nothing(opt.clip_grad)
     import torch
 
     original, original_step = opt.unscale_and_clip_grads, opt.step

@@ -323,7 +323,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
                 "under DeepSpeed the health monitor reads its skipped steps, loss scale and gradient norm, and the "
                 "loss; the skip_step reaction is not applied (DeepSpeed owns the step and skips non-finite ones)"
             )
-        config = getattr(getattr(trainer.accelerator.state, "deepspeed_plugin", None), "deepspeed_config", None) or {}
+        config = ds.engine_config(trainer.accelerator.state)
         why = ds.clipping_refusal(self.recipe.clipping.method, config, trainer.args.max_grad_norm)
         if why is not None:  # decided before any checkpoint loads, so a resumed run expects the same clipper
             ds.drop_clipper(rt, self.recipe.clipping.method, why, trainer.args.max_grad_norm)
@@ -351,10 +351,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         if payload is None and state.global_step > 0:
             # Trainer restores callback objects only with restore_callback_states_from_checkpoint=True, but
             # the checkpoint's trainer_state.json (loaded into `state`) always holds what state() returned
-            stored = (state.stateful_callbacks or {}).get(type(self).__name__)
-            if isinstance(stored, list):
-                stored = stored[0] if stored else None
-            payload = (stored or {}).get("attributes", {}).get("restored")
+            payload = _checkpointed_payload(state.stateful_callbacks, type(self).__name__)
         if payload is not None:
             rt.load_state_dict(payload, model)  # first: FP8 layers a fallback moved are moved again
             self.restored = None
@@ -432,6 +429,15 @@ def _manage_checkpoints(trainer: Trainer, rt: MixedPrecisionRuntime) -> None:
     )
 
 
+def _checkpointed_payload(stateful_callbacks: Any, name: str) -> Any:
+    """The runtime state the callback class ``name``'s ``state()`` left in a checkpoint's ``trainer_state.json``
+    (``stateful_callbacks``), or None."""
+    stored = (stateful_callbacks or {}).get(name)
+    if isinstance(stored, list):
+        stored = stored[0] if stored else None
+    return (stored or {}).get("attributes", {}).get("restored")
+
+
 def _layers_before_load(trainer: Trainer, rt: MixedPrecisionRuntime, folder: str) -> None:
     """A run resumed under FSDP or DeepSpeed: give the model the layers of the checkpoint (its phase, the FP8 layers a
     health fallback had moved to BF16) before Trainer loads it. Distributed Checkpoint loads into the model's own
@@ -442,9 +448,7 @@ def _layers_before_load(trainer: Trainer, rt: MixedPrecisionRuntime, folder: str
         return
     try:
         saved = json.loads((Path(folder) / "trainer_state.json").read_text(encoding="utf-8"))
-        stored = (saved.get("stateful_callbacks") or {}).get(MixedPrecisionCallback.__name__)
-        stored = stored[0] if isinstance(stored, list) and stored else stored
-        payload = (stored or {}).get("attributes", {}).get("restored") or {}
+        payload = _checkpointed_payload(saved.get("stateful_callbacks"), MixedPrecisionCallback.__name__) or {}
     except (OSError, ValueError, AttributeError):
         return  # Trainer's own load reports a damaged file; the runtime state then restores what it can
     if rt.phases is not None and isinstance(payload.get("phases"), dict):
@@ -496,13 +500,12 @@ def _check_deepspeed_storage(trainer: Trainer, recipe: RecipeSpec) -> list[str]:
     notes): the engine keeps every weight in its own dtype."""
     from pydantic_core import PydanticCustomError
 
-    from hf_mixedprec.integrations.deepspeed import deepspeed_storage_keys
+    from hf_mixedprec.integrations.deepspeed import deepspeed_storage_keys, engine_config
     from hf_mixedprec.storage import StorageRefusal
     from hf_mixedprec.storage_config import storage_rules
 
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    config = getattr(plugin, "deepspeed_config", None) or {}
-    stage = (config.get("zero_optimization") or {}).get("stage")
+    config = engine_config(trainer.accelerator.state)
+    stage = (config.get("zero_optimization") or {}).get("stage")  # None when absent: named as unset below
     try:
         storage_rules(recipe.storage, recipe.precision, "deepspeed", stage if isinstance(stage, int) else None)
     except PydanticCustomError as exc:  # the rule's own message, with its key
