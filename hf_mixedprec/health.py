@@ -6,31 +6,18 @@ what must act on that very step (the flags of ``skip_step`` detectors). :meth:`H
 on logging steps only) reads the records with one device-to-host copy and replays every detector over them
 step by step (ring buffers and latched flags in Python floats), so each event carries the first step it
 fired and its value then, exactly as a per-step evaluation would, for a few tensor operations per step.
-Detectors (thresholds from the recipe's ``health``):
 
-- ``nonfinite_loss`` / ``nonfinite_grad``: NaN/Inf in the raw loss (before Trainer's NaN filter) / gradients;
-- ``skip_rate``: skipped optimizer steps over the last ``window`` steps above ``threshold``;
-- ``consecutive_skips``: ``threshold`` skipped steps in a row;
-- ``scale_floor``: loss scale at or below ``threshold``;
-- ``death_spiral``: at least ``threshold`` backoffs and no growth within ``window`` steps (a model pretrained in
-  BF16 and fine-tuned in FP16 drives the scale down this way);
-- ``loss_spike`` / ``grad_spike``: z-score of the loss / grad norm against the previous ``window`` finite
-  values above ``threshold`` (OLMo-core skips steps over 6 sigma in a window of 128);
-- ``tiny_update``: on sampled steps, RMS(update) / RMS(weight) of the parameters stored in BF16/FP16 (pure
-  low-precision training, no FP32 master copy) below ``threshold``. BF16 keeps 8 significant bits, so an
-  update smaller than half an ulp (2**-9 of the weight, about 2e-3) rounds away and the weight stops
-  changing. Parameters kept in FP32 (Trainer's default with autocast) accumulate any update, so they are
-  not measured;
-- ``fp8_saturation`` / ``fp8_underflow`` / ``fp8_sqnr`` / ``mx_clamp``: per FP8 layer, on sampled steps, from
-  the layers' :class:`~hf_mixedprec.scaling.stats.LayerStats` (:func:`layer_breaches` decides, for simulate too).
-
-A detector whose reaction is ``skip_step`` marks the step for skipping on the device (see
-:meth:`skip_flag`); the runtime folds that into the GradScaler's found-inf so the optimizer skips it exactly.
+The detectors are the rows of :data:`hf_mixedprec.detectors.DETECTORS`, each evaluated by its measure kind with
+code shared by that kind (:func:`_judge` on the host; :meth:`HealthMonitor.pre_step` on the device for the
+``skip_step`` rows of the loss and grad norm), with thresholds from the recipe's ``health``. A detector whose
+reaction is ``skip_step`` marks the step for skipping on the device (see :meth:`skip_flag`); the runtime folds
+that into the GradScaler's found-inf so the optimizer skips it exactly.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -39,6 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from hf_mixedprec._device import Constants
+from hf_mixedprec.detectors import DETECTORS, STATE_SLOTS, STEP_DETECTORS, Detector
+from hf_mixedprec.detectors import LAYER_DETECTORS as LAYER_DETECTORS  # re-exported, as before the table
 from hf_mixedprec.scaling.stats import (
     METRICS,
     ROLES,
@@ -52,24 +41,16 @@ from hf_mixedprec.schema import DetectorConfig, DetectorsConfig, HealthConfig
 
 __all__ = ["STEP_DETECTORS", "HealthEvent", "HealthMonitor", "LayerBreach", "layer_breaches", "threshold_of"]
 
-STEP_DETECTORS = (
-    "nonfinite_loss",
-    "nonfinite_grad",
-    "skip_rate",
-    "consecutive_skips",
-    "scale_floor",
-    "death_spiral",
-    "loss_spike",
-    "grad_spike",
-    "tiny_update",
-)
-#: Per-layer FP8 detector -> the :class:`~hf_mixedprec.scaling.stats.RoleStats` metric it watches.
-LAYER_DETECTORS = {
-    "fp8_saturation": "saturation",
-    "fp8_underflow": "underflow",
-    "fp8_sqnr": "sqnr_db",
-    "mx_clamp": "mx_clamp",
-}
+_STEP_ROWS = tuple(d for d in DETECTORS if d.kind != "fp8_layer")
+_LAYER_ROWS = tuple(d for d in DETECTORS if d.kind == "fp8_layer")
+#: The signals :meth:`HealthMonitor.pre_step` receives: the only ones a device-side check can read.
+_PRE_STEP_SIGNALS = ("loss", "grad_norm")
+#: Each comparison of the table, its sign in messages, and the threshold it never crosses (a recipe's null).
+_CROSSES = {"above": operator.gt, "below": operator.lt, "at_or_above": operator.ge, "at_or_below": operator.le}
+_SIGN = {"above": ">", "below": "<", "at_or_above": ">=", "at_or_below": "<="}
+_NEVER = {"above": math.inf, "below": -math.inf, "at_or_above": math.inf, "at_or_below": -math.inf}
+#: Start values of the running numbers a kind keeps (:data:`~hf_mixedprec.detectors.STATE_SLOTS`).
+_START = {"count": 0.0, "last": math.nan}
 #: A spike needs at least this many finite values in its window before it can fire.
 MIN_SPIKE_HISTORY = 8
 #: Recorded steps are stacked into one device tensor this often, so a run that never logs holds little.
@@ -105,18 +86,16 @@ class LayerBreach:
 
 def layer_breaches(values: Mapping[str, Mapping[str, float]], detectors: DetectorsConfig) -> list[LayerBreach]:
     """The per-layer FP8 detectors one layer's ``values`` (role -> metric -> value) set off, role by role in
-    :data:`LAYER_DETECTORS` order. SQNR fires below its threshold, the other metrics above; a disabled
+    table order, each compared as its row says (SQNR below its threshold, the other metrics above); a disabled
     detector, one without a threshold, a metric not measured and NaN never fire."""
     out = []
     for role in ROLES:
         got = values.get(role, {})
-        for det_name, metric in LAYER_DETECTORS.items():
-            cfg: DetectorConfig = getattr(detectors, det_name)
-            v = got.get(metric)
-            if not cfg.enabled or cfg.threshold is None or v is None:
-                continue
-            if v < cfg.threshold if metric == "sqnr_db" else v > cfg.threshold:
-                out.append(LayerBreach(det_name, role, metric, v, cfg.threshold))
+        for row in _LAYER_ROWS:
+            cfg: DetectorConfig = getattr(detectors, row.name)
+            v = got.get(row.signal)
+            if cfg.enabled and cfg.threshold is not None and v is not None and _crosses(row, cfg, v):
+                out.append(LayerBreach(row.name, role, row.signal, v, cfg.threshold))
     return out
 
 
@@ -145,20 +124,21 @@ class HealthMonitor:
         self.cfg = cfg
         self.det = cfg.detectors
         self.device = torch.device(device)
-        d = self.det
         self.step = 0  # optimizer steps recorded (host)
-        self.loss_hist = _Window(d.loss_spike.window or 128)
-        self.grad_hist = _Window(d.grad_spike.window or 128)
-        self.skip_hist = _Window(d.skip_rate.window or 100)
-        self.backoff_hist = _Window(d.death_spiral.window or 50)
-        self.growth_hist = _Window(d.death_spiral.window or 50)
-        self.consecutive = 0.0
-        self.prev_scale = math.nan
+        #: the per-step rows with the recipe's settings for each, in table order (the order of events)
+        self.rows: list[tuple[Detector, DetectorConfig]] = [(r, getattr(self.det, r.name)) for r in _STEP_ROWS]
+        # the rows' running state under its checkpoint keys: windows of past values, and running numbers
+        self.windows: dict[str, _Window] = {}
+        self._starts: dict[str, float] = {}
+        for row, c in self.rows:
+            for key, slot in zip(row.state, STATE_SLOTS.get(row.kind, ()), strict=True):
+                if slot == "window":  # Detector makes sure windowed kinds have a default
+                    self.windows[key] = _Window(c.window or row.window)  # type: ignore[arg-type]
+                else:
+                    self._starts[key] = _START[slot]
+        self.counters = dict(self._starts)
         self.skipped_total = 0.0
-        # latched since the last check: fired flag, first step it fired, value then
-        self.fired = dict.fromkeys(STEP_DETECTORS, False)
-        self.first_step = dict.fromkeys(STEP_DETECTORS, -1)
-        self.value = dict.fromkeys(STEP_DETECTORS, 0.0)
+        self.latched: dict[str, tuple[int, float]] = {}  # since the last check: first step fired, value then
         self.layer_values: dict[str, LayerStats] = {}
         # per-step records not yet replayed: the open step, closed steps, and stacked chunks of older ones
         self._cur: dict[str, Tensor] = {}
@@ -166,13 +146,15 @@ class HealthMonitor:
         self._chunks: list[tuple[Tensor, list[tuple[int, tuple[str, ...]]]]] = []
         self._requested: tuple[list[Any], StatsLayout] = ([], [])  # what check_request stacked, for check
         # device side, only for what must act on the step itself (skip_step reactions)
-        self._skip_loss = _skips(d.nonfinite_loss)
-        self._skip_grad = _skips(d.nonfinite_grad)
-        self._dev_rings = {
-            name: _Ring(len(getattr(self, hist).vals), self.device)
-            for name, hist in (("loss_spike", "loss_hist"), ("grad_spike", "grad_hist"))
-            if _skips(getattr(d, name)) and getattr(d, name).threshold is not None
-        }
+        self._on_device = [
+            (row, c)
+            for row, c in self.rows
+            if c.enabled and c.reaction == "skip_step" and row.signal in _PRE_STEP_SIGNALS
+            if row.kind == "nonfinite" or (row.kind == "zscore" and c.threshold is not None)
+        ]
+        rings = [row.state[0] for row, _ in self._on_device if row.kind == "zscore"]  # beside the host window
+        self._dev_rings = {key: _Ring(len(self.windows[key].vals), self.device) for key in rings}
+        self._samples_update = any(c.threshold is not None for row, c in self.rows if row.signal == "update_ratio")
         self._never = torch.zeros((), dtype=torch.bool, device=self.device)
         self._k = Constants()
         self._skip_now = self._never
@@ -180,34 +162,31 @@ class HealthMonitor:
     @property
     def can_skip(self) -> bool:
         """Whether any detector has the ``skip_step`` reaction (else :meth:`pre_step` never asks for a skip)."""
-        return self._skip_loss or self._skip_grad or bool(self._dev_rings)
+        return bool(self._on_device)
 
     # -- per step (device only) ----------------------------------------------------------------------
     def pre_step(self, *, loss: Tensor | None, grad_norm: Tensor | None) -> Tensor:
         """Before the optimizer step: record the raw loss and grad norm; returns the device flag 'skip this
         step' (non-finite or spiking values whose detector reacts with ``skip_step``)."""
         skip: Tensor | None = None
-        for key, value, nonfinite, spike in (
-            ("loss", loss, self._skip_loss, "loss_spike"),
-            ("grad", grad_norm, self._skip_grad, "grad_spike"),
-        ):
+        for signal, value in zip(_PRE_STEP_SIGNALS, (loss, grad_norm), strict=True):
             if value is None:
                 continue
-            v = self._as_f32(value)
-            self._cur[key] = v
-            if nonfinite:
-                bad = self._k.nonfinite(v)
-                skip = bad if skip is None else skip | bad
-            ring = self._dev_rings.get(spike)
-            if ring is not None:
-                flag = self._device_spike(ring, v, getattr(self.det, spike).threshold)
-                self._cur[spike] = flag
+            v = self._cur[signal] = self._as_f32(value)
+            for row, c in self._on_device:
+                if row.signal != signal:
+                    continue
+                if row.kind == "nonfinite":
+                    flag = self._k.nonfinite(v)
+                else:  # zscore: decided here, and the replay takes this very decision
+                    flag = self._cur[row.name] = self._device_spike(row, v, c.threshold)
                 skip = flag if skip is None else skip | flag
         self._skip_now = self._never if skip is None else skip
         return self._skip_now
 
-    def _device_spike(self, ring: _Ring, v: Tensor, threshold: float) -> Tensor:
-        """z-score spike test of ``v`` against its device ring (``skip_step`` spike detectors only)."""
+    def _device_spike(self, row: Detector, v: Tensor, threshold: Any) -> Tensor:
+        """z-score spike test of ``v`` against its device ring (``skip_step`` zscore detectors only)."""
+        ring = self._dev_rings[row.state[0]]
         valid = torch.isfinite(ring.buf)
         n = valid.sum()
         vals = torch.where(valid, ring.buf, 0.0)
@@ -215,22 +194,22 @@ class HealthMonitor:
         var = torch.where(valid, (ring.buf - mean) ** 2, 0.0).sum() / n.clamp_min(1)
         z = (v - mean) / (var.sqrt() + 1e-12)
         finite = torch.isfinite(v)
-        spike = finite & (n >= MIN_SPIKE_HISTORY) & (z > threshold)
+        spike = finite & (n >= MIN_SPIKE_HISTORY) & _CROSSES[str(row.compare)](z, threshold)
         ring.put(self.step, torch.where(finite & ~spike, v, float("nan")))
         return spike
 
     def observe_update(self, ratio: Tensor, skipped: Tensor) -> None:
         """On a sampled step, before :meth:`post_step`: RMS(update)/RMS(weight) of the low-precision params."""
-        if self.det.tiny_update.threshold is None:
+        if not self._samples_update:
             return
-        self._cur["ratio"] = self._as_f32(ratio)
-        self._cur["ratio_skipped"] = self._as_f32(skipped)
+        self._cur["update_ratio"] = self._as_f32(ratio)
+        self._cur["update_ratio_skipped"] = self._as_f32(skipped)
 
     def post_step(self, *, skipped: Tensor, scale: Tensor | None) -> None:
         """After the optimizer step: record whether it was skipped and the loss scale; closes the step."""
         self._cur["skipped"] = self._as_f32(skipped)
         if scale is not None:
-            self._cur["scale"] = self._as_f32(scale).clone()  # the scaler updates its tensor in place
+            self._cur["loss_scale"] = self._as_f32(scale).clone()  # the scaler updates its tensor in place
         self.step += 1
         self._rows.append((self.step, self._cur))
         self._cur = {}
@@ -295,56 +274,18 @@ class HealthMonitor:
         return (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
 
     def _latch(self, name: str, cond: bool, value: float, step: int) -> None:
-        if cond and not self.fired[name] and getattr(self.det, name).enabled:
-            self.fired[name] = True
-            self.first_step[name] = step
-            self.value[name] = value
+        if cond and name not in self.latched and getattr(self.det, name).enabled:
+            self.latched[name] = (step, value)
 
     def _replay(self, step: int, rec: dict[str, float]) -> None:
-        """One step's detectors, on the host, in the order the device would have run them."""
-        d = self.det
-        i = step - 1  # ring position (steps before this one)
-        for key, hist, nonfinite, spike in (
-            ("loss", self.loss_hist, "nonfinite_loss", "loss_spike"),
-            ("grad", self.grad_hist, "nonfinite_grad", "grad_spike"),
-        ):
-            v = rec.get(key)
-            if v is None:
-                continue
-            finite = math.isfinite(v)
-            self._latch(nonfinite, not finite, v, step)
-            thr = threshold_of(getattr(d, spike), math.inf)
-            if spike in rec:  # decided on the device (a skip_step reaction): use that very decision
-                fired = rec[spike] > 0.5
-            else:
-                fired = finite and hist.n >= MIN_SPIKE_HISTORY and hist.above(v, thr)
-            if fired and getattr(d, spike).enabled and not self.fired[spike]:
-                self._latch(spike, True, hist.zscore(v), step)
-            hist.put(i, v if finite and not fired else math.nan)
-        ratio = rec.get("ratio")
-        if ratio is not None and d.tiny_update.threshold is not None:
-            taken = rec["ratio_skipped"] < 0.5  # a skipped step changes nothing on purpose
-            self._latch("tiny_update", taken and math.isfinite(ratio) and ratio < d.tiny_update.threshold, ratio, step)
+        """One step's detectors on the host, each by its kind (:func:`_judge`), in table order."""
         s = rec["skipped"]
-        s = min(max(s, 0.0), 1.0) if s == s else 0.0
-        self.skipped_total += s
-        self.skip_hist.put(i, s)
-        self.consecutive = (self.consecutive + 1) * s
-        rate = self.skip_hist.s1 / min(step, len(self.skip_hist.vals))
-        self._latch("skip_rate", rate > threshold_of(d.skip_rate, math.inf), rate, step)
-        thr = threshold_of(d.consecutive_skips, math.inf)
-        self._latch("consecutive_skips", self.consecutive >= thr, self.consecutive, step)
-        scale = rec.get("scale")
-        if scale is not None:
-            self._latch("scale_floor", scale <= threshold_of(d.scale_floor, -math.inf), scale, step)
-            prev = self.prev_scale
-            known = math.isfinite(prev)
-            self.backoff_hist.put(i, float(known and scale < prev))
-            self.growth_hist.put(i, float(known and scale > prev))
-            backoffs, growths = self.backoff_hist.s1, self.growth_hist.s1
-            spiral = backoffs >= threshold_of(d.death_spiral, math.inf) and growths == 0
-            self._latch("death_spiral", spiral, backoffs, step)
-            self.prev_scale = scale
+        rec["skipped"] = min(max(s, 0.0), 1.0) if s == s else 0.0  # a 0/1 flag (NaN: not skipped)
+        self.skipped_total += rec["skipped"]
+        for row, c in self.rows:
+            v = rec.get(row.signal)
+            if v is not None:  # else not recorded this step (no loss scale, not a sampled step)
+                _judge(self, row, c, v, rec, step)
 
     def check(self, values: list[float] | None = None) -> list[HealthEvent]:
         """Events fired since the last check (reads device values; call on logging/sampling steps only).
@@ -358,36 +299,29 @@ class HealthMonitor:
         self._requested = ([], [])
         n_steps = sum(len(keys) for _, lay in chunks for _, keys in lay)
         self._replay_chunks(chunks, values[:n_steps])
-        events: list[HealthEvent] = []
-        for n in STEP_DETECTORS:
-            if self.fired[n]:
-                cfg: DetectorConfig = getattr(self.det, n)
-                value = self.value[n]
-                events.append(
-                    HealthEvent(self.first_step[n], n, cfg.reaction, value, cfg.threshold, _message(n, value, cfg))
-                )
-            self.fired[n] = False
-            self.first_step[n] = -1
-        events += self._check_layers(unstack_layer_stats(values[n_steps:], layout))
-        return events
+        events = []
+        for row, c in self.rows:
+            if row.name in self.latched:
+                step, value = self.latched[row.name]
+                msg = _message(row, c, value)
+                events.append(HealthEvent(step, row.name, c.reaction, value, c.threshold, msg))
+        self.latched = {}
+        return events + self._check_layers(unstack_layer_stats(values[n_steps:], layout))
 
     def _check_layers(self, values: dict[str, dict[str, dict[str, float]]]) -> list[HealthEvent]:
+        """The per-layer FP8 events of the values read: by detector, then layer, then role."""
         events: list[HealthEvent] = []
-        active = [
-            n for n in LAYER_DETECTORS if getattr(self.det, n).enabled and getattr(self.det, n).threshold is not None
-        ]
         self.layer_values = {}
-        if not values or not active:
+        active = [(row, c) for row in _LAYER_ROWS if (c := getattr(self.det, row.name)).enabled]
+        if not values or not any(c.threshold is not None for _, c in active):
             return events
         found = [(layer, layer_breaches(v, self.det)) for layer, v in values.items()]
-        for det_name in active:  # events by detector, then layer, then role
-            cfg: DetectorConfig = getattr(self.det, det_name)
+        for row, c in active:
             for layer, breaches in found:
                 for b in breaches:
-                    if b.detector == det_name:
-                        op = "<" if b.metric == "sqnr_db" else ">"
-                        msg = f"{layer} {b.role} {b.metric} {b.value:.4g} {op} {b.threshold:g}"
-                        events.append(HealthEvent(self.step, det_name, cfg.reaction, b.value, b.threshold, msg, layer))
+                    if b.detector == row.name:
+                        msg = row.message.format(layer=layer, op=_SIGN[str(row.compare)], **asdict(b))
+                        events.append(HealthEvent(self.step, row.name, c.reaction, b.value, b.threshold, msg, layer))
         return events
 
     def skip_flag(self) -> Tensor:
@@ -397,12 +331,11 @@ class HealthMonitor:
     def reset_windows(self) -> None:
         """Forget the windowed history (used when resuming a run that a health reaction stopped)."""
         self.sync()
-        for key in _HISTORIES:
-            getattr(self, key).load(None)
+        for window in self.windows.values():
+            window.load(None)
         for ring in self._dev_rings.values():
             ring.buf.fill_(float("nan"))
-        self.consecutive = 0.0
-        self.prev_scale = math.nan
+        self.counters.update(self._starts)
 
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -414,17 +347,16 @@ class HealthMonitor:
 
 
 def _monitor_state(mon: HealthMonitor) -> dict[str, Any]:
-    """:meth:`HealthMonitor.state_dict`."""
+    """:meth:`HealthMonitor.state_dict`: the rows' running state under their table keys (``loss_hist``...)."""
     mon.sync()
     return {
         "version": 1,
         "step": mon.step,
-        **{key: list(getattr(mon, key).vals) for key in _HISTORIES},
-        "consecutive": mon.consecutive,
-        "prev_scale": mon.prev_scale,
+        **{key: list(window.vals) for key, window in mon.windows.items()},
+        **mon.counters,
         "skipped_total": mon.skipped_total,
         # latched since the last check: a resumed run turns them into the same events at the same check
-        "latched": {n: [mon.first_step[n], mon.value[n]] for n in STEP_DETECTORS if mon.fired[n]},
+        "latched": {n: list(mon.latched[n]) for n in STEP_DETECTORS if n in mon.latched},
         "layer_values": {layer: {k: float(v) for k, v in stats.items()} for layer, stats in mon.layer_values.items()},
     }
 
@@ -435,28 +367,70 @@ def _load_monitor_state(mon: HealthMonitor, state: dict[str, Any]) -> None:
         raise ValueError(f"health monitor state version {state.get('version')!r} (expected 1)")
     mon._cur, mon._rows, mon._chunks = {}, [], []
     mon.step = int(state["step"])
-    for key in _HISTORIES:
-        hist = getattr(mon, key)
+    for key, hist in mon.windows.items():
         data = [float(x) for x in state[key]]
         if len(data) != len(hist.vals):
             raise ValueError(f"health state {key} has {len(data)} entries, the recipe's window is {len(hist.vals)}")
         hist.load(data)
-    for name, ring in mon._dev_rings.items():
-        src = mon.loss_hist if name == "loss_spike" else mon.grad_hist
-        ring.buf = torch.tensor(src.vals, dtype=torch.float32, device=mon.device)
-    mon.consecutive = float(state["consecutive"])
-    mon.prev_scale = float(state["prev_scale"])
+        if key in mon._dev_rings:  # the device ring holds what the host window holds
+            mon._dev_rings[key].buf = torch.tensor(hist.vals, dtype=torch.float32, device=mon.device)
+    mon.counters = {key: float(state[key]) for key in mon.counters}
     mon.skipped_total = float(state["skipped_total"])
     latched = state.get("latched", {})  # absent in checkpoints written before latches were saved
-    for name in STEP_DETECTORS:
-        mon.fired[name] = name in latched
-        mon.first_step[name], mon.value[name] = (
-            (int(latched[name][0]), float(latched[name][1])) if name in latched else (-1, 0.0)
-        )
+    mon.latched = {n: (int(latched[n][0]), float(latched[n][1])) for n in STEP_DETECTORS if n in latched}
     mon.layer_values = {
         layer: LayerStats.from_flat({k: torch.tensor(float(v), device=mon.device) for k, v in stats.items()})
         for layer, stats in state.get("layer_values", {}).items()
     }
+
+
+def _judge(mon: HealthMonitor, row: Detector, c: DetectorConfig, v: float, rec: dict[str, float], step: int) -> None:
+    """One per-step row's verdict on its signal's value ``v`` at ``step``, by the row's kind (the kinds are
+    described in :mod:`hf_mixedprec.detectors`); latches the detector when it fires. Host only."""
+    name, state = row.name, row.state
+    match row.kind:
+        case "nonfinite":
+            mon._latch(name, not math.isfinite(v), v, step)
+        case "zscore":  # a value that fires stays out of the window
+            hist, finite = mon.windows[state[0]], math.isfinite(v)
+            if name in rec:  # decided on the device (a skip_step reaction): use that very decision
+                fired = rec[name] > 0.5
+            else:
+                thr = _limit(row, c)
+                fired = finite and hist.n >= MIN_SPIKE_HISTORY and _CROSSES[str(row.compare)](hist.zscore(v, thr), thr)
+            if fired and c.enabled and name not in mon.latched:
+                mon._latch(name, True, hist.zscore(v), step)
+            hist.put(step - 1, v if finite and not fired else math.nan)
+        case "rate":  # over the steps seen while the window fills
+            hist = mon.windows[state[0]]
+            hist.put(step - 1, v)
+            rate = hist.s1 / min(step, len(hist.vals))
+            mon._latch(name, _crosses(row, c, rate), rate, step)
+        case "run":
+            n = mon.counters[state[0]] = (mon.counters[state[0]] + 1) * v
+            mon._latch(name, _crosses(row, c, n), n, step)
+        case "floor":
+            mon._latch(name, _crosses(row, c, v), v, step)
+        case "backoffs":  # decreases within the window, firing only without an increase there
+            down, up, prev = mon.windows[state[0]], mon.windows[state[1]], mon.counters[state[2]]
+            known = math.isfinite(prev)
+            down.put(step - 1, float(known and v < prev))
+            up.put(step - 1, float(known and v > prev))
+            mon._latch(name, _crosses(row, c, down.s1) and up.s1 == 0, down.s1, step)
+            mon.counters[state[2]] = v
+        case "ratio":  # on steps taken only: a skipped step changes nothing on purpose
+            taken = rec[f"{row.signal}_skipped"] < 0.5
+            mon._latch(name, taken and math.isfinite(v) and _crosses(row, c, v), v, step)
+        case _:
+            raise ValueError(f"detector {name}: no host evaluation for kind {row.kind!r}")
+
+
+def _message(row: Detector, cfg: DetectorConfig, value: float) -> str:
+    """The row's message for a per-step event (an unset threshold reads 0)."""
+    thr = threshold_of(cfg, 0.0)
+    return row.message.format(
+        value=value, threshold=thr, window=cfg.window, value_pct=100 * value, threshold_pct=100 * thr
+    )
 
 
 def _table_of(records: Mapping[str, LayerStats]) -> tuple[Tensor, list[tuple[str, int, Any]]] | None:
@@ -502,9 +476,6 @@ def _worst_of_tables(held: Mapping[str, LayerStats], new: Mapping[str, LayerStat
     return dict(zip((name for name, _, _ in b[1]), layer_stats_from_table(worst, flags)))
 
 
-_HISTORIES = ("loss_hist", "grad_hist", "skip_hist", "backoff_hist", "growth_hist")
-
-
 class _Window:
     """The last ``size`` values of a per-step series on the host (NaN: empty or excluded), indexed by step,
     with the count, sum and sum of squares of its finite values kept up to date, so that replaying a step
@@ -536,8 +507,17 @@ class _Window:
         finite = [v for v in self.vals if math.isfinite(v)]
         self.n, self.s1, self.s2 = len(finite), math.fsum(finite), math.fsum(v * v for v in finite)
 
-    def zscore(self, x: float) -> float:
-        """(x - mean) / (population std + 1e-12) of the finite values, computed in two passes (exact)."""
+    def zscore(self, x: float, near: float | None = None) -> float:
+        """(x - mean) / (population std + 1e-12) of the finite values, in two passes (exact); with ``near`` (a
+        threshold) from the running sums instead, unless the result is close enough to ``near`` for rounding to
+        decide a comparison or the variance was lost in cancellation."""
+        if near is not None:
+            n = max(self.n, 1)
+            mean = self.s1 / n
+            var = max(self.s2 / n - mean * mean, 0.0)
+            z = (x - mean) / (math.sqrt(var) + 1e-12)
+            if not (abs(z - near) <= 1e-6 * max(1.0, abs(near)) or (var < 1e-9 * mean * mean)):
+                return z
         finite = [v for v in self.vals if math.isfinite(v)]
         n = max(len(finite), 1)
         mean = math.fsum(finite) / n
@@ -545,15 +525,8 @@ class _Window:
         return (x - mean) / (math.sqrt(var) + 1e-12)
 
     def above(self, x: float, threshold: float) -> bool:
-        """Whether :meth:`zscore` of ``x`` exceeds ``threshold``: from the running sums, and in two passes
-        where the two are close enough for rounding to matter."""
-        n = max(self.n, 1)
-        mean = self.s1 / n
-        var = max(self.s2 / n - mean * mean, 0.0)
-        z = (x - mean) / (math.sqrt(var) + 1e-12)
-        if abs(z - threshold) <= 1e-6 * max(1.0, abs(threshold)) or (var < 1e-9 * mean * mean):
-            z = self.zscore(x)  # close to the threshold, or a variance lost in cancellation: recompute
-        return z > threshold
+        """Whether :meth:`zscore` of ``x`` exceeds ``threshold`` (from the running sums where that is exact)."""
+        return self.zscore(x, threshold) > threshold
 
 
 def threshold_of(cfg: DetectorConfig, unset: float) -> float:
@@ -561,25 +534,14 @@ def threshold_of(cfg: DetectorConfig, unset: float) -> float:
     return unset if cfg.threshold is None else cfg.threshold
 
 
-def _skips(cfg: DetectorConfig) -> bool:
-    return cfg.enabled and cfg.reaction == "skip_step"
+def _limit(row: Detector, cfg: DetectorConfig) -> float:
+    """The recipe's threshold, or one the row's comparison never crosses."""
+    return threshold_of(cfg, _NEVER[str(row.compare)])
 
 
-def _message(name: str, value: float, cfg: DetectorConfig) -> str:
-    thr_v = threshold_of(cfg, 0.0)
-    thr = f"{thr_v:g}"
-    return {
-        "nonfinite_loss": f"loss is {value} (NaN/Inf)",
-        "nonfinite_grad": f"gradient norm is {value} (NaN/Inf)",
-        "skip_rate": f"{100 * value:.1f}% of the last {cfg.window} steps were skipped (threshold {100 * thr_v:g}%)",
-        "consecutive_skips": f"{value:g} optimizer steps in a row were skipped (threshold {thr})",
-        "scale_floor": f"loss scale {value:g} is at or below the floor {thr}",
-        "death_spiral": f"{value:g} loss-scale backoffs without any growth in {cfg.window} steps (threshold {thr})",
-        "loss_spike": f"loss is {value:.1f} standard deviations above its last {cfg.window} steps (threshold {thr})",
-        "grad_spike": f"grad norm is {value:.1f} standard deviations above its last {cfg.window} steps (threshold {thr})",
-        "tiny_update": f"updates are {value:.3g} of the weights' RMS in BF16/FP16 parameters (threshold {thr}): below "
-        "about 2e-3 a BF16 weight rounds the update away; keep FP32 master weights or raise the learning rate",
-    }.get(name, f"{name}: {value}")
+def _crosses(row: Detector, cfg: DetectorConfig, x: float) -> bool:
+    """Whether ``x`` is past the detector's threshold, as its row compares."""
+    return bool(_CROSSES[str(row.compare)](x, _limit(row, cfg)))
 
 
 def layers_to_bf16(model: nn.Module, names: list[str]) -> list[str]:

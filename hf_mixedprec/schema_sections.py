@@ -10,11 +10,12 @@ modules read (import them from there). A problem is reported as ``dotted.key: wh
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, model_validator
 from pydantic_core import PydanticCustomError
 
+from hf_mixedprec.detectors import DETECTORS, Detector, Reaction
 from hf_mixedprec.formats import FP8_SCALING_DEFAULTS
 
 __all__ = [
@@ -36,7 +37,6 @@ __all__ = [
 ]
 
 Precision = Literal["fp32", "fp16", "bf16", "fp8"]
-Reaction = Literal["log", "warn", "skip_step", "stop", "fallback", "lower_lr"]
 
 
 def _rule(key: str, message: str) -> PydanticCustomError:
@@ -336,56 +336,22 @@ class DetectorConfig(_Section):
         return self
 
 
-def _det(doc: str, threshold: float | None = None, window: int | None = None, reaction: Reaction = "warn") -> Any:
+def _det(row: Detector) -> Any:
+    """The recipe field of one detector row: a fresh :class:`DetectorConfig` with the row's defaults, its doc."""
     return Field(
-        default_factory=lambda: DetectorConfig(threshold=threshold, window=window, reaction=reaction), description=doc
+        default_factory=lambda: DetectorConfig(threshold=row.threshold, window=row.window, reaction=row.reaction),
+        description=row.doc,
     )
 
 
-class DetectorsConfig(_Section):
+class _DetectorsBase(_Section):
     """The detectors, each with defaults that suit LLM fine-tuning."""
 
-    nonfinite_loss: DetectorConfig = _det(
-        "NaN/Inf in the raw loss (before Trainer's NaN filter).", reaction="skip_step"
-    )
-    nonfinite_grad: DetectorConfig = _det(
-        "NaN/Inf in the gradients (FP16: an overflow step the scaler skips).", reaction="log"
-    )
-    skip_rate: DetectorConfig = _det(
-        "threshold: fraction of skipped optimizer steps over the last `window` steps.", threshold=0.2, window=100
-    )
-    consecutive_skips: DetectorConfig = _det("threshold: this many skipped steps in a row.", threshold=10)
-    scale_floor: DetectorConfig = _det("threshold: loss scale at or below this value.", threshold=1.0, reaction="warn")
-    death_spiral: DetectorConfig = _det(
-        "threshold: this many loss-scale backoffs without a growth within `window` steps.",
-        threshold=8,
-        window=50,
-        reaction="stop",
-    )
-    loss_spike: DetectorConfig = _det(
-        "threshold: z-score of the loss over the last `window` steps.", threshold=6.0, window=128
-    )
-    grad_spike: DetectorConfig = _det(
-        "threshold: z-score of the grad norm over the last `window` steps.", threshold=6.0, window=128
-    )
-    tiny_update: DetectorConfig = _det(
-        "threshold: RMS(update)/RMS(weight) of parameters stored in BF16/FP16, measured on sampled steps; "
-        "below about 2e-3 BF16 rounds updates away.",
-        threshold=1e-3,
-        reaction="log",
-    )
-    fp8_saturation: DetectorConfig = _det(
-        "threshold: fraction of a layer's values clipped at the FP8 max.", threshold=0.001, reaction="warn"
-    )
-    fp8_underflow: DetectorConfig = _det(
-        "threshold: fraction of a layer's non-zero values that quantize to zero.", threshold=0.1, reaction="log"
-    )
-    fp8_sqnr: DetectorConfig = _det(
-        "threshold: minimum quantization SQNR in dB for a layer.", threshold=20.0, reaction="log"
-    )
-    mx_clamp: DetectorConfig = _det(
-        "threshold: fraction of MXFP8 blocks whose E8M0 scale is at the clamp.", threshold=0.01, reaction="warn"
-    )
+    if TYPE_CHECKING:  # the fields are built from DETECTORS below; to a type checker each is a DetectorConfig
+
+        def __init__(self, **detectors: DetectorConfig | dict[str, Any]) -> None: ...
+
+        def __getattr__(self, name: str) -> DetectorConfig: ...
 
     @model_validator(mode="before")
     @classmethod
@@ -401,6 +367,19 @@ class DetectorsConfig(_Section):
                 default = field.default_factory().model_dump(exclude_none=True)  # type: ignore[call-arg]
                 merged[name] = {**default, **value}
         return merged
+
+
+# One field per row of the detector table (hf_mixedprec.detectors), in its order: a new detector is a new row there.
+if TYPE_CHECKING:
+    DetectorsConfig = _DetectorsBase
+else:
+    DetectorsConfig = create_model(
+        "DetectorsConfig",
+        __base__=_DetectorsBase,
+        __doc__=_DetectorsBase.__doc__,
+        __module__=__name__,
+        **{row.name: (DetectorConfig, _det(row)) for row in DETECTORS},
+    )
 
 
 class HealthConfig(_Section):
