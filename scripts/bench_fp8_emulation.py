@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import platform
 import statistics
-import time
 
+import bench_harness as bh
 import torch
 from torch import nn
 
@@ -75,31 +73,11 @@ def _torchao_to_mx_qdq():
     return qdq
 
 
-def _interleaved(fns: dict[str, object], rounds: int) -> dict[str, float]:
-    """Median ms of each callable, one warm-up call each, then ``rounds`` rounds in turn."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--features", type=int, default=1024, help="in = out features")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads (default: torch's own)")
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    args = ap.parse_args()
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(args.features, args.features))
+def _variants(features: int) -> tuple[nn.Sequential, dict[str, nn.Module], str | None, str]:
+    """The BF16 Linear, a copy of it per emulated scaling (and torchao's emulations); the base, the variants, the
+    name of torchao's MXFP8 Linear where it trains here (else None) and what that reference is (or why not)."""
+    bh.seed_all(0)
+    base = nn.Sequential(nn.Linear(features, features))
     variants: dict[str, nn.Module] = {"bf16 nn.Linear (autocast)": copy.deepcopy(base)}
     for scaling in ("delayed", "current", "mxfp8", "blockwise"):
         m = copy.deepcopy(base)
@@ -113,8 +91,41 @@ def main() -> None:
     convert(m, _recipe("mxfp8", fmt="E4M3"))
     variants["emulated mxfp8, E4M3 all operands"] = m
     ao_mx, ao_mx_note = _torchao_mx_linear(base[0])
+    ao_name = None
     if ao_mx is not None:
-        variants["torchao MXFP8Linear (emulated kernels)"] = ao_mx
+        ao_name = "torchao MXFP8Linear (emulated kernels)"
+        variants[ao_name] = ao_mx
+    return base, variants, ao_name, ao_mx_note
+
+
+def _reference_rows(ms: dict[str, float], ao_name: str | None) -> list[dict]:
+    """Each block-scaled rule against the best CPU reference for the same rule, printed as a table."""
+    refs = []
+    if ao_name is not None:
+        refs.append(("MXFP8 (E4M3, block 32, RCEIL)", "emulated mxfp8, E4M3 all operands", ao_name))
+    refs.append(("blockwise (1x128 / 128x128)", "emulated blockwise", "emulated current"))
+    rows = []
+    cells = []
+    for rule, ours, ref in refs:
+        ratio = ms[ours] / ms[ref]
+        rows.append({"rule": rule, "ours": ours, "reference": ref, "ratio": round(ratio, 2)})
+        cells.append([rule, ours, ref, f"{ms[ours]:.2f}", f"{ms[ref]:.2f}", f"{ratio:.2f}"])
+    header = ["rule", "ours", "reference", "ours ms", "reference ms", "ours / reference"]
+    print("\nBlock-scaled rules against the best CPU reference for the same rule (same rounds as above):")
+    print(bh.md_table(header, "lllrrr", cells))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--features", type=int, default=1024, help="in = out features")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads (default: torch's own)")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = ap.parse_args()
+    bh.set_threads(args.torch_threads)
+    base, variants, ao_name, ao_mx_note = _variants(args.features)
     x = torch.randn(args.tokens, args.features)
     gy = torch.randn(args.tokens, args.features)
 
@@ -125,62 +136,33 @@ def main() -> None:
         y.backward(gy.to(y.dtype))
         mod.zero_grad(set_to_none=True)
 
-    for mod in variants.values():  # warm-up
-        step(mod)
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(args.rounds):
-        for name, mod in variants.items():
-            t0 = time.perf_counter()
-            step(mod)
-            times[name].append(time.perf_counter() - t0)
+    times = bh.interleaved({name: (lambda m=mod: step(m)) for name, mod in variants.items()}, args.rounds)
     base_ms = statistics.median(times["bf16 nn.Linear (autocast)"]) * 1e3
     rows = []
     for name, ts in times.items():
         ms = statistics.median(ts) * 1e3
         rows.append({"variant": name, "median_ms": round(ms, 2), "vs_bf16": round(ms / base_ms, 2)})
-    machine = (
-        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    )
+    m = bh.machine(torch.device("cpu"))
+    machine = f"{m['cpu']}, {m['torch_threads']} threads, torch {m['torch']}"
     print(
         f"fwd+bwd of a {args.features}x{args.features} Linear on {args.tokens} tokens, median of {args.rounds} rounds; {machine}"
     )
-    print("| variant | median ms | x BF16 |\n| --- | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['variant']} | {r['median_ms']:.2f} | {r['vs_bf16']:.2f} |")
-    ms = {r["variant"]: r["median_ms"] for r in rows}
-    refs = []
-    print("\nBlock-scaled rules against the best CPU reference for the same rule (same rounds as above):")
-    print(
-        "| rule | ours | reference | ours ms | reference ms | ours / reference |\n| --- | --- | --- | ---: | ---: | ---: |"
-    )
-    if ao_mx is not None:
-        refs.append(
-            (
-                "MXFP8 (E4M3, block 32, RCEIL)",
-                "emulated mxfp8, E4M3 all operands",
-                "torchao MXFP8Linear (emulated kernels)",
-            )
-        )
-    refs.append(("blockwise (1x128 / 128x128)", "emulated blockwise", "emulated current"))
-    ref_rows = []
-    for rule, ours, ref in refs:
-        ratio = ms[ours] / ms[ref]
-        ref_rows.append({"rule": rule, "ours": ours, "reference": ref, "ratio": round(ratio, 2)})
-        print(f"| {rule} | {ours} | {ref} | {ms[ours]:.2f} | {ms[ref]:.2f} | {ratio:.2f} |")
+    cells = [[r["variant"], f"{r['median_ms']:.2f}", f"{r['vs_bf16']:.2f}"] for r in rows]
+    print(bh.md_table(["variant", "median ms", "x BF16"], "lrr", cells))
+    ref_rows = _reference_rows({r["variant"]: r["median_ms"] for r in rows}, ao_name)
     qdq_rows = []
-    if ao_mx is None:
+    if ao_name is None:
         print(f"torchao's MX emulation cannot train a Linear here: {ao_mx_note}")
         print("Closest like-for-like reference: quantize-dequantize of the same tensors (E4M3, block 32, RCEIL).")
         qdq_rows = _qdq_rows(x, gy, base[0].weight.detach(), args.rounds)
-    print(f"MXFP8 reference: {ao_mx_note}" if ao_mx is not None else "")
+    print(f"MXFP8 reference: {ao_mx_note}" if ao_name is not None else "")
     print(
         "blockwise: torchao has no emulation of TE's Float8BlockScaling rule (1x128 / 128x128 tiles); "
         "the reference is our own current (per-tensor) scaling"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            out = {"machine": machine, "args": vars(args), "rows": rows, "references": ref_rows, "qdq": qdq_rows}
-            json.dump(out | {"mxfp8_reference": ao_mx_note}, f, indent=2)
+        out = {"machine": machine, "args": vars(args), "rows": rows, "references": ref_rows, "qdq": qdq_rows}
+        bh.write_json(args.json, out | {"mxfp8_reference": ao_mx_note})
 
 
 def _qdq_rows(x: torch.Tensor, gy: torch.Tensor, w: torch.Tensor, rounds: int) -> list[dict]:
@@ -197,13 +179,14 @@ def _qdq_rows(x: torch.Tensor, gy: torch.Tensor, w: torch.Tensor, rounds: int) -
     for name, t in (("x", x), ("W", w), ("dy", gy)):
         fns[f"ours {name}"] = lambda t=t: ours(t)
         fns[f"torchao {name}"] = lambda t=t: ao(t)
-    med = _interleaved(fns, rounds)
+    med = {k: statistics.median(v) * 1e3 for k, v in bh.interleaved(fns, rounds).items()}
     rows = []
-    print("| tensor | ours ms | torchao to_mx ms | ours / torchao |\n| --- | ---: | ---: | ---: |")
+    cells = []
     for name in ("x", "W", "dy"):
         a, b = med[f"ours {name}"], med[f"torchao {name}"]
         rows.append({"tensor": name, "ours_ms": round(a, 2), "torchao_ms": round(b, 2), "ratio": round(a / b, 2)})
-        print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f} |")
+        cells.append([name, f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}"])
+    print(bh.md_table(["tensor", "ours ms", "torchao to_mx ms", "ours / torchao"], "lrrr", cells))
     return rows
 
 

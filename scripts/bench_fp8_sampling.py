@@ -13,20 +13,16 @@ CPU time and wall time; forward, backward, clipping, optimizer and every hook).
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import os
-import platform
 import statistics
 import sys
-import time
-import warnings
 from typing import Any
 
+import bench_harness as bh
 import torch
 
 import hf_mixedprec
 from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
+from hf_mixedprec.fp8 import fp8_layers
 from hf_mixedprec.runtime import MixedPrecisionRuntime
 
 
@@ -45,7 +41,7 @@ def _step(rt: MixedPrecisionRuntime, model: Any, opt: Any, scaler: Any, batch: t
     rt.begin_step(model)
     if sample != rt._sampling:  # the recipe's interval would sample other steps: this bench picks them
         rt._sampling = sample
-        rt._recording = hf_mixedprec.runtime._tell_fp8_layers(model, sample, rt._recording)
+        rt.fp8_stats.record(fp8_layers(model), sample)
     with rt.autocast():
         loss = model(input_ids=batch, labels=batch).loss
     rt.record_loss(loss)
@@ -65,18 +61,16 @@ def bench(name: str, layers: int, pairs: int, warmup: int, batch_size: int, seq_
     cpu: dict[bool, list[float]] = {False: [], True: []}
     wall: dict[bool, list[float]] = {False: [], True: []}
     for i, batch in enumerate(batches):
-        sample = i % 4 in (1, 2)  # U S S U, U S S U ...: each kind goes first as often as second
-        c0, w0 = time.process_time(), time.perf_counter()
-        _step(rt, model, opt, scaler, batch, sample)
-        c1, w1 = time.process_time(), time.perf_counter()
+        sample = not bh.abba(i)  # U S S U, U S S U ...: each kind goes first as often as second
+        took = bh.measure(_step, rt, model, opt, scaler, batch, sample)
         if i >= 2 * warmup:
-            cpu[sample].append(c1 - c0)
-            wall[sample].append(w1 - w0)
+            cpu[sample].append(took.cpu)
+            wall[sample].append(took.wall)
         if sample and i % 4 == 2:
             rt.check(model)  # what the logging step after a sample does (one read); not timed
             rt.metrics()
-    ratios = [s / u for s, u in zip(cpu[True], cpu[False])]
-    ratios_wall = [s / u for s, u in zip(wall[True], wall[False])]
+    ratios = bh.paired_ratios(cpu[True], cpu[False])
+    ratios_wall = bh.paired_ratios(wall[True], wall[False])
     return {
         "recipe": name,
         "layers": layers,
@@ -90,6 +84,24 @@ def bench(name: str, layers: int, pairs: int, warmup: int, batch_size: int, seq_
     }
 
 
+def table(rows: list[dict[str, Any]]) -> str:
+    header = ["recipe", "blocks (FP8 Linears)", "unsampled ms (median)", "sampled ms (median)"]
+    header += ["ratio, CPU time (median of pairs)", "ratio, wall", "pair quartiles"]
+    cells = [
+        [
+            f"{r['recipe']} (rehearsed)",
+            f"{r['layers']} ({r['fp8_layers']})",
+            f"{r['unsampled_ms_median']:.2f}",
+            f"{r['sampled_ms_median']:.2f}",
+            f"{r['ratio_median']:.3f}",
+            f"{r['ratio_wall_median']:.3f}",
+            r["ratio_quartiles"],
+        ]
+        for r in rows
+    ]
+    return bh.md_table(header, "llrrrrl", cells)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", nargs="+", default=["h100-fp8-delayed"])
@@ -101,32 +113,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     opts = ap.parse_args(argv)
-    torch.set_num_threads(opts.threads)
-    logging.getLogger("hf_mixedprec").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
+    bh.set_threads(opts.threads)
+    bh.quiet(("hf_mixedprec",))
     rows = [
         bench(r, n, opts.pairs, opts.warmup, opts.batch_size, opts.seq_len) for r in opts.recipe for n in opts.layers
     ]
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    m = bh.machine()
     print(
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (allowed: {cpus}), "
-        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}; batch {opts.batch_size} x "
-        f"{opts.seq_len} tokens; sampled and unsampled steps alternate (U S S U), {opts.pairs} pairs"
+        f"{bh.machine_line(m, allowed=True)}; batch {opts.batch_size} x {opts.seq_len} tokens; "
+        f"sampled and unsampled steps alternate (U S S U), {opts.pairs} pairs"
     )
-    print(
-        "| recipe | blocks (FP8 Linears) | unsampled ms (median) | sampled ms (median) | ratio, CPU time (median "
-        "of pairs) | ratio, wall | pair quartiles |"
-    )
-    print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
-    for r in rows:
-        print(
-            f"| {r['recipe']} (rehearsed) | {r['layers']} ({r['fp8_layers']}) | {r['unsampled_ms_median']:.2f} "
-            f"| {r['sampled_ms_median']:.2f} | {r['ratio_median']:.3f} | {r['ratio_wall_median']:.3f} "
-            f"| {r['ratio_quartiles']} |"
-        )
+    print(table(rows))
     if opts.json:
-        with open(opts.json, "w", encoding="utf-8") as f:
-            json.dump({"torch": torch.__version__, "settings": vars(opts), "rows": rows}, f, indent=2)
+        bh.write_json(opts.json, {"torch": torch.__version__, "machine": m, "settings": vars(opts), "rows": rows})
     return 0
 
 

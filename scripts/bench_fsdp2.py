@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import bench_harness as bh
+
 ROOT = Path(__file__).resolve().parents[1]
 #: kind -> (base recipe, extra recipe lines, rehearse, keys for the sharded run's distributed section)
 KINDS = {
@@ -74,17 +76,26 @@ def main() -> None:
             two = json.loads((two_dir / "summary.json").read_text())
             rows.append((kind, one, two))
     print(f"{args.steps} steps, global batch {args.batch_size} x {args.seq_len} tokens, same batches in both runs\n")
-    print(
-        "| recipe kind | 1 process: s / tok/s / peak MiB | 2 FSDP2 ranks: s / tok/s / peak MiB per rank | time ratio 2/1 | last loss 1 / 2 |"
-    )
-    print("|---|---|---|---|---|")
+    print(table(rows))
+
+
+def table(rows: list[tuple[str, dict, dict]]) -> str:
+    """Per kind: seconds, tokens/s and peak MiB of the one-process and the 2-rank run, their time ratio, last losses."""
+    header = ["recipe kind", "1 process: s / tok/s / peak MiB", "2 FSDP2 ranks: s / tok/s / peak MiB per rank"]
+    header += ["time ratio 2/1", "last loss 1 / 2"]
+    cells = []
     for kind, one, two in rows:
         ratio = two["train_seconds"] / one["train_seconds"]
-        print(
-            f"| {kind} | {one['train_seconds']:.2f} / {one['tokens_per_s']:.0f} / {one['peak_memory_mib']:.0f} "
-            f"| {two['train_seconds']:.2f} / {two['tokens_per_s']:.0f} / {two['peak_memory_mib']:.0f} "
-            f"| {ratio:.2f} | {one['loss_last']:.4f} / {two['loss_last']:.4f} |"
+        cells.append(
+            [
+                kind,
+                f"{one['train_seconds']:.2f} / {one['tokens_per_s']:.0f} / {one['peak_memory_mib']:.0f}",
+                f"{two['train_seconds']:.2f} / {two['tokens_per_s']:.0f} / {two['peak_memory_mib']:.0f}",
+                f"{ratio:.2f}",
+                f"{one['loss_last']:.4f} / {two['loss_last']:.4f}",
+            ]
         )
+    return bh.md_table(header, "lllll", cells)
 
 
 if __name__ == "__main__":

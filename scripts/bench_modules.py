@@ -12,11 +12,11 @@ random weights, no download) under ``cpu-bf16`` from the same seed on the same b
 - ``fp32 MLPs``: ``{match: "*.mlp", compute: fp32}``: a real precision change (the MLP GEMMs in FP32 instead of
   BF16), what that precision costs.
 
-Step time: the three run at once, in lockstep (``bench_overhead.py``'s harness: one thread per Trainer, the turn
-handed on at every ``on_step_begin``); a step's time is its process CPU time; per round and choice the ratio to
-``no rules`` is the median of the per-step ratios; the table gives the median over ``--rounds`` rounds. Tensor
-operations: one forward and backward of each choice's prepared model counted with a ``TorchDispatchMode`` (one per
-aten call).
+Step time: the three run at once, in lockstep (``bench_harness.py``'s ``Turns``/``LockstepClock``: one thread per
+Trainer, the turn handed on at every ``on_step_begin``); a step's time is its process CPU time; per round and choice
+the ratio to ``no rules`` is the median of the per-step ratios; the table gives the median over ``--rounds`` rounds.
+Tensor operations: one forward and backward of each choice's prepared model counted with a ``TorchDispatchMode`` (one
+per aten call).
 
     python scripts/bench_modules.py                  # 4 rounds of 5 + 30 steps
     python scripts/bench_modules.py --rounds 8 --out modules.json
@@ -28,7 +28,6 @@ from __future__ import annotations
 # isort: split
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,21 +35,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import bench_harness as bh
 import torch
-from bench_overhead import (
-    Bytes,
-    LockstepTimer,
-    Turns,
-    _OpCount,
-    describe,
-    machine,
-    reset_accelerate,
-    train_in_lockstep,
-)
+from bench_overhead_trainers import Bytes, ClockCallback
 from bench_storage import recipe_trainer
 from transformers import Trainer
-
-from hf_mixedprec._stdio import stdout_to_stderr
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,7 +82,7 @@ def op_count(trainer: Trainer, data: Any) -> int:
 
     model = trainer.model
     batch = torch.stack([data[0]["input_ids"], data[1]["input_ids"]])
-    with _OpCount() as c, runtime_of(trainer).autocast():
+    with bh.OpCounter() as c, runtime_of(trainer).autocast():
         model(input_ids=batch, labels=batch).loss.backward()
     model.zero_grad(set_to_none=True)
     return c.n
@@ -106,19 +95,19 @@ def bench(opts: argparse.Namespace, data: Any) -> list[dict[str, Any]]:
     ratios: dict[str, list[float]] = {n: [] for n in names}
     ops: dict[str, int] = {}
     for r in range(opts.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        reset_accelerate()
-        turns = Turns(order)
-        timers = {n: LockstepTimer(n, turns) for n in order}
+        order = bh.rotated(names, r)
+        bh.reset_accelerate()
+        turns = bh.Turns(order)
+        clocks = {n: bh.LockstepClock(n, turns) for n in order}
         trainers = {
-            n: build_trainer(n, opts, data, [timers[n]], os.path.join(opts.workdir, str(i)))
+            n: build_trainer(n, opts, data, [ClockCallback(clocks[n])], os.path.join(opts.workdir, str(i)))
             for i, n in enumerate(order)
         }
-        train_in_lockstep(turns, trainers)
-        got = {n: timers[n].cpu[opts.warmup :] for n in order}
+        bh.run_in_lockstep(turns, {n: tr.train for n, tr in trainers.items()})
+        got = {n: clocks[n].durations()[1][opts.warmup :] for n in order}
         for n in names:
             cpu[n] += got[n]
-            ratios[n].append(statistics.median(a / b for a, b in zip(got[n], got[ref], strict=True)))
+            ratios[n].append(statistics.median(bh.paired_ratios(got[n], got[ref], strict=True)))
         if not ops:
             ops = {n: op_count(trainers[n], data) for n in names}
         print(
@@ -128,7 +117,7 @@ def bench(opts: argparse.Namespace, data: Any) -> list[dict[str, Any]]:
         {
             "choice": n,
             "modules": CHOICES.get(n, FP8_SET.get(n)),
-            "cpu": describe(cpu[n]),
+            "cpu": bh.ms_summary(cpu[n]),
             "ratio_rounds_median": statistics.median(ratios[n]),
             "round_ratios": ratios[n],
             "ops_per_forward_backward": ops[n],
@@ -138,16 +127,13 @@ def bench(opts: argparse.Namespace, data: Any) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        f"| choice | step (median ms, CPU) | ratio to {rows[0]['choice']} (median of rounds) | aten ops per forward+backward |",
-        "| --- | --- | --- | --- |",
+    header = ["choice", "step (median ms, CPU)", f"ratio to {rows[0]['choice']} (median of rounds)"]
+    header.append("aten ops per forward+backward")
+    cells = [
+        [r["choice"], f"{r['cpu']['median_ms']:.1f}", f"{r['ratio_rounds_median']:.3f}", r["ops_per_forward_backward"]]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['choice']} | {r['cpu']['median_ms']:.1f} | {r['ratio_rounds_median']:.3f} "
-            f"| {r['ops_per_forward_backward']} |"
-        )
-    return "\n".join(lines)
+    return bh.md_table(header, "llll", cells)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,16 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", metavar="FILE", help="also write the results as JSON to FILE")
     opts = ap.parse_args(argv)
-    torch.set_num_threads(opts.threads)
+    bh.set_threads(opts.threads)
     data = Bytes(n=(opts.warmup + opts.steps + 1) * opts.batch_size, seq_len=opts.seq_len)
-    with tempfile.TemporaryDirectory() as work, stdout_to_stderr():
+    with tempfile.TemporaryDirectory() as work, bh.stdout_to_stderr():
         opts.workdir = work
         rows = bench(opts, data)
+    m = bh.machine()
     print(table(rows))
-    print(f"\nmachine: {machine()}")
+    print(f"\nmachine: {m}")
     if opts.out:
-        with open(opts.out, "w") as f:
-            json.dump({"machine": machine(), "rows": rows, "args": vars(opts) | {"workdir": None}}, f, indent=1)
+        bh.write_json(opts.out, {"machine": m, "rows": rows, "args": vars(opts) | {"workdir": None}}, indent=1)
     return 0
 
 

@@ -6,7 +6,7 @@ recipe ``cpu-bf16`` (BF16 autocast on CPU) and only ``storage:`` changed; the ca
 the storage optimizer (hf_mixedprec's ``StorageAdamW``, or torchao's ``AdamW8bit`` / ``AdamW4bit`` / ``AdamWFp8``
 from ``torchao/optim/adam.py`` with ``--low-bit``).
 
-Step time: all choices run at once, in lockstep (``bench_overhead.py``'s ``Turns``/``LockstepTimer``: one thread per
+Step time: all choices run at once, in lockstep (``bench_harness.py``'s ``Turns``/``LockstepClock``: one thread per
 Trainer, the turn handed on at every ``on_step_begin``), so step k of every choice runs back to back and load on a
 shared machine hits them alike. A step's time is the process CPU time from getting the turn to handing it on; the
 first ``--warmup`` steps of a round are discarded (torchao's step is ``torch.compile``d there). Per round and choice
@@ -29,22 +29,18 @@ from __future__ import annotations
 # isort: split
 
 import argparse
-import contextlib
 import json
-import logging
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import warnings
 from typing import Any
 
+import bench_harness as bh
 import torch
-from bench_overhead import Bytes, LockstepTimer, Turns, describe, machine, reset_accelerate, train_in_lockstep
+from bench_overhead_trainers import Bytes, ClockCallback
 from transformers import Trainer, TrainerCallback
-
-from hf_mixedprec._stdio import stdout_to_stderr
 
 #: name -> storage section; the first is the reference row.
 CHOICES: dict[str, dict[str, Any]] = {
@@ -75,7 +71,7 @@ def build_model(seed: int = 0) -> torch.nn.Module:
 
     from hf_mixedprec.demo import default_model_config
 
-    torch.manual_seed(seed)
+    bh.seed_all(seed)
     return LlamaForCausalLM(default_model_config())
 
 
@@ -145,21 +141,21 @@ def lockstep_round(order: list[str], opts: argparse.Namespace, data: Any) -> dic
     at the last step and the plan's bytes per parameter."""
     from hf_mixedprec.integrations.trainer import runtime_of
 
-    reset_accelerate()
-    turns = Turns(order)
-    timers = {n: LockstepTimer(n, turns) for n in order}
+    bh.reset_accelerate()
+    turns = bh.Turns(order)
+    clocks = {n: bh.LockstepClock(n, turns) for n in order}
     sizes = {n: LastStepBytes() for n in order}
     trainers = {
-        n: build_trainer(n, opts, data, [timers[n], sizes[n]], os.path.join(opts.workdir, str(i)))
+        n: build_trainer(n, opts, data, [ClockCallback(clocks[n]), sizes[n]], os.path.join(opts.workdir, str(i)))
         for i, n in enumerate(order)
     }
-    train_in_lockstep(turns, trainers)
+    bh.run_in_lockstep(turns, {n: tr.train for n, tr in trainers.items()})
     out = {}
     for n in order:
         rt = runtime_of(trainers[n])
         plan = rt.plan if rt is not None else None
         out[n] = {
-            "cpu": timers[n].cpu[opts.warmup :],
+            "cpu": clocks[n].durations()[1][opts.warmup :],
             "bytes": sizes[n].bytes,
             "plan_bytes_per_param": plan.bytes_per_param() if plan is not None else None,
             "optimizer": plan.optimizer if plan is not None else None,
@@ -174,11 +170,10 @@ def bench(opts: argparse.Namespace, data: Any) -> list[dict[str, Any]]:
     ratios: dict[str, list[float]] = {n: [] for n in names}
     last: dict[str, Any] = {}
     for r in range(opts.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]  # who goes first rotates
-        got = lockstep_round(order, opts, data)
+        got = lockstep_round(bh.rotated(names, r), opts, data)  # who goes first rotates
         for n in names:
             cpu[n] += got[n]["cpu"]
-            ratios[n].append(statistics.median(a / b for a, b in zip(got[n]["cpu"], got[ref]["cpu"], strict=True)))
+            ratios[n].append(statistics.median(bh.paired_ratios(got[n]["cpu"], got[ref]["cpu"], strict=True)))
         last = got
         print(
             f"  round {r + 1}/{opts.rounds}: " + ", ".join(f"{n} {ratios[n][-1]:.3f}" for n in names),
@@ -193,7 +188,7 @@ def bench(opts: argparse.Namespace, data: Any) -> list[dict[str, Any]]:
                 "choice": n,
                 "storage": opts.choices[n],
                 "optimizer": last[n]["optimizer"],
-                "cpu": describe(cpu[n]),
+                "cpu": bh.ms_summary(cpu[n]),
                 "ratio_rounds_median": statistics.median(ratios[n]),
                 "round_ratios": ratios[n],
                 "bytes": b,
@@ -205,26 +200,16 @@ def bench(opts: argparse.Namespace, data: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def _status_mib(key: str) -> float:
-    """``VmRSS`` / ``VmHWM`` (peak RSS) of this process from ``/proc/self/status``, in MiB."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(key)
-
-
 def one_rss(name: str, opts: argparse.Namespace, data: Any) -> dict[str, Any]:
     """This process trains ``name`` alone: its peak RSS during setup and training above its RSS just before (MiB).
-    The peak is reset first (``echo 5 > /proc/self/clear_refs``, Linux's ``proc(5)``): importing and building the
-    data peak higher than training does, so the lifetime peak (``ru_maxrss``) would hide it."""
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-        f.write("5")
-    before, hwm = _status_mib("VmRSS"), _status_mib("VmHWM")
+    The peak is reset first (``bench_harness.reset_peak_rss``): importing and building the data peak higher than
+    training does, so the lifetime peak (``ru_maxrss``) would hide it."""
+    bh.reset_peak_rss()
+    before, hwm = bh.rss_mib("VmRSS"), bh.rss_mib("VmHWM")
     reset = hwm <= before + 1.0  # the peak now is the present RSS: the reset took
     with tempfile.TemporaryDirectory() as tmp:
         build_trainer(name, opts, data, [], tmp).train()
-    peak = _status_mib("VmHWM")
+    peak = bh.rss_mib("VmHWM")
     return {"rss_before_mib": before, "peak_rss_mib": peak, "delta_mib": peak - before if reset else None}
 
 
@@ -240,27 +225,21 @@ def rss_rows(opts: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]], rss: dict[str, dict[str, Any]] | None) -> str:
-    head = (
-        "| storage | optimizer | ms/step (CPU, median) | x fp32 (median of rounds) | weights | grads | master "
-        "| optimizer states | bytes/param measured | bytes/param plan |"
-    )
-    out = [head, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    if rss:
-        out[0] += " peak RSS above start (MiB) |"
-        out[1] += " ---: |"
+    header = ["storage", "optimizer", "ms/step (CPU, median)", "x fp32 (median of rounds)", "weights", "grads"]
+    header += ["master", "optimizer states", "bytes/param measured", "bytes/param plan"]
+    header += ["peak RSS above start (MiB)"] if rss else []
+    cells = []
     for r in rows:
         p = r["bytes_per_param"]
         plan = r["plan_bytes_per_param"]
-        line = (
-            f"| {r['choice']} | {r['optimizer']} | {r['cpu']['median_ms']:.1f} | {r['ratio_rounds_median']:.3f} "
-            f"| {p['weights']:.2f} | {p['gradients']:.2f} | {p['master']:.2f} | {p['optimizer_states']:.2f} "
-            f"| {r['bytes_per_param_total']:.2f} | {'-' if plan is None else f'{plan:.2f}'} |"
-        )
+        line = [r["choice"], r["optimizer"], f"{r['cpu']['median_ms']:.1f}", f"{r['ratio_rounds_median']:.3f}"]
+        line += [f"{p[k]:.2f}" for k in ("weights", "gradients", "master", "optimizer_states")]
+        line += [f"{r['bytes_per_param_total']:.2f}", "-" if plan is None else f"{plan:.2f}"]
         if rss:
             delta = rss[r["choice"]]["delta_mib"]
-            line += " n/a (peak not resettable) |" if delta is None else f" {delta:.0f} |"
-        out.append(line)
-    return "\n".join(out)
+            line.append("n/a (peak not resettable)" if delta is None else f"{delta:.0f}")
+        cells.append(line)
+    return bh.md_table(header, "ll" + "r" * (len(header) - 2), cells)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -295,15 +274,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def setup_process(opts: argparse.Namespace) -> None:
-    if opts.cpu != -2 and hasattr(os, "sched_setaffinity"):
-        allowed = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {allowed[-1] if opts.cpu == -1 else opts.cpu})
-    torch.set_num_threads(opts.threads)
-    with contextlib.suppress(RuntimeError):
-        torch.set_num_interop_threads(1)
-    logging.getLogger("hf_mixedprec").setLevel(logging.ERROR)  # the notes would repeat every round
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
+    bh.pin_cpu(opts.cpu)
+    bh.set_threads(opts.threads, interop=1)
+    bh.quiet()  # the notes would repeat every round
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,29 +284,22 @@ def main(argv: list[str] | None = None) -> int:
     setup_process(opts)
     data = Bytes(n=opts.batch_size * (opts.warmup + opts.steps + 2), seq_len=opts.seq_len)
     if opts.one_rss:
-        with stdout_to_stderr():
+        with bh.stdout_to_stderr():
             got = one_rss(opts.one_rss, opts, data)
         print(json.dumps(got))
         return 0
-    with tempfile.TemporaryDirectory() as tmp, stdout_to_stderr():
+    with tempfile.TemporaryDirectory() as tmp, bh.stdout_to_stderr():
         opts.workdir = tmp
         rows = bench(opts, data)
     rss = rss_rows(opts) if opts.rss else None
     settings = {k: v for k, v in vars(opts).items() if k not in ("workdir", "passthrough", "one_rss")}
-    doc = {"machine": machine(), "settings": settings, "rows": rows, "rss": rss}
-    if opts.out:
-        with open(opts.out, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
-    if opts.json:
-        print(json.dumps(doc, indent=2))
-        return 0
+    doc = {"machine": bh.machine(), "settings": settings, "rows": rows, "rss": rss}
     m = doc["machine"]
-    print(
-        f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}, device {m['device']}; "
-        f"batch {opts.batch_size} x {opts.seq_len} tokens; {opts.steps} measured steps after {opts.warmup} warm-up, "
-        f"{opts.rounds} rounds in lockstep"
+    heading = (
+        f"{bh.machine_line(m)}, device {m['device']}; batch {opts.batch_size} x {opts.seq_len} tokens; "
+        f"{opts.steps} measured steps after {opts.warmup} warm-up, {opts.rounds} rounds in lockstep"
     )
-    print(table(rows, rss))
+    bh.report(doc, out=opts.out, as_json=opts.json, render=lambda: f"{heading}\n{table(rows, rss)}")
     return 0
 
 

@@ -41,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_gpu  # noqa: E402
+import bench_harness as bh  # noqa: E402
 import gpu_sync_check  # noqa: E402
 
 #: Llama-3-8B's layer shapes (the layer count is set per run: as many as the time and memory allow)
@@ -109,8 +110,8 @@ FIELDS = ("kit", "cpu_smoke", "machine", "sync", "throughput", "compare", "verdi
 
 
 def machine() -> dict[str, Any]:
-    ctx = bench_gpu.Ctx(torch.device("cuda" if torch.cuda.is_available() else "cpu"), True, {}, [], 0, 0)
-    out = bench_gpu.machine(ctx)
+    """``bench_gpu.py``'s machine description, with the NVIDIA driver and the GPU's memory."""
+    out = bench_gpu.machine(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     out["driver"] = None
     if torch.cuda.is_available():
         with contextlib.suppress(Exception):
@@ -178,10 +179,7 @@ def throughput_size(label: str, config: dict[str, Any], variants: list[str], o: 
     data = byte_batches(builtin_text(), seq_len=seq, batch_size=batch, n_batches=min(warmup + steps, 8))
     data = [d.remainder(config["vocab_size"]).to(device) for d in data]
     ctx = bench_gpu.Ctx(device, smoke, config, data, warmup, steps)
-    with torch.device("meta"):
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        params = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**config)).parameters())
+    params = bench_gpu.count_parameters(config)
     rows = []
     variants = [v for v in variants if not o.variants or v in o.variants]
     for key in variants:
@@ -271,6 +269,44 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
     return "–" if v is None else format(v, spec)
 
 
+def _sync_table(rows: list[dict[str, Any]]) -> str:
+    header = ["recipe", "side", "hf_mixedprec syncs/step", "others/step", "where (hf_mixedprec)"]
+    cells = []
+    for r in rows:
+        if r.get("status") != "ok":
+            cells.append([r.get("recipe"), r.get("side", ""), "–", "–", f"{r['status']}: {r.get('reason')}"])
+            continue
+        nl, n = r["non_logging"], max(r["steps_non_logging"], 1)
+        others = (sum(nl.values()) - nl.get("hf_mixedprec", 0)) / n
+        sites = ", ".join(f"{k} x{v}" for k, v in r["hf_mixedprec_non_logging_sites"].items()) or "–"
+        cells.append([r["recipe"], r["side"], f"{r['hf_mixedprec_syncs_per_step']:.2f}", f"{others:.2f}", sites])
+    return bh.md_table(header, "llrrl", cells)
+
+
+def _throughput_table(rows: list[dict[str, Any]]) -> str:
+    header = ["variant", "status", "tokens/s", "ms/step", "peak GiB", "estimate GiB", "est/measured"]
+    header += ["vs reference", "notes"]
+    cells = []
+    for r in rows:
+        if r.get("status") != "ok":
+            cells.append([r["variant"], r["status"], *["–"] * 6, r.get("reason")])
+            continue
+        ref = r.get("reference")
+        rel = (
+            f"{r['speed_vs_reference']:.3f}x {ref}"
+            if r.get("speed_vs_reference") is not None and ref != r["key"]
+            else "–"
+        )
+        speed = [f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_step_median']:.1f}"]
+        memory = [
+            _fmt(r.get("peak_mem_gib")),
+            _fmt(r.get("estimate_gib")),
+            _fmt(r.get("estimate_over_measured"), ".3f"),
+        ]
+        cells.append([r["variant"], "ok", *speed, *memory, rel, "; ".join(r.get("notes", []))])
+    return bh.md_table(header, "llrrrrrll", cells)
+
+
 def markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
     lines = [
@@ -280,44 +316,17 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         "Host syncs per step on steps that do not log (Trainer, small Llama, 12 steps, logging every 6):",
         "",
-        "| recipe | side | hf_mixedprec syncs/step | others/step | where (hf_mixedprec) |",
-        "| --- | --- | ---: | ---: | --- |",
+        _sync_table(doc["sync"]),
     ]
-    for r in doc["sync"]:
-        if r.get("status") != "ok":
-            lines.append(f"| {r.get('recipe')} | {r.get('side', '')} | – | – | {r['status']}: {r.get('reason')} |")
-            continue
-        nl, n = r["non_logging"], max(r["steps_non_logging"], 1)
-        others = (sum(nl.values()) - nl.get("hf_mixedprec", 0)) / n
-        sites = ", ".join(f"{k} x{v}" for k, v in r["hf_mixedprec_non_logging_sites"].items()) or "–"
-        lines.append(
-            f"| {r['recipe']} | {r['side']} | {r['hf_mixedprec_syncs_per_step']:.2f} | {others:.2f} | {sites} |"
-        )
     for s in doc["throughput"]:
         lines += [
             "",
             f"Throughput, {s['label']}: {s['parameters']:,} parameters, batch {s['batch_size']} x {s['seq_len']} "
             f"tokens, {s['warmup']} warm-up + {s['steps']} timed steps per row:",
             "",
-            "| variant | status | tokens/s | ms/step | peak GiB | estimate GiB | est/measured | vs reference | notes |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+            _throughput_table(s["rows"]),
+            "",
         ]
-        for r in s["rows"]:
-            if r.get("status") != "ok":
-                lines.append(f"| {r['variant']} | {r['status']} | – | – | – | – | – | – | {r.get('reason')} |")
-                continue
-            ref = r.get("reference")
-            rel = (
-                f"{r['speed_vs_reference']:.3f}x {ref}"
-                if r.get("speed_vs_reference") is not None and ref != r["key"]
-                else "–"
-            )
-            lines.append(
-                f"| {r['variant']} | ok | {r['tokens_per_s']:,.0f} | {r['ms_per_step_median']:.1f} | "
-                f"{_fmt(r.get('peak_mem_gib'))} | {_fmt(r.get('estimate_gib'))} | "
-                f"{_fmt(r.get('estimate_over_measured'), '.3f')} | {rel} | {'; '.join(r.get('notes', []))} |"
-            )
-        lines.append("")
         lines += [f"- {k}: {_fmt(v, '.3f')}" for k, v in s["ratios"].items()]
     c = doc.get("compare") or {}
     if c:
@@ -338,7 +347,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def write(doc: dict[str, Any], out: Path) -> None:
     doc["verdict"] = verdict(doc)
-    (out / "acceptance.json").write_text(json.dumps(doc, indent=1, default=str), encoding="utf-8")
+    bh.write_json(out / "acceptance.json", doc, indent=1, default=str)
     (out / "acceptance.md").write_text(markdown(doc), encoding="utf-8")
 
 
@@ -396,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         "1b": lambda: doc["throughput"].append(throughput_size("llama 1.1B", dict(bench_gpu.LLAMA_1B), VARIANTS_1B, o)),
         "compare": lambda: doc.__setitem__("compare", compare_section(o)),
     }
-    with bench_gpu.stdout_to_stderr():
+    with bh.stdout_to_stderr():
         for name in sections:
             if time.monotonic() > o.deadline:
                 doc["skipped_sections"].append(name)

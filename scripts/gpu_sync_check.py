@@ -23,8 +23,10 @@ import json
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from typing import Any
 
+import bench_harness as bh
 import torch
 
 PACKAGES = ("hf_mixedprec", "accelerate", "transformers", "torch")
@@ -64,6 +66,78 @@ def _fp8_label(fp8_side: bool, rehearse: bool) -> str:
     return " (rehearsed)" if rehearse else " (real FP8)"
 
 
+class SyncLog:
+    """Synchronizing CUDA calls counted by origin in the phase they happen in (``non_logging``, ``logging``, or
+    ``None``: not counted); :meth:`hook` takes torch's sync warnings in place of ``warnings.showwarning``."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, collections.Counter] = {
+            "non_logging": collections.Counter(),
+            "logging": collections.Counter(),
+        }
+        self.where: collections.Counter = collections.Counter()
+        self.phase: str | None = None
+
+    def hook(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message) or self.phase is None:
+            return
+        stack = traceback.extract_stack()[:-1]
+        origin = _origin(stack)
+        self.counts[self.phase][origin] += 1
+        if origin == "hf_mixedprec" and self.phase == "non_logging":
+            frame = next(f for f in reversed(stack) if "/hf_mixedprec/" in f.filename.replace("\\", "/"))
+            self.where[f"{frame.filename.split('hf_mixedprec/')[-1]}:{frame.lineno} {frame.name}"] += 1
+
+
+def _phase_callback(log: SyncLog, logging_steps: int) -> Any:
+    """A TrainerCallback that turns torch's sync warnings on for each step (and says whether it logs)."""
+    from transformers import TrainerCallback
+
+    class Phases(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            logs = (state.global_step + 1) % logging_steps == 0
+            log.phase = "logging" if logs else "non_logging"
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+
+        def on_step_end(self, args, state, control, **kw):
+            torch.cuda.set_sync_debug_mode(0)
+            log.phase = None
+
+    return Phases()
+
+
+class _Rows(torch.utils.data.Dataset):
+    """Random token rows (labels = inputs), the same for every run."""
+
+    def __init__(self, n: int, seq: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.data = torch.randint(0, SMALL_LLAMA["vocab_size"], (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.data[i], "labels": self.data[i]}
+
+
+def _train_counted(log: SyncLog, build: Callable[[], Any]) -> Any:
+    """Build the Trainer and train it with every warning sent to ``log`` (torch's sync warnings counted, the rest
+    dropped); the Trainer."""
+    old = warnings.showwarning
+    warnings.showwarning = log.hook
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = log.hook
+            trainer = build()
+            trainer.train()
+    finally:
+        warnings.showwarning = old
+        torch.cuda.set_sync_debug_mode(0)
+    return trainer
+
+
 def run_one(
     recipe_name: str,
     use_recipe: bool,
@@ -76,7 +150,7 @@ def run_one(
 ) -> dict:
     """One Trainer run, its syncs per step counted by origin. ``rehearse``: run an FP8 recipe's emulated layers
     (default: yes, for an FP8 recipe) or its real backend (``False``: ``auto`` picks torchao without TE)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     from hf_mixedprec.recipe import load_recipe_file
 
@@ -85,43 +159,8 @@ def run_one(
         rehearse = recipe.precision == "fp8"
     if rehearse:
         recipe = recipe.rehearsed()
-    counts: dict[str, collections.Counter] = {"non_logging": collections.Counter(), "logging": collections.Counter()}
-    where: collections.Counter = collections.Counter()
-    state_box = {"phase": None}
-
-    def hook(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" not in str(message) or state_box["phase"] is None:
-            return
-        stack = traceback.extract_stack()[:-1]
-        origin = _origin(stack)
-        counts[state_box["phase"]][origin] += 1
-        if origin == "hf_mixedprec" and state_box["phase"] == "non_logging":
-            frame = next(f for f in reversed(stack) if "/hf_mixedprec/" in f.filename.replace("\\", "/"))
-            where[f"{frame.filename.split('hf_mixedprec/')[-1]}:{frame.lineno} {frame.name}"] += 1
-
-    class Counter(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            logs = (state.global_step + 1) % logging_steps == 0
-            state_box["phase"] = "logging" if logs else "non_logging"
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("warn")
-
-        def on_step_end(self, args, state, control, **kw):
-            torch.cuda.set_sync_debug_mode(0)
-            state_box["phase"] = None
-
-    class Rows(torch.utils.data.Dataset):
-        def __init__(self) -> None:
-            g = torch.Generator().manual_seed(0)
-            self.data = torch.randint(0, SMALL_LLAMA["vocab_size"], (steps * batch, seq), generator=g)
-
-        def __len__(self) -> int:
-            return len(self.data)
-
-        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-            return {"input_ids": self.data[i], "labels": self.data[i]}
-
-    torch.manual_seed(0)
+    log = SyncLog()
+    bh.seed_all(0)
     model = LlamaForCausalLM(LlamaConfig(**SMALL_LLAMA))
     common = dict(
         output_dir="/tmp/gpu_sync_check",
@@ -134,35 +173,42 @@ def run_one(
         dataloader_num_workers=0,
         dataloader_pin_memory=True,
     )
+    callbacks = [_phase_callback(log, logging_steps)]
     if use_recipe:
         args = recipe.training_args(**common)
-        callbacks = [Counter(), *recipe.callbacks()]
+        callbacks += recipe.callbacks()
     else:
         fp16 = recipe.precision == "fp16"
         args = TrainingArguments(**common, bf16=not fp16, fp16=fp16)
-        callbacks = [Counter()]
-    old = warnings.showwarning
-    warnings.showwarning = hook
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = hook
-            trainer = Trainer(model=model, args=args, train_dataset=Rows(), callbacks=callbacks)
-            trainer.train()
-    finally:
-        warnings.showwarning = old
-        torch.cuda.set_sync_debug_mode(0)
+    data = _Rows(steps * batch, seq)
+    trainer = _train_counted(log, lambda: Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks))
     n_log = steps // logging_steps
     return {
         "recipe": recipe_name + _fp8_label(recipe.precision == "fp8" and use_recipe, rehearse),
         "side": "hf_mixedprec" if use_recipe else "plain Trainer",
         "steps_non_logging": steps - n_log,
         "steps_logging": n_log,
-        "non_logging": dict(counts["non_logging"]),
-        "logging": dict(counts["logging"]),
-        "hf_mixedprec_non_logging_sites": dict(where),
+        "non_logging": dict(log.counts["non_logging"]),
+        "logging": dict(log.counts["logging"]),
+        "hf_mixedprec_non_logging_sites": dict(log.where),
         "final_loss": next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None),
     }
+
+
+def table(rows: list[dict]) -> str:
+    """Syncs per step by origin, on steps that do not log and on those that do."""
+    header = ["recipe", "side", "non-logging steps", "syncs/step there: hf_mixedprec", "others"]
+    header += ["logging steps: hf_mixedprec", "others"]
+    cells = []
+    for r in rows:
+        nl, lg = r["non_logging"], r["logging"]
+        ours_nl = nl.get("hf_mixedprec", 0) / max(r["steps_non_logging"], 1)
+        others_nl = (sum(nl.values()) - nl.get("hf_mixedprec", 0)) / max(r["steps_non_logging"], 1)
+        ours_lg = lg.get("hf_mixedprec", 0) / max(r["steps_logging"], 1)
+        others_lg = (sum(lg.values()) - lg.get("hf_mixedprec", 0)) / max(r["steps_logging"], 1)
+        shares = [f"{x:.2f}" for x in (ours_nl, others_nl, ours_lg, others_lg)]
+        cells.append([r["recipe"], r["side"], r["steps_non_logging"], *shares])
+    return bh.md_table(header, "llrrrrr", cells)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,27 +229,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(run_one(name, use, a.steps, a.logging_steps, a.batch_size, a.seq_len))
     if a.json:
         print(json.dumps(rows, indent=1))
-    print(f"{torch.cuda.get_device_name()}, torch {torch.version.__version__}; syncs per step, by origin")
-    print(
-        "| recipe | side | non-logging steps | syncs/step there: hf_mixedprec | others | logging steps: hf_mixedprec | others |"
-    )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    bad = False
-    for r in rows:
-        nl, lg = r["non_logging"], r["logging"]
-        ours_nl = nl.get("hf_mixedprec", 0) / max(r["steps_non_logging"], 1)
-        others_nl = (sum(nl.values()) - nl.get("hf_mixedprec", 0)) / max(r["steps_non_logging"], 1)
-        ours_lg = lg.get("hf_mixedprec", 0) / max(r["steps_logging"], 1)
-        others_lg = (sum(lg.values()) - lg.get("hf_mixedprec", 0)) / max(r["steps_logging"], 1)
-        bad |= nl.get("hf_mixedprec", 0) > 0
-        print(
-            f"| {r['recipe']} | {r['side']} | {r['steps_non_logging']} | {ours_nl:.2f} | {others_nl:.2f} | "
-            f"{ours_lg:.2f} | {others_lg:.2f} |"
-        )
+    m = bh.machine()
+    print(f"{m['device']}, torch {m['torch']}; syncs per step, by origin")
+    print(table(rows))
     for r in rows:
         if r["hf_mixedprec_non_logging_sites"]:
             print(f"hf_mixedprec syncs on non-logging steps ({r['recipe']}): {r['hf_mixedprec_non_logging_sites']}")
-    return 1 if bad else 0
+    return 1 if any(r["non_logging"].get("hf_mixedprec", 0) > 0 for r in rows) else 0
 
 
 if __name__ == "__main__":
