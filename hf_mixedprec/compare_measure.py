@@ -32,9 +32,9 @@ def _layer_of(param_name: str) -> str:
 def _measuring(model: torch.nn.Module) -> Iterator[None]:
     """``model`` in eval mode (no FP8 history update, no dropout) with its FP8 statistics off, both restored after:
     a measurement that leaves the training run as it was."""
-    from hf_mixedprec.fp8 import iter_monitored
+    from hf_mixedprec.fp8 import fp8_layers
 
-    recording = [(m, m.record_stats) for _, m in iter_monitored(model)]
+    recording = [(m, m.record_stats) for _, m in fp8_layers(model, fresh=True)]
     training = model.training
     model.eval()
     try:

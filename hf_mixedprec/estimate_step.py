@@ -213,7 +213,7 @@ def _fp8_buffers(model: nn.Module) -> int:
     from hf_mixedprec import fp8
 
     # a backend's layer (torchao) is sampled by a probe beside it; the emulated layer is its own monitor
-    layers = [layer if isinstance(layer, nn.Module) else layer.module for _, layer in fp8.iter_monitored(model)]
+    layers = [layer if isinstance(layer, nn.Module) else layer.module for _, layer in fp8.fp8_layers(model, fresh=True)]
     return storage_bytes(b for layer in layers if layer is not None for b in layer.buffers())
 
 
@@ -264,7 +264,7 @@ def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.
             optimizer.step()
             step.optimizer, step.states = _state_bytes(optimizer)
         if recipe.precision == "fp8" and step.backend in ("emulated", "native"):
-            from hf_mixedprec.fp8.emulated import fp8_step
+            from hf_mixedprec.fp8.layers import fp8_step
 
             fp8_step(model)
         if step.backend != "transformer_engine":

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hf_mixedprec.errors import MixedPrecisionError
-from hf_mixedprec.fp8 import iter_monitored
+from hf_mixedprec.fp8 import fp8_layers
 from hf_mixedprec.fp8.state import fp8_state_tensors, load_fp8_state_dict
 from hf_mixedprec.health import layers_to_bf16
 from hf_mixedprec.schema import RecipeSpec
@@ -115,7 +115,7 @@ def switch_layers(
     back = 0
     if old.precision == "fp8":
         with torch.no_grad():
-            back = len(layers_to_bf16(model, [name for name, _ in iter_monitored(model)]))
+            back = len(layers_to_bf16(model, [name for name, _ in fp8_layers(model, fresh=True)]))
     return back, convert(new) if new.precision == "fp8" else 0
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from hf_mixedprec._device import is_main_rank
-from hf_mixedprec.fp8 import iter_monitored
+from hf_mixedprec.fp8 import fp8_layers
 from hf_mixedprec.health import HealthEvent, layers_to_bf16
 from hf_mixedprec.schema import RecipeSpec
 
@@ -93,7 +93,7 @@ class Reactions:
         """FP8: every FP8 layer to BF16 in place. FP16: a loss-scaled run cannot switch precision mid-run, so stop
         and name the recipe to resume the checkpoint under. BF16/FP32: nothing safer; recorded only."""
         if self.recipe.precision == "fp8":
-            moved = layers_to_bf16(model, [name for name, _ in iter_monitored(model)])
+            moved = layers_to_bf16(model, [name for name, _ in fp8_layers(model, fresh=True)])
             self.moved_layers += moved
             self._note(
                 f"FALLBACK: whole model moved from FP8 to BF16 after {ev.detector} at step {ev.step} "

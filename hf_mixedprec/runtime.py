@@ -36,12 +36,7 @@ from hf_mixedprec import metrics as M
 from hf_mixedprec._device import Constants, is_main_rank, several_ranks
 from hf_mixedprec.amp import GuardScaler, LossScaling
 from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper, with_grads
-from hf_mixedprec.fp8 import (
-    ConversionReport,
-    convert,
-    fp8_step,
-    monitored_layers,
-)
+from hf_mixedprec.fp8 import ConversionReport, convert, fp8_layers, fp8_step
 from hf_mixedprec.fp8.state import (
     FP8_STATE_FILE,
     exclude_fp8_state_from_saves,
@@ -50,21 +45,14 @@ from hf_mixedprec.fp8.state import (
     load_fp8_state_dict,
     save_fp8_state,
 )
+from hf_mixedprec.fp8.stats import FP8Statistics
 from hf_mixedprec.fp8.torchao_backend import precompute_fsdp_scales
 from hf_mixedprec.health import HealthEvent, HealthMonitor, layers_to_bf16
 from hf_mixedprec.module_policy import install_compute
 from hf_mixedprec.phases import PhaseRunner
 from hf_mixedprec.plan import PrecisionPlan, run_plan
 from hf_mixedprec.reactions import Reactions
-from hf_mixedprec.runtime_stats import (
-    _FP8Sample,
-    _LogRead,
-    _read_for_log,
-    _tell_fp8_layers,
-    _UpdateProbe,
-    observe_fp8_samples,
-)
-from hf_mixedprec.scaling.stats import LayerStats
+from hf_mixedprec.runtime_stats import _LogRead, _read_for_log, _UpdateProbe, observe_fp8_samples
 from hf_mixedprec.schema import RecipeSpec
 from hf_mixedprec.storage import apply_storage
 
@@ -154,12 +142,9 @@ class MixedPrecisionRuntime:
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_n = 0  # forwards since the last optimizer step (host: the hook runs on the host)
         self._sampling = False
-        self._recording: tuple[list[Any] | None, bool] = (None, False)  # the layers told to record, and what
-        self._fp8_pending = False  # a sampled step's FP8 statistics wait for the next check (a logging step)
-        self._fp8_samples: list[_FP8Sample] = []  # those samples, not yet handed to the monitor
+        #: the FP8 layers' sampled statistics on their way to the monitor and the log (:mod:`hf_mixedprec.fp8.stats`)
+        self.fp8_stats = FP8Statistics()
         self.checks_on_every_rank = False  # True: checks run on every rank at once (sampled FP8 stats are combined)
-        self._fp8_latest: dict[str, LayerStats] | None = None  # the last one handed over, finished
-        self._fp8_metrics: dict[str, float] = {}
         self._log_read: _LogRead | None = None  # what check() read for this logging step's metrics()
         self._update_probe = _UpdateProbe()
         self.last_norm: torch.Tensor | None = None  # the unscaled gradient norm of the last step (device)
@@ -276,7 +261,7 @@ class MixedPrecisionRuntime:
         every = self.recipe.health.fp8_sample_every
         self._sampling = self.monitor is not None and (self.steps + 1) % every == 0
         if self.active.precision == "fp8":
-            self._recording = _tell_fp8_layers(model, self._sampling, self._recording)
+            self.fp8_stats.record(fp8_layers(model), self._sampling)
 
     def ensure_unscaled(self, optimizer: torch.optim.Optimizer | None) -> None:
         """FP16: unscale the gradients once (the GradScaler refuses a second unscale_ before update())."""
@@ -333,7 +318,7 @@ class MixedPrecisionRuntime:
         def to_fp8(spec: RecipeSpec) -> int:
             self.convert_model(model, inner, spec)
             layers_to_bf16(model, self.moved_layers)  # layers a health fallback moved stay in high precision
-            return len(monitored_layers(model))
+            return len(fp8_layers(model))
 
         if resume:
             self.phases.restore(model, to_fp8)
@@ -342,7 +327,7 @@ class MixedPrecisionRuntime:
             entered = self.phases.switch(model, self.steps, to_fp8) is not None
         self.amp.enter_phase(self.active, resume=resume, new_phase=entered)
         self.reactions.recipe = self.active  # a whole-model fallback acts on the phase's precision
-        self._recording = (None, False)
+        self.fp8_stats.layers_changed()
 
     def _step_loss(self) -> torch.Tensor | None:
         """The loss this optimizer step back-propagated (the sum of its micro-batches' :meth:`record_loss`), the
@@ -384,9 +369,6 @@ class MixedPrecisionRuntime:
         self._log_read = _read_for_log(self, model)
         if self.monitor is None:
             return []
-        if self._log_read.fp8 is not None:
-            self._fp8_metrics = self._log_read.fp8
-            self._fp8_pending = False
         events = self.monitor.check(self._log_read.monitor)
         self.reactions.apply(events, model, optimizer, scheduler, step=self.steps)
         return events
@@ -403,8 +385,7 @@ class MixedPrecisionRuntime:
             out[M.HEALTH_EVENTS] = float(len(self.events))
         if self.phases is not None:
             out[M.PHASE] = float(self.phases.index)
-        out.update(self._fp8_metrics)
-        self._fp8_metrics = {}
+        out.update(self.fp8_stats.take_metrics())
         if self.clipper is not None:
             self.clipper.host_sync(got.clip_sync)
         if got.clip is not None:
@@ -470,8 +451,7 @@ def _fp8_after_step(rt: MixedPrecisionRuntime, model: nn.Module) -> None:
     if rt.recipe.distributed.fp8_all_gather:
         precompute_fsdp_scales(model)
     if rt.monitor is not None and rt._sampling:
-        rt._fp8_samples.append(_FP8Sample(model))  # finished and observed at the next check
-        rt._fp8_pending = True
+        rt.fp8_stats.keep(fp8_layers(model))  # finished and observed at the next check
 
 
 def _runtime_state(rt: MixedPrecisionRuntime) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from hf_mixedprec.formats import COMPUTE_FORMATS
-from hf_mixedprec.fp8 import ConversionReport, convert, converted_types, fp8_step, iter_emulated
+from hf_mixedprec.fp8 import ConversionReport, convert, converted_types, fp8_layers, fp8_step
 from hf_mixedprec.health import LayerBreach, layer_breaches
 from hf_mixedprec.plan import PrecisionPlan, build_plan
 from hf_mixedprec.scaling.stats import ROLES
@@ -198,7 +198,7 @@ def _batches(model: Any, steps: int, seq_len: int, batch_size: int, seed: int) -
 def _train(model: Any, batches: list[torch.Tensor], lr: float, sample_at: set[int], collect: Any = None) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
-    mods = [m for _, m in iter_emulated(model)]
+    mods = [m for _, m in fp8_layers(model, emulated_only=True, fresh=True)]
     for i, b in enumerate(batches):
         for m in mods:
             m.record_stats = i in sample_at
@@ -278,7 +278,7 @@ def simulate(
     agg: dict[str, dict[str, dict[str, float]]] = {}
 
     def collect() -> None:
-        for name, m in iter_emulated(model):
+        for name, m in fp8_layers(model, emulated_only=True, fresh=True):
             layer = agg.setdefault(name, {r: {} for r in ROLES})
             for role, values in m.stats.to_floats().items():
                 for metric, v in values.items():

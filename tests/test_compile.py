@@ -9,7 +9,7 @@ import torch
 
 import hf_mixedprec
 from hf_mixedprec.demo import tiny_llama
-from hf_mixedprec.fp8 import monitored_layers
+from hf_mixedprec.fp8 import fp8_layers
 from hf_mixedprec.runtime import MixedPrecisionRuntime
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
@@ -42,5 +42,5 @@ def test_the_accelerate_plugin_prepared_model_compiles_without_graph_breaks():
     acc = make_accelerator(hf_mixedprec.load_recipe("h100-fp8-delayed", rehearse=True), cpu=True)
     model = tiny_llama()
     model, _ = acc.prepare(model, torch.optim.AdamW(model.parameters()))
-    assert len(monitored_layers(model)) == 14  # the emulated FP8 layers are in what is traced
+    assert len(fp8_layers(model)) == 14  # the emulated FP8 layers are in what is traced
     assert _breaks(model) == (0, [])

@@ -18,7 +18,7 @@ from transformers.pytorch_utils import Conv1D
 
 import hf_mixedprec
 from hf_mixedprec.demo import builtin_text, byte_batches
-from hf_mixedprec.fp8 import EmulatedFP8Conv1D, EmulatedFP8Linear, convert, fp8_step, iter_emulated
+from hf_mixedprec.fp8 import EmulatedFP8Conv1D, EmulatedFP8Linear, convert, fp8_layers, fp8_step
 from hf_mixedprec.fp8.emulated import EmulationSpec
 from hf_mixedprec.fp8.policy import plan_conversion
 from hf_mixedprec.integrations.trainer import runtime_of
@@ -274,7 +274,7 @@ def test_gpt2_trains_five_steps_with_conv1d_in_fp8_and_reloads(recipe_name, tmp_
     model = tr.model
     losses = [r["loss"] for r in tr.state.log_history if "loss" in r]
     assert len(losses) == 5 and all(math.isfinite(v) for v in losses)
-    assert sorted(name for name, _ in iter_emulated(model)) == sorted(CONV1D_NAMES)
+    assert sorted(name for name, _ in fp8_layers(model, emulated_only=True, fresh=True)) == sorted(CONV1D_NAMES)
     for name in CONV1D_NAMES:
         mod = model.get_submodule(name)
         assert isinstance(mod, EmulatedFP8Conv1D) and mod.weight.shape == before[name].shape
@@ -323,4 +323,4 @@ def test_health_fallback_moves_conv1d_layers_back_with_the_same_parameters():
     for name in CONV1D_NAMES:
         mod = model.get_submodule(name)
         assert type(mod) is Conv1D and mod.weight is params[name]
-    assert not list(iter_emulated(model))
+    assert not list(fp8_layers(model, emulated_only=True, fresh=True))

@@ -10,7 +10,7 @@ import torch
 
 import hf_mixedprec
 from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
-from hf_mixedprec.fp8 import convert, fp8_step, monitored_layers
+from hf_mixedprec.fp8 import convert, fp8_layers, fp8_step
 from hf_mixedprec.fp8.emulated import EmulatedFP8GEMM
 from hf_mixedprec.fp8.native import NativeFP8Linear, fp8_mm
 from hf_mixedprec.recipe import load_recipe_file, resolve_recipe
@@ -120,7 +120,7 @@ def test_native_trains_as_the_emulated_backend(name):
         assert abs(a - b) <= 1e-3 * abs(a), (emu_losses, nat_losses)
     assert emu_losses[-1] < emu_losses[0]
     if name == "h100-fp8-delayed":
-        for (n1, m1), (n2, m2) in zip(monitored_layers(emu), monitored_layers(nat), strict=True):
+        for (n1, m1), (n2, m2) in zip(fp8_layers(emu), fp8_layers(nat), strict=True):
             assert n1 == n2
             torch.testing.assert_close(m2.fp8_amax_history, m1.fp8_amax_history, rtol=2e-2, atol=0)
             assert m2.fp8_amax_history.count_nonzero() == m1.fp8_amax_history.count_nonzero() > 0
@@ -170,7 +170,7 @@ def test_a_recipe_names_the_native_backend_and_its_gemms_are_fp8(monkeypatch):
     model = tiny_llama()
     report = convert(model, recipe)
     assert report.backend == "native" and len(report.converted) == 14
-    assert all(isinstance(m, NativeFP8Linear) for _, m in monitored_layers(model))
+    assert all(isinstance(m, NativeFP8Linear) for _, m in fp8_layers(model))
     batch = torch.randint(0, 256, (2, 32))
     model(input_ids=batch, labels=batch).loss.backward()
     assert len(calls) == 14 * 3
@@ -212,7 +212,7 @@ def test_compiled_native_delayed_trains_as_eager_with_no_graph_breaks():
             opt.zero_grad(set_to_none=True)
             fp8_step(model)
             losses.append(loss.item())
-        runs[compiled] = (losses, [m.fp8_amax_history.clone() for _, m in monitored_layers(model)])
+        runs[compiled] = (losses, [m.fp8_amax_history.clone() for _, m in fp8_layers(model)])
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0, torch._dynamo.utils.counters["graph_break"]
     assert runs[True][0] == runs[False][0]
     for compiled_hist, eager_hist in zip(runs[True][1], runs[False][1], strict=True):
@@ -260,10 +260,10 @@ def test_sampled_statistics_are_the_emulated_ones():
     for backend in ("emulated", "native"):
         model = tiny_llama()
         convert(model, _recipe("h100-fp8-current", backend), backend=backend)
-        for _, m in monitored_layers(model):
+        for _, m in fp8_layers(model):
             m.record_stats = True
         model(input_ids=batch, labels=batch).loss.backward()
-        tables[backend] = torch.stack([m.raw_stats for _, m in monitored_layers(model)])
+        tables[backend] = torch.stack([m.raw_stats for _, m in fp8_layers(model)])
     assert tables["native"].shape == (14, 3, tables["native"].shape[-1])
     assert torch.equal(tables["native"].nan_to_num(-1.0), tables["emulated"].nan_to_num(-1.0))
     assert torch.isfinite(tables["native"][:, :, 0]).all()  # every role measured

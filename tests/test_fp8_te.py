@@ -178,11 +178,11 @@ def test_te_module_probe_and_fallback_with_transformer_engine():
         pytest.skip("needs a CUDA GPU")
     from torch import nn
 
-    from hf_mixedprec.fp8 import convert, iter_monitored, to_high_precision
+    from hf_mixedprec.fp8 import convert, fp8_layers, to_high_precision
 
     model = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128)).cuda()
     convert(model, _fp8("delayed", backend="transformer_engine", keep_lm_head=False))
-    probes = dict(iter_monitored(model))
+    probes = dict(fp8_layers(model, fresh=True))
     assert set(probes) == {"0", "1"}
     for p in probes.values():
         p.record_stats = True

@@ -127,7 +127,7 @@ def _raw_rows(rank: int | None) -> list:
 def _reduce_raw(rank: int, init: str, out: str) -> None:
     import torch.distributed as dist
 
-    from hf_mixedprec.runtime_stats import raw_over_ranks
+    from hf_mixedprec.fp8.stats import raw_over_ranks
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     got = raw_over_ranks(torch.stack(_raw_rows(rank)))

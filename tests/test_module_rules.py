@@ -19,7 +19,7 @@ from transformers import MixtralConfig, MixtralForCausalLM, Trainer
 import hf_mixedprec
 from hf_mixedprec.demo import tiny_llama
 from hf_mixedprec.errors import ModuleRuleError
-from hf_mixedprec.fp8 import iter_monitored
+from hf_mixedprec.fp8 import fp8_layers
 from hf_mixedprec.fp8.policy import plan_conversion
 from hf_mixedprec.module_policy import assign_rules
 from hf_mixedprec.modules_config import ModuleRule
@@ -63,7 +63,7 @@ def _model():
 
 
 def _fp8_names(model: nn.Module) -> set[str]:
-    return {n for n, _ in iter_monitored(model)}
+    return {n for n, _ in fp8_layers(model, fresh=True)}
 
 
 def _record(seen: dict, name: str, pick=lambda inputs, out: out):

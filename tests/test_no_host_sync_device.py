@@ -176,9 +176,9 @@ def _steps(
             done += 1
     assert done == steps and rt.steps == steps
     if recipe.precision == "fp8" and recipe.phases is None:  # the sampled steps ran and recorded statistics
-        from hf_mixedprec.fp8 import monitored_layers
+        from hf_mixedprec.fp8 import fp8_layers
 
-        assert all(any(m.measured) for _, m in monitored_layers(model))
+        assert all(any(m.measured) for _, m in fp8_layers(model))
 
 
 @pytest.mark.parametrize("name", builtin_recipe_names())

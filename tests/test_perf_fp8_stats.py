@@ -96,11 +96,11 @@ def test_sampled_statistics_reach_the_monitor_only_at_the_check():
         scaler.step(opt)
         scaler.update()
         rt.after_optimizer_step(model, opt)
-    assert len(rt._fp8_samples) == 1 and rt.monitor.layer_values == {}
+    assert len(rt.fp8_stats.samples) == 1 and rt.monitor.layer_values == {}
     name = "model.layers.0.mlp.down_proj"
     layer = model.get_submodule(name)
     rt.check(model)
-    assert rt._fp8_samples == []
+    assert rt.fp8_stats.samples == []
     metrics = rt.metrics()
     assert metrics[f"mp/fp8/{name}/input_amax"] == float(layer.stats.role("input").amax)
     assert metrics[f"mp/fp8/{name}/sqnr_db"] == min(float(layer.stats.role(r).sqnr_db) for r in ROLES)

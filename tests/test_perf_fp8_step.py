@@ -20,10 +20,8 @@ from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
 from hf_mixedprec.fp8 import (
     EmulatedFP8GEMM,
     convert,
-    emulated_layers,
+    fp8_layers,
     fp8_step,
-    iter_emulated,
-    monitored_layers,
 )
 from hf_mixedprec.health import layers_to_bf16
 from hf_mixedprec.recipe import resolve_recipe
@@ -39,7 +37,7 @@ def _recipe(**fp8):
 @torch.no_grad()
 def _per_layer_reference(model: nn.Module) -> None:
     """The update ``fp8_step`` made before it was batched: one ``delayed_update`` per layer per role."""
-    mods = [m for _, m in iter_emulated(model) if m.spec.scaling == "delayed"]
+    mods = [m for _, m in fp8_layers(model, emulated_only=True, fresh=True) if m.spec.scaling == "delayed"]
     pending = torch.stack([m.fp8_amax_pending for m in mods])
     for i, m in enumerate(mods):
         for role, fmt in enumerate((m.fwd_fmt, m.fwd_fmt, m.bwd_fmt)):
@@ -87,8 +85,8 @@ def test_fp8_step_is_bit_identical_to_the_per_layer_update(fp8):
     for step, batch in enumerate(batches):
         for m in (model, ref):
             m(input_ids=batch, labels=batch).loss.backward()
-        pend = {n: m.fp8_amax_pending for n, m in iter_emulated(model)}
-        ref_pend = {n: m.fp8_amax_pending for n, m in iter_emulated(ref)}
+        pend = {n: m.fp8_amax_pending for n, m in fp8_layers(model, emulated_only=True, fresh=True)}
+        ref_pend = {n: m.fp8_amax_pending for n, m in fp8_layers(ref, emulated_only=True, fresh=True)}
         assert all(torch.equal(_bits(pend[n]), _bits(ref_pend[n])) for n in pend)
         if step % 2:  # special values, a different one per layer and role
             for i, name in enumerate(pend):
@@ -102,10 +100,10 @@ def test_fp8_step_is_bit_identical_to_the_per_layer_update(fp8):
         assert got.keys() == want.keys() and len(got) == 2 * len(pend)
         for k in got:
             assert torch.equal(_bits(got[k]), _bits(want[k])), (step, k, got[k], want[k])
-        assert all(not m.fp8_amax_pending.any() for _, m in iter_emulated(model))
+        assert all(not m.fp8_amax_pending.any() for _, m in fp8_layers(model, emulated_only=True, fresh=True))
         for m in (model, ref):
             m.zero_grad(set_to_none=True)
-    scales = torch.stack([m.fp8_scale for _, m in iter_emulated(model)])
+    scales = torch.stack([m.fp8_scale for _, m in fp8_layers(model, emulated_only=True, fresh=True)])
     assert (scales != 1).any()  # the sequence did move the scales
 
 
@@ -150,7 +148,7 @@ def _hook_ops(layers: int, steps: int = 4) -> list[collections.Counter[str]]:
             rt.after_optimizer_step(model, opt)
         opt.zero_grad(set_to_none=True)
         per_step.append(counter.ops)
-    assert any(torch.ne(m.fp8_scale, 1).any() for _, m in emulated_layers(model))
+    assert any(torch.ne(m.fp8_scale, 1).any() for _, m in fp8_layers(model, emulated_only=True))
     return per_step
 
 
@@ -166,14 +164,16 @@ def test_hook_tensor_ops_per_step_do_not_grow_with_the_number_of_fp8_layers():
 def test_layer_lists_are_collected_once_and_forgotten_when_a_layer_is_swapped():
     model = tiny_llama()
     convert(model, _recipe())
-    first = emulated_layers(model)
-    assert emulated_layers(model) is first and monitored_layers(model) is monitored_layers(model)
-    assert [n for n, _ in first] == [n for n, _ in iter_emulated(model)] and len(first) == 14
+    first = fp8_layers(model, emulated_only=True)
+    assert fp8_layers(model, emulated_only=True) is first and fp8_layers(model) is fp8_layers(model)
+    assert [n for n, _ in first] == [n for n, _ in fp8_layers(model, emulated_only=True, fresh=True)] and len(
+        first
+    ) == 14
     name = first[3][0]
     assert layers_to_bf16(model, [name]) == [name]
-    now = emulated_layers(model)
+    now = fp8_layers(model, emulated_only=True)
     assert now is not first and name not in dict(now) and len(now) == 13
-    assert name not in dict(monitored_layers(model))
+    assert name not in dict(fp8_layers(model))
     assert not isinstance(model.get_submodule(name), EmulatedFP8GEMM)
     # the swapped layer's state is no longer advanced
     moved = dict(first)[name]
@@ -185,7 +185,7 @@ def test_layer_lists_are_collected_once_and_forgotten_when_a_layer_is_swapped():
 def _logging_ops(layers: int) -> tuple[collections.Counter[str], dict[str, float], dict[str, dict]]:
     """Tensor operations of a logging step's ``check`` + ``metrics`` after an FP8-sampled step, the metrics logged,
     and each layer's statistics as the layer itself reports them."""
-    from hf_mixedprec.fp8 import monitored_layers
+    from hf_mixedprec.fp8 import fp8_layers
 
     spec = {"name": "sampled", "extends": "h100-fp8-delayed", "health": {"fp8_sample_every": 2}}
     rt = MixedPrecisionRuntime(resolve_recipe(spec).rehearsed(), device="cpu")
@@ -209,7 +209,7 @@ def _logging_ops(layers: int) -> tuple[collections.Counter[str], dict[str, float
             with counter:
                 rt.check(model, opt)
                 metrics = rt.metrics()
-    layers_now = {name: m.stats.to_floats() for name, m in monitored_layers(model)}
+    layers_now = {name: m.stats.to_floats() for name, m in fp8_layers(model)}
     return counter.ops, metrics, layers_now
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_mixedprec import metrics as M
-from hf_mixedprec.fp8 import monitored_layers
+from hf_mixedprec.fp8 import fp8_layers
 from hf_mixedprec.integrations.trainer import runtime_of
 from tests.test_health import _recipe, _run, _StepTracker, _SyncCounter
 
@@ -43,7 +43,7 @@ def test_a_logging_step_makes_one_host_read(tmp_path, monkeypatch, base):
     if base != "h100-fp8-delayed":
         assert not layer_keys
         return
-    layers = monitored_layers(tr.model)
+    layers = fp8_layers(tr.model)
     assert len(layer_keys) == 4 * len(layers) == 4 * 14
     for name, m in layers:  # the statistics of the step-10 sample, as each layer holds them
         vals = m.stats.to_floats()

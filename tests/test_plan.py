@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_mixedprec.demo import tiny_llama
-from hf_mixedprec.fp8 import EmulatedFP8GEMM, iter_monitored
+from hf_mixedprec.fp8 import EmulatedFP8GEMM, fp8_layers
 from hf_mixedprec.plan import dtype_name, run_plan
 from hf_mixedprec.recipe import load_recipe
 from hf_mixedprec.recipe_files import builtin_recipe_names
@@ -28,7 +28,7 @@ def _prepared(name: str, dtype: torch.dtype = torch.bfloat16):
 @pytest.mark.parametrize("name", RECIPES)
 def test_the_prepared_model_is_the_plan_module_by_module(name):
     recipe, model, plan, rt = _prepared(name)
-    fp8 = {n for n, _ in iter_monitored(model)}
+    fp8 = {n for n, _ in fp8_layers(model, fresh=True)}
     assert {d.name for d in plan.fp8_layers if d.fp8} == fp8
     if recipe.precisions()[0] == "fp8":
         assert fp8, name  # the tiny Llama's projections are FP8 under every FP8 recipe
@@ -58,8 +58,8 @@ def test_a_phase_switch_converts_with_the_phases_own_plan():
     plan = rt.prepare_storage(model)
     assert plan.phases == ("fp8", "bf16")
     rt.convert_model(model)
-    assert all(isinstance(m, EmulatedFP8GEMM) for n, m in iter_monitored(model))
-    assert {n for n, _ in iter_monitored(model)} == {d.name for d in plan.fp8_layers if d.fp8}
+    assert all(isinstance(m, EmulatedFP8GEMM) for n, m in fp8_layers(model, fresh=True))
+    assert {n for n, _ in fp8_layers(model, fresh=True)} == {d.name for d in plan.fp8_layers if d.fp8}
 
 
 def test_run_plan_of_an_fp32_recipe_has_no_fp8_and_fp32_storage():
@@ -109,7 +109,7 @@ def test_plan_command_prints_what_the_model_holds_after_attach(tmp_path, recipe)
     rt = MixedPrecisionRuntime(load_recipe(recipe, rehearse=True), rehearse=True)
     rt.prepare_storage(model)
     rt.convert_model(model)
-    fp8 = {n for n, _ in iter_monitored(model)}
+    fp8 = {n for n, _ in fp8_layers(model, fresh=True)}
     for name, mod in model.named_modules():
         params = list(mod.parameters(recurse=False))
         if not params:

@@ -142,7 +142,7 @@ def test_fp8_fallback_moves_the_same_layer_again_before_the_weights_load(tmp_pat
     from accelerate.state import AcceleratorState
     from torch import nn
 
-    from hf_mixedprec.fp8 import iter_monitored
+    from hf_mixedprec.fp8 import fp8_layers
     from hf_mixedprec.health import layers_to_bf16
 
     recipe = _recipes()["h100-fp8-delayed"]
@@ -157,4 +157,4 @@ def test_fp8_fallback_moves_the_same_layer_again_before_the_weights_load(tmp_pat
     acc.load_state(str(tmp_path / "ckpt"))
     inner = acc.unwrap_model(model)
     assert type(inner.get_submodule(layer)) is nn.Linear
-    assert layer not in {n for n, _ in iter_monitored(inner)} and acc.mp.moved_layers == [layer]
+    assert layer not in {n for n, _ in fp8_layers(inner, fresh=True)} and acc.mp.moved_layers == [layer]

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Trainer
 
 import hf_mixedprec
 from hf_mixedprec.cli import main
-from hf_mixedprec.fp8 import iter_monitored
+from hf_mixedprec.fp8 import fp8_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "h100-fp8-current"
@@ -78,8 +78,8 @@ def test_map_claims_hold_after_attaching(model_name, tmp_path, capsys):
     shown = _map(model_name, capsys)
     rows = {n: r for r in shown["modules"] for n in _expand(r["name"])}
     fp8_rows = {n for n, r in rows.items() if r["compute"].startswith("fp8")}
-    fp8_layers = {d["name"] for d in shown["fp8_layers"] if d["fp8"]}
-    assert fp8_rows == fp8_layers and fp8_layers
+    planned_fp8 = {d["name"] for d in shown["fp8_layers"] if d["fp8"]}
+    assert fp8_rows == planned_fp8 and planned_fp8
     fp32_rows = {n for n, r in rows.items() if r["compute"] == "fp32 (outside autocast)"}
     # and, to show autocast is on in the run, the Linears the map leaves in BF16 autocast (the output projection)
     bf16_rows = {n for n, r in rows.items() if r["compute"] == "bf16 (autocast)" and r["kind"] == "Linear"}
@@ -109,8 +109,8 @@ def test_map_claims_hold_after_attaching(model_name, tmp_path, capsys):
     trainer = Trainer(model=model, args=args, train_dataset=TinyTokens(), callbacks=recipe.callbacks())
     trainer.train()
 
-    held = {name for name, _ in iter_monitored(trainer.model)}
-    assert held == fp8_layers
+    held = {name for name, _ in fp8_layers(trainer.model, fresh=True)}
+    assert held == planned_fp8
     for name in fp32_rows:
         assert outputs[name] and set(outputs[name]) == {torch.float32}, (name, outputs[name])
     for name in bf16_rows:

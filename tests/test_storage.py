@@ -521,7 +521,7 @@ def test_gpt2_conv1d_fp8_with_a_remainder_master_from_fp16_weights(tmp_path):
     remainders: the FP16 values survive exactly in the master, the Conv1D layers run FP8 on BF16 weights, it learns."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hf_mixedprec.fp8 import iter_monitored
+    from hf_mixedprec.fp8 import fp8_layers
     from hf_mixedprec.runtime import MixedPrecisionRuntime
     from hf_mixedprec.storage.optim import _take_pending
 
@@ -541,7 +541,7 @@ def test_gpt2_conv1d_fp8_with_a_remainder_master_from_fp16_weights(tmp_path):
     model = gpt2()
     tr = _train(recipe, model, tmp_path, steps=10, lr=1e-3, logging_steps=1)
     tr.train()
-    assert sum(1 for _ in iter_monitored(model)) == 8  # c_attn, c_proj, c_fc, mlp.c_proj in both blocks
+    assert sum(1 for _ in fp8_layers(model, fresh=True)) == 8  # c_attn, c_proj, c_fc, mlp.c_proj in both blocks
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     losses = [h["loss"] for h in tr.state.log_history if "loss" in h]
     assert losses[-1] < losses[0]
@@ -705,7 +705,7 @@ def test_deepspeed_config_of_the_users_must_say_what_storage_says():
     from types import SimpleNamespace
 
     from hf_mixedprec.integrations.deepspeed import deepspeed_config
-    from hf_mixedprec.integrations.trainer import _check_deepspeed_storage
+    from hf_mixedprec.integrations.trainer_storage import check_deepspeed_storage
 
     def trainer_with(config):
         plugin = SimpleNamespace(deepspeed_config=config)
@@ -719,13 +719,13 @@ def test_deepspeed_config_of_the_users_must_say_what_storage_says():
             resolve_recipe({**low.to_dict(), "distributed": {"strategy": "deepspeed", "zero_stage": 1}})
         )[0],
     }
-    _check_deepspeed_storage(trainer_with(ds_low), low)  # the config hf_mixedprec writes agrees
+    check_deepspeed_storage(trainer_with(ds_low), low)  # the config hf_mixedprec writes agrees
     plain = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
     with pytest.raises(StorageRefusal, match=r"bf16\.bf16_master_weights_and_grads=False"):
-        _check_deepspeed_storage(trainer_with(plain), low)
+        check_deepspeed_storage(trainer_with(plain), low)
     with pytest.raises(StorageRefusal, match="has no DeepSpeed equivalent"):
-        _check_deepspeed_storage(trainer_with(plain), _recipe(master="bf16_remainder"))
-    _check_deepspeed_storage(trainer_with(plain), load_recipe("a100-bf16", rehearse=True))
+        check_deepspeed_storage(trainer_with(plain), _recipe(master="bf16_remainder"))
+    check_deepspeed_storage(trainer_with(plain), load_recipe("a100-bf16", rehearse=True))
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")

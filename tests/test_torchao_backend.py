@@ -135,7 +135,7 @@ def test_probe_statistics_equal_torchaos_own_cast_of_the_same_tensors():
     """The probe measures what torchao quantizes: its scale and saturated cast of the input, weight and gradient."""
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
-    from hf_mixedprec.fp8 import iter_monitored
+    from hf_mixedprec.fp8 import fp8_layers
     from hf_mixedprec.scaling.stats import operand_stats
 
     model = tiny_llama(seed=0)
@@ -145,7 +145,7 @@ def test_probe_statistics_equal_torchaos_own_cast_of_the_same_tensors():
     seen = {}
     layer.register_forward_hook(lambda m, a, o: seen.update(x=a[0].detach().clone()))
     layer.register_full_backward_hook(lambda m, gi, go: seen.update(g=go[0].detach().clone()))
-    probes = dict(iter_monitored(model))
+    probes = dict(fp8_layers(model, fresh=True))
     assert len(probes) == 14
     probes["model.layers.0.mlp.down_proj"].record_stats = True
     b = byte_batches(builtin_text(), batch_size=2, seq_len=16, n_batches=1)[0]

@@ -15,25 +15,16 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from hf_mixedprec.fp8.conversion import ConversionReport
-from hf_mixedprec.fp8.emulated import (
-    EmulatedFP8Conv1D,
-    EmulatedFP8GEMM,
-    EmulatedFP8Linear,
-    EmulationSpec,
-    emulated_layers,
-    fp8_step,
-    invalidate_layer_cache,
-    iter_emulated,
-    layer_cache,
-)
+from hf_mixedprec.fp8.emulated import EmulatedFP8Conv1D, EmulatedFP8GEMM, EmulatedFP8Linear, EmulationSpec
+from hf_mixedprec.fp8.layers import FP8Layer, fp8_layers, fp8_step, invalidate_layer_cache, model_parameters
 from hf_mixedprec.fp8.policy import BACKEND_GEMM_KINDS, GEMM_KINDS, LayerDecision, plan_conversion
-from hf_mixedprec.fp8.probe import LayerProbe, probe_of
+from hf_mixedprec.fp8.probe import probe_of
 from hf_mixedprec.fp8.swap import replace_module
 from hf_mixedprec.hardware import fp8_backend_for
 from hf_mixedprec.schema import RecipeSpec
@@ -44,17 +35,15 @@ __all__ = [
     "EmulatedFP8GEMM",
     "EmulatedFP8Linear",
     "FP8BackendUnavailable",
+    "FP8Layer",
     "LayerDecision",
     "conversion_backend",
     "convert",
     "converted_types",
-    "emulated_layers",
+    "fp8_layers",
     "fp8_step",
     "invalidate_layer_cache",
-    "iter_emulated",
-    "iter_monitored",
     "model_parameters",
-    "monitored_layers",
     "plan_conversion",
     "replace_module",
     "resolve_backend",
@@ -68,39 +57,6 @@ BACKENDS = ("emulated", "native", "torchao", "transformer_engine")
 
 class FP8BackendUnavailable(RuntimeError):
     """No backend can run this recipe's FP8 scaling here; the message says what to install or set."""
-
-
-def iter_monitored(model: nn.Module) -> Iterator[tuple[str, EmulatedFP8GEMM | LayerProbe]]:
-    """Every FP8 layer whose quantization statistics the health monitor samples, with its dotted name: emulated
-    layers themselves, and torchao / Transformer Engine layers through their :class:`~hf_mixedprec.fp8.probe.LayerProbe`.
-    Each has ``record_stats`` (sample this step) and ``stats`` (the last sample)."""
-    for name, m in model.named_modules():
-        if isinstance(m, EmulatedFP8GEMM):
-            yield name, m
-        else:
-            p = probe_of(m)
-            if p is not None:
-                yield name, p
-
-
-def monitored_layers(model: nn.Module) -> list[tuple[str, EmulatedFP8GEMM | LayerProbe]]:
-    """:func:`iter_monitored` collected once per model (until FP8 layers are swapped in or out), for the per-step
-    hooks; do not modify it."""
-    lists = layer_cache(model).lists
-    found = lists.get("monitored")
-    if found is None:
-        found = lists["monitored"] = list(iter_monitored(model))
-    return found
-
-
-def model_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """``list(model.parameters())`` collected once per model (and again after FP8 conversion or a health fallback
-    swaps layers), so a per-step hook walks no module tree; do not modify it."""
-    lists = layer_cache(model).lists
-    found = lists.get("parameters")
-    if found is None:
-        found = lists["parameters"] = list(model.parameters())
-    return found
 
 
 def to_high_precision(layer: nn.Module) -> nn.Module | None:

@@ -19,31 +19,25 @@ does); *blockwise* uses 1x128 tiles for activations and gradients (columnwise 1x
 and 128x128 blocks for weights. The GEMMs run in float32, like an FP8 tensor-core GEMM with FP32
 accumulation, and the output is cast to the autocast (or input) dtype.
 
-Health statistics (amax, saturation, underflow, SQNR, MX clamp) are recorded into ``stats``, a
-:class:`~hf_mixedprec.scaling.stats.LayerStats` of device tensors, only when ``record_stats`` is set, so steps
-that don't log pay nothing and nothing syncs with the host.
+Health statistics (amax, saturation, underflow, SQNR, MX clamp) are recorded as device tensors only when
+``record_stats`` is set, so steps that don't log pay nothing and nothing syncs with the host; what happens to them
+next is :mod:`hf_mixedprec.fp8.stats`.
 """
 
 from __future__ import annotations
 
-import math
-import weakref
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from hf_mixedprec._device import Constants, several_ranks
-from hf_mixedprec._private import foreach_copy_, foreach_zero_
+from hf_mixedprec._device import Constants
 from hf_mixedprec.formats import FP8_SCALING_DEFAULTS, NumberFormat, get_format
+from hf_mixedprec.fp8.stats import SampledStats
 from hf_mixedprec.fp8.swap import linear_holding
 from hf_mixedprec.scaling import (
-    LayerStats,
     current_scale,
-    delayed_update,
     dequantize_blockwise,
     dequantize_fp8,
     dequantize_mxfp8,
@@ -51,15 +45,8 @@ from hf_mixedprec.scaling import (
     quantize_fp8,
     quantize_mxfp8,
 )
-from hf_mixedprec.scaling.fp8 import abs_and_amax, delayed_scaled_max
-from hf_mixedprec.scaling.stats import (
-    RAW_COLUMNS,
-    finish_operand_stats,
-    layer_stats_of,
-    raw_from_tensorwise,
-    raw_operand_stats,
-    tensorwise_operand_stats,
-)
+from hf_mixedprec.scaling.fp8 import abs_and_amax
+from hf_mixedprec.scaling.stats import raw_operand_stats, tensorwise_operand_stats
 from hf_mixedprec.schema import FP8Config
 
 __all__ = [
@@ -67,20 +54,10 @@ __all__ = [
     "EmulatedFP8GEMM",
     "EmulatedFP8Linear",
     "EmulationSpec",
-    "LayerCache",
-    "emulated_layers",
-    "fp8_step",
-    "invalidate_layer_cache",
-    "iter_emulated",
-    "layer_cache",
-    "raw_stats_table",
 ]
 
 _DELAYED, _CURRENT, _MX = (FP8_SCALING_DEFAULTS[s] for s in ("delayed", "current", "mxfp8"))
 _K = Constants()
-
-#: What an emulated layer keeps of one role's sampled statistics (see :attr:`EmulatedFP8GEMM.records`).
-StatsRecord = list[Tensor] | Tensor | None
 
 
 @dataclass(frozen=True)
@@ -140,7 +117,7 @@ class _Quantized:
         self.scale, self.magnitude = scale, magnitude  # per-tensor scalings: the scale, and |x| as the amax saw it
 
 
-class EmulatedFP8GEMM(nn.Module):
+class EmulatedFP8GEMM(SampledStats, nn.Module):
     """A GEMM layer ``y = x @ W.T + b`` whose operands see exactly the FP8 values a real FP8 GEMM would.
 
     The quantization shared by :class:`EmulatedFP8Linear` and :class:`EmulatedFP8Conv1D`; a subclass says how
@@ -167,12 +144,8 @@ class EmulatedFP8GEMM(nn.Module):
             self.register_buffer("fp8_amax_history", torch.zeros(spec.amax_history_len, 3, device=dev))
             self.register_buffer("fp8_scale", torch.ones(3, device=dev))
             self.register_buffer("fp8_amax_pending", torch.zeros(3, device=dev), persistent=False)
-        self.record_stats = False
-        #: the latest sampled statistics of each role, as taken (None: never measured): a
-        #: :func:`~hf_mixedprec.scaling.stats.tensorwise_operand_stats` record for per-tensor scales, a
-        #: :func:`~hf_mixedprec.scaling.stats.raw_operand_stats` row for block scales; read as :attr:`stats`, or for
-        #: many layers at once with :func:`raw_stats_table`
-        self.records: list[StatsRecord] = [None, None, None]
+        # records: a tensorwise_operand_stats record for per-tensor scales, a raw_operand_stats row for block scales
+        self.start_records()
         # per-tensor scales with a finite reciprocal take the cheap statistics (tensorwise_operand_stats): current
         # scales are at least fmt.max / FLT_MAX, delayed ones fmt.max * 2**-margin / FLT_MAX, above 2**-128 up to 8
         self._tensorwise_stats = spec.scaling == "current" or (spec.scaling == "delayed" and spec.margin <= 8)
@@ -180,6 +153,11 @@ class EmulatedFP8GEMM(nn.Module):
     def extra_repr(self) -> str:
         fmt = f"{self.spec.fwd_format}/{self.spec.bwd_format}"
         return f"in_features={self.in_features}, out_features={self.out_features}, scaling={self.spec.scaling}, {fmt}"
+
+    @property
+    def mx_clamp(self) -> bool:  # type: ignore[override]
+        """MXFP8 layers measure how many blocks' E8M0 scales sit at the clamp."""
+        return self.spec.scaling == "mxfp8"
 
     # -- quantization ------------------------------------------------------------------------------
     def _fmt(self, role: int) -> NumberFormat:
@@ -228,7 +206,8 @@ class EmulatedFP8GEMM(nn.Module):
 
     def _record(self, role: int, t: Tensor, q: _Quantized, amax: Tensor | None) -> None:
         """Device-side health statistics of one quantization (no host sync), from the tensors the quantization
-        made, kept as :attr:`records` ``[role]``; :attr:`stats` (or :func:`raw_stats_table`) finishes them.
+        made, kept as :attr:`records` ``[role]``; :attr:`stats` (or
+        :func:`~hf_mixedprec.fp8.stats.raw_stats_table`) finishes them.
 
         MX clamp is measured on the rowwise blocks (along the last dim), the ones recorded here.
         """
@@ -240,28 +219,6 @@ class EmulatedFP8GEMM(nn.Module):
             self.records[role] = raw_operand_stats(
                 t, q.data, q.deq, fmt, amax=amax, scale_codes=q.codes, block_size=self.spec.block_size
             )
-
-    @property
-    def measured(self) -> tuple[bool, bool, bool]:
-        """Which roles have statistics (a host fact: nothing is read)."""
-        r = self.records
-        return (r[0] is not None, r[1] is not None, r[2] is not None)
-
-    @property
-    def raw_stats(self) -> Tensor | None:
-        """The latest statistics of each role as ``[3, 8]`` :data:`~hf_mixedprec.scaling.stats.RAW_COLUMNS` rows
-        (NaN: never measured); None before the first sampled step."""
-        table = raw_stats_table([self.records])
-        return None if table is None else table[0]
-
-    @property
-    def stats(self) -> LayerStats:
-        """The latest sampled statistics of each operand (a :class:`~hf_mixedprec.scaling.stats.LayerStats` of
-        device tensors; empty before the first sampled step)."""
-        raw = self.raw_stats
-        if raw is None:
-            return LayerStats()
-        return layer_stats_of(finish_operand_stats(raw), self.measured, self.spec.scaling == "mxfp8")
 
     def quantize_for(self, t: Tensor, role: int, *, gemm: str, src_dtype: torch.dtype | None = None) -> _Quantized:
         """Quantize ``t`` (2-D, float32) for one GEMM operand.
@@ -405,120 +362,3 @@ class _EmulatedFP8Fn(torch.autograd.Function):
             gw = mod.weight_grad((g_w.t() @ x_w).to(w_dtype))
         gb = g2.sum(0).to(b_dtype) if has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None
-
-
-def raw_stats_table(layers: Sequence[Sequence[StatsRecord]]) -> Tensor | None:
-    """The sampled statistics of many layers (each its :attr:`EmulatedFP8GEMM.records`, or a copy of that list kept
-    from an earlier step) as one ``[n, 3, 8]`` float64 table of :data:`~hf_mixedprec.scaling.stats.RAW_COLUMNS` rows
-    (NaN where a role was never measured), in a fixed number of tensor operations however many layers: every
-    per-tensor record is stacked once and converted together. None when no layer has any."""
-    records = [rec for layer in layers for rec in layer]
-    fast = [rec for rec in records if isinstance(rec, list)]  # per-tensor records; the others are rows already
-    first = fast[0][0] if fast else next((rec for rec in records if rec is not None), None)
-    if first is None:
-        return None
-    converted = iter(raw_from_tensorwise(fast).unbind(0) if fast else ())
-    never = torch.full((len(RAW_COLUMNS),), math.nan, dtype=torch.float64, device=first.device)
-    rows = [never if rec is None else next(converted) if isinstance(rec, list) else rec for rec in records]
-    return torch.stack(rows).view(len(layers), 3, len(RAW_COLUMNS))
-
-
-def iter_emulated(model: nn.Module) -> Iterator[tuple[str, EmulatedFP8GEMM]]:
-    """Every emulated FP8 layer (Linear and Conv1D) of ``model``, with its dotted name (a walk over the model now;
-    per-step code takes :func:`emulated_layers`)."""
-    for name, mod in model.named_modules():
-        if isinstance(mod, EmulatedFP8GEMM):
-            yield name, mod
-
-
-class LayerCache:
-    """What a model's FP8 layers are, collected once (one walk over ``named_modules``) instead of every step.
-
-    Valid until :func:`invalidate_layer_cache` (FP8 conversion and the health fallback to high precision call it,
-    the two places that swap FP8 layers in or out). ``lists`` holds other per-model lists built on demand (the
-    monitored layers of every backend, see ``hf_mixedprec.fp8.monitored_layers``).
-    """
-
-    def __init__(self, model: nn.Module, generation: int) -> None:
-        self.generation = generation
-        self.emulated: list[tuple[str, EmulatedFP8GEMM]] = list(iter_emulated(model))
-        self.lists: dict[str, list[Any]] = {}
-        groups: dict[tuple[Any, ...], list[EmulatedFP8GEMM]] = {}
-        for _, m in self.emulated:
-            if m.spec.scaling == "delayed":
-                key = (m.fp8_amax_history.shape, m.spec.margin, m.spec.amax_compute_algo, m.fwd_fmt, m.bwd_fmt)
-                groups.setdefault(key, []).append(m)
-        self.delayed = [_DelayedGroup(mods) for mods in groups.values()]
-
-
-_generation = 0
-_CACHES: weakref.WeakKeyDictionary[nn.Module, LayerCache] = weakref.WeakKeyDictionary()
-
-
-def invalidate_layer_cache() -> None:
-    """Forget every model's :class:`LayerCache`: FP8 layers were swapped in or out (the next step collects anew)."""
-    global _generation
-    _generation += 1
-
-
-def layer_cache(model: nn.Module) -> LayerCache:
-    """``model``'s :class:`LayerCache`, collected on first use after conversion or a swap."""
-    cache = _CACHES.get(model)
-    if cache is None or cache.generation != _generation:
-        cache = _CACHES[model] = LayerCache(model, _generation)
-    return cache
-
-
-def emulated_layers(model: nn.Module) -> list[tuple[str, EmulatedFP8GEMM]]:
-    """:func:`iter_emulated` as a cached list (see :class:`LayerCache`); do not modify it."""
-    return layer_cache(model).emulated
-
-
-class _DelayedGroup:
-    """Delayed-scaling layers with the same history length, margin, algorithm and formats: their state is updated
-    by one batched :func:`~hf_mixedprec.scaling.fp8.delayed_update` per step, whatever their number.
-
-    Each layer keeps its own buffers (``fp8_amax_history``, ``fp8_scale``: state_dict keys, checkpoints and DDP's
-    buffer broadcast stay as they are); a step stacks them, updates them together and writes them back with
-    ``torch._foreach_copy_`` (one fused kernel per list on CUDA). Bit-identical to one update per layer per role.
-    """
-
-    def __init__(self, mods: list[EmulatedFP8GEMM]) -> None:
-        m0 = mods[0]
-        self.mods = mods
-        self.algo = m0.spec.amax_compute_algo
-        fmts = (m0.fwd_fmt, m0.fwd_fmt, m0.bwd_fmt)  # input, weight, grad-output
-        self.scaled_max = delayed_scaled_max(fmts, margin=m0.spec.margin, device=m0.fp8_scale.device)
-
-    def step(self) -> None:
-        mods = self.mods
-        pendings = [m.fp8_amax_pending for m in mods]
-        hists = [m.fp8_amax_history for m in mods]
-        scales = [m.fp8_scale for m in mods]
-        pending = torch.stack(pendings)  # [n, 3]
-        if several_ranks():
-            dist.all_reduce(pending, op=dist.ReduceOp.MAX)
-        if self.scaled_max.device != pending.device:  # the model moved since the group was made
-            self.scaled_max = self.scaled_max.to(pending.device)
-        hist, scale = delayed_update(
-            torch.stack(hists, dim=1),  # [L, n, 3], newest amax last
-            torch.stack(scales),
-            pending,
-            scaled_max=self.scaled_max,
-            algo=self.algo,
-        )
-        foreach_copy_(hists, hist.transpose(0, 1).contiguous().unbind(0))
-        foreach_copy_(scales, scale.unbind(0))
-        foreach_zero_(pendings)
-
-
-@torch.no_grad()
-def fp8_step(model: nn.Module) -> None:
-    """Advance delayed scaling by one optimizer step: reduce pending amaxes (MAX over ranks), update.
-
-    Call once per optimizer step (the Trainer callback and the Accelerate plugin do). Layers with current, MXFP8
-    or blockwise scaling have nothing to update. One batched update for all delayed layers that share their
-    settings (usually all of them): a fixed number of tensor operations, however many layers. No host sync.
-    """
-    for group in layer_cache(model).delayed:
-        group.step()

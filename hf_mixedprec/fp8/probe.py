@@ -13,17 +13,17 @@ hooks return at once. Each probe also knows how to put its layer back in high pr
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from hf_mixedprec.fp8.emulated import StatsRecord, raw_stats_table
+from hf_mixedprec.fp8.stats import SampledStats
 from hf_mixedprec.scaling.fp8 import FP8Format
-from hf_mixedprec.scaling.stats import ROLES, LayerStats, finish_operand_stats, layer_stats_of, raw_operand_stats
+from hf_mixedprec.scaling.stats import ROLES, raw_operand_stats
 
-__all__ = ["LayerProbe", "QuantizeRule", "attach_probe", "iter_probed", "probe_of"]
+__all__ = ["LayerProbe", "QuantizeRule", "attach_probe", "probe_of"]
 
 #: ``rule(t, role, src_dtype) -> (data, dequantized)`` for a 2-D float32 operand ``t`` ([tokens, features] for
 #: input and gradient, [out, in] for the weight), its role ("input", "weight", "grad") and the type it had before
@@ -34,7 +34,7 @@ QuantizeRule = Callable[[torch.Tensor, str, torch.dtype], "tuple[torch.Tensor, t
 _PROBES: weakref.WeakKeyDictionary[nn.Module, LayerProbe] = weakref.WeakKeyDictionary()
 
 
-class LayerProbe:
+class LayerProbe(SampledStats):
     """Samples one backend FP8 layer's quantization statistics (see module docs)."""
 
     def __init__(
@@ -47,10 +47,7 @@ class LayerProbe:
         self.rule = rule
         self.formats = formats
         self._to_high_precision = to_high_precision
-        #: set by the runtime for the steps that sample FP8 statistics
-        self.record_stats = False
-        #: the latest sampled raw statistics of each role (None: never measured), as the emulated layers keep them
-        self.records: list[StatsRecord] = [None, None, None]
+        self.start_records()  # raw_operand_stats rows, as the emulated layers keep them
         self._module = weakref.ref(module)
         self._handle = module.register_forward_hook(self._forward_hook)
 
@@ -78,18 +75,6 @@ class LayerProbe:
             return
         data, deq = out
         self.records[ROLES.index(role)] = raw_operand_stats(t2, data, deq, self.formats[role])
-
-    @property
-    def measured(self) -> tuple[bool, bool, bool]:
-        """Which roles have statistics (a host fact: nothing is read)."""
-        r = self.records
-        return (r[0] is not None, r[1] is not None, r[2] is not None)
-
-    @property
-    def stats(self) -> LayerStats:
-        """The latest sampled statistics of each operand (device tensors; empty before the first sampled step)."""
-        table = raw_stats_table([self.records])
-        return LayerStats() if table is None else layer_stats_of(finish_operand_stats(table[0]), self.measured, False)
 
     def high_precision(self) -> nn.Module:
         """The layer's high-precision equivalent holding the same Parameter objects (the health fallback)."""
@@ -123,11 +108,3 @@ def attach_probe(
 def probe_of(module: nn.Module) -> LayerProbe | None:
     """The probe attached to ``module``, if any."""
     return _PROBES.get(module)
-
-
-def iter_probed(model: nn.Module) -> Iterator[tuple[str, LayerProbe]]:
-    """Every probed layer of ``model`` with its dotted name."""
-    for name, m in model.named_modules():
-        p = _PROBES.get(m)
-        if p is not None:
-            yield name, p

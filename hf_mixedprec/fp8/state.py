@@ -17,7 +17,7 @@ from torch import nn
 
 from hf_mixedprec._private import add_keys_to_ignore_on_save
 from hf_mixedprec.checkpoints import atomic_write
-from hf_mixedprec.fp8.emulated import iter_emulated
+from hf_mixedprec.fp8.layers import fp8_layers
 
 __all__ = [
     "EXTRA_PREFIX",
@@ -137,7 +137,7 @@ def load_fp8_state(model: nn.Module, folder: str | os.PathLike[str] | None) -> s
 def fp8_state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The live (device) persistent buffers of every emulated FP8 layer in ``model``, by ``model.state_dict()`` key."""
     out: dict[str, torch.Tensor] = {}
-    for name, m in iter_emulated(model):
+    for name, m in fp8_layers(model, emulated_only=True, fresh=True):
         params = {n for n, _ in m.named_parameters()}
         for k, t in m.state_dict(keep_vars=True).items():
             if k not in params and isinstance(t, torch.Tensor):

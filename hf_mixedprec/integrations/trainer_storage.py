@@ -1,0 +1,121 @@
+"""The Trainer callback's ``storage:`` setup: the model's parameters in the dtypes the recipe keeps them in, and the
+optimizer that storage needs, built by the Trainer (or, under DeepSpeed, the engine's config checked to say the same).
+
+Split from :mod:`hf_mixedprec.integrations.trainer` (which calls these from its setup) to keep each module short.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import Trainer
+
+from hf_mixedprec.module_policy import assign_rules
+from hf_mixedprec.runtime import MixedPrecisionRuntime
+from hf_mixedprec.schema import RecipeSpec
+
+__all__ = ["check_deepspeed_storage", "install_storage"]
+
+
+def install_storage(trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) -> list[str]:
+    """The model's parameters in the dtypes the recipe's ``storage:`` and ``modules:`` keep them in, the optimizer
+    it needs and the rules' compute regions (the runtime records its own notes: none returned)."""
+    from hf_mixedprec.storage.setup import check_optimizer_family, optimizer_family
+
+    cls, source = _trainer_optimizer_class(trainer)
+
+    def optimizer_first(plan: Any) -> None:  # refused before any parameter changes dtype
+        if plan.optimizer != "unchanged":
+            _install_storage_optimizer(trainer, rt, late)
+        elif cls is not None:
+            check_optimizer_family(rt.recipe.storage, cls, source)
+
+    family = optimizer_family(cls) if cls is not None else None
+    rt.prepare_storage(trainer.model, check=optimizer_first, family=family)
+    return []
+
+
+def _trainer_optimizer_class(trainer: Trainer) -> tuple[type | None, str]:
+    """The class of the optimizer the Trainer has or will build, and where it comes from (for messages); None when
+    unknown (an ``optim`` needing a package that is missing: the Trainer says so when it builds it)."""
+    current = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    if current is not None:
+        return type(current), "the Trainer's optimizer"
+    if trainer.optimizer_cls_and_kwargs is not None:
+        return trainer.optimizer_cls_and_kwargs[0], "Trainer(optimizer_cls_and_kwargs=...)"
+    try:
+        cls, _ = trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
+    except Exception:
+        return None, ""
+    optim = getattr(trainer.args.optim, "value", trainer.args.optim)
+    return (cls if isinstance(cls, type) else None), f"TrainingArguments.optim {optim!r}"
+
+
+def check_deepspeed_storage(trainer: Trainer, recipe: RecipeSpec) -> list[str]:
+    """Under DeepSpeed the engine keeps the master and optimizer states: its config must say what ``storage:`` says
+    (``deepspeed_config(recipe)`` writes it so; a config of the user's is checked here, never silently overruled).
+    ``modules:`` rules that need compute regions or weight dtypes are refused (required) or left out (returned
+    notes): the engine keeps every weight in its own dtype."""
+    from pydantic_core import PydanticCustomError
+
+    from hf_mixedprec.integrations.deepspeed import deepspeed_storage_keys, engine_config
+    from hf_mixedprec.storage import StorageRefusal
+    from hf_mixedprec.storage_config import storage_rules
+
+    config = engine_config(trainer.accelerator.state)
+    stage = (config.get("zero_optimization") or {}).get("stage")  # None when absent: named as unset below
+    try:
+        storage_rules(recipe.storage, recipe.precision, "deepspeed", stage if isinstance(stage, int) else None)
+    except PydanticCustomError as exc:  # the rule's own message, with its key
+        raise StorageRefusal(f"recipe {recipe.name!r} under DeepSpeed: {exc.message()}") from None
+    bf16 = config.get("bf16") or {}
+    expected = deepspeed_storage_keys(recipe) or {"bf16_master_weights_and_grads": False}
+    for key, value in expected.items():
+        if bool(bf16.get(key, False)) != value:
+            raise StorageRefusal(
+                f"storage.master {recipe.storage.master} / optimizer_states {recipe.storage.optimizer_states}: the "
+                f"DeepSpeed config has bf16.{key}={bf16.get(key, False)!r} (allowed: {value!r}; build the config with "
+                "hf_mixedprec.integrations.deepspeed.deepspeed_config(recipe))"
+            )
+    return list(assign_rules(trainer.model, recipe.modules, recipe.precision, "deepspeed").notes)
+
+
+def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) -> None:
+    """Make the Trainer build the optimizer the recipe's ``storage:`` needs (hf_mixedprec's StorageAdamW or torchao's
+    low-bit AdamW) with the hyperparameters of the AdamW it would have built (``Trainer.get_optimizer_cls_and_kwargs``);
+    an optimizer the user chose, or one already built, is refused with the fix."""
+    from hf_mixedprec.storage import StorageRefusal, trainer_optimizer
+    from hf_mixedprec.storage.setup import matches_storage, optimizer_class
+
+    storage = rt.recipe.storage
+    what = f"storage.master {storage.master} with optimizer_states {storage.optimizer_states}"
+    current = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    wanted = rt.plan.optimizer if rt.plan is not None else "?"
+    if current is not None:
+        if matches_storage(storage, current):  # e.g. optimizers=(storage_optimizer(recipe.storage, ...), None)
+            return
+        where = "built when train() began (the callback was added after construction)" if late else "passed in"
+        raise StorageRefusal(
+            f"{what} needs hf_mixedprec's optimizer ({wanted}), but the Trainer's "
+            f"optimizer ({type(current).__name__}) was {where}; pass recipe.callbacks() to Trainer(callbacks=...) or "
+            "attach(trainer, recipe) before train(), and no optimizers=(...); or build it with "
+            "hf_mixedprec.storage.storage_optimizer(recipe.storage, params, lr=...)"
+        )
+    if trainer.optimizer_cls_and_kwargs is not None:
+        cls, kwargs = trainer.optimizer_cls_and_kwargs
+        name = getattr(cls, "__name__", "?")
+        own_cls, own = optimizer_class(storage)
+        keys = ("master", "state_dtype", "bf16_stochastic_round")
+        if cls is own_cls and all(kwargs.get(k) == own[k] for k in keys if k in own):  # said, not defaulted
+            return
+        raise StorageRefusal(
+            f"{what} needs {wanted}, but Trainer(optimizer_cls_and_kwargs=({name}, ...)) chooses another or other "
+            "storage arguments; remove optimizer_cls_and_kwargs, or use storage.master fp32 with optimizer_states fp32"
+        )
+    cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
+    trainer.optimizer_cls_and_kwargs = trainer_optimizer(storage, cls, kwargs)
+    rt.note(
+        f"{what}: the Trainer's optimizer {getattr(cls, '__name__', cls)} (optim="
+        f"{getattr(trainer.args.optim, 'value', trainer.args.optim)!r}) is built as "
+        f"{wanted} with the same lr, betas, eps and weight_decay"
+    )
