@@ -135,6 +135,10 @@ class _Step:
     fp8_layers: int = 0
     backend: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: the prepared model as the step ran it: the modules that are FP8 layers (or Transformer Engine's stand-ins), and
+    #: each parameter's dtype
+    fp8_names: list[str] = field(default_factory=list)
+    param_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
 
 # -- the fake step -------------------------------------------------------------------------------------------
@@ -217,6 +221,16 @@ def _fp8_buffers(model: nn.Module) -> int:
     return storage_bytes(b for layer in layers if layer is not None for b in layer.buffers())
 
 
+def _note_prepared(model: nn.Module, step: _Step) -> None:
+    """What the prepared model holds, module by module (tests compare it with the plan)."""
+    from hf_mixedprec.fp8 import converted_types
+    from hf_mixedprec.fp8.memory import TEMemoryStandIn
+
+    kinds = (*converted_types(), TEMemoryStandIn)
+    step.fp8_names = [n for n, m in model.named_modules() if isinstance(m, kinds)]
+    step.param_dtypes = {n: p.dtype for n, p in model.named_parameters()}
+
+
 def _plan_has_states(plan: PrecisionPlan) -> bool:
     return any(p.states is not None for p in plan.params if p.trainable)
 
@@ -246,6 +260,7 @@ def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.
             apply_storage(model, step.plan)  # remainders it leaves for an optimizer go with the fake model)
         if backend is not None:
             _convert(model, recipe, backend, step)
+        _note_prepared(model, step)
         if s.gradient_checkpointing:
             _enable_checkpointing(model)
         params = list(model.parameters())

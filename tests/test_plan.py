@@ -42,11 +42,18 @@ def test_the_prepared_model_is_the_plan_module_by_module(name):
     assert {p.weight for p in plan.params if p.trainable} == {"fp32"}
 
 
-@pytest.mark.parametrize("name", [n for n in RECIPES if load_recipe(n, rehearse=True).precision == "fp8"])
+@pytest.mark.parametrize("name", RECIPES)
 def test_simulate_converts_the_plans_layers(name):
+    """simulate rehearses FP8 recipes on the plan's layers; a recipe whose plan has no FP8 layer is refused."""
     from hf_mixedprec.simulate import simulate
 
-    res = simulate(load_recipe(name, rehearse=True), steps=2, seq_len=32, batch_size=2)
+    recipe = load_recipe(name, rehearse=True)
+    if recipe.precision != "fp8":
+        assert run_plan(recipe, tiny_llama(0), rehearse=True).fp8_layers == ()
+        with pytest.raises(ValueError, match=f"has precision '{recipe.precision}'; simulate rehearses fp8 recipes"):
+            simulate(recipe, steps=2, seq_len=32, batch_size=2)
+        return
+    res = simulate(recipe, steps=2, seq_len=32, batch_size=2)
     assert res.plan is not None
     assert [(d.name, d.fp8) for d in res.conversion.layers] == [(d.name, d.fp8) for d in res.plan.fp8_layers]
 
@@ -68,19 +75,24 @@ def test_run_plan_of_an_fp32_recipe_has_no_fp8_and_fp32_storage():
     assert plan.bytes_by_component()["weights"] == sum(p.numel() * 4 for p in tiny_llama(0).parameters())
 
 
-@pytest.mark.parametrize("name", [n for n in RECIPES if "fp8" in load_recipe(n, rehearse=True).precisions()])
-def test_estimate_converts_the_plans_layers_and_counts_its_bytes(name):
-    """``estimate`` on the tiny Llama's config, for this CPU: the FP8 layers it converts are the plan's, and its
-    weights / master / gradients / optimizer are the plan's bytes (the model built in FP32, as finetune builds it)."""
+@pytest.mark.parametrize("name", RECIPES)
+def test_estimate_prepares_the_plans_model_module_by_module_and_counts_its_bytes(name):
+    """``estimate`` on the tiny Llama's config, for this CPU, under every built-in recipe: the model its fake step
+    ran is the plan's, module by module (the FP8 layers, each parameter's dtype), and its weights / master /
+    gradients / optimizer are the plan's bytes (the model built in FP32, as finetune builds it)."""
     from hf_mixedprec.demo import tiny_llama_config
     from hf_mixedprec.estimate import estimate_memory
+    from hf_mixedprec.estimate_step import _run_fake_step, _Settings
     from hf_mixedprec.plan import build_plan
 
     recipe = load_recipe(name, rehearse=True)
     est = estimate_memory(tiny_llama_config(), [recipe], batch_size=1, seq_len=32, target="cpu").recipes[0]
-    model = tiny_llama(0)
-    plan = build_plan(recipe, model, fp8_backend=est.fp8_backend)
-    assert est.fp8_layers == sum(d.fp8 for d in plan.fp8_layers) > 0
+    plan = build_plan(recipe, tiny_llama(0), fp8_backend=est.fp8_backend)
+    fp8 = [d.name for d in plan.fp8_layers if d.fp8]
+    assert est.fp8_layers == len(fp8) and (len(fp8) > 0) == (recipe.precision == "fp8")
+    step = _run_fake_step(tiny_llama_config(), recipe, _Settings(1, 32, False, "adamw", None, None, "cpu"))
+    assert step.fp8_names == fp8
+    assert {n: dtype_name(d) for n, d in step.param_dtypes.items()} == {p.name: p.weight for p in plan.params}
     b = plan.bytes_by_component()
     assert est.memory.weights == b["weights"] and est.memory.gradients == b["gradients"]
     assert est.memory.optimizer == b["exp_avg"] + b["exp_avg_sq"] + b["optimizer_step"]
