@@ -167,7 +167,7 @@ def _convert(model: nn.Module, recipe: Recipe, backend: str, step: _Step) -> Non
         report = fp8.convert(model, recipe, backend=backend, decisions=decisions)
         step.fp8_layers = len(report.converted)
         return
-    scaling, history = recipe.fp8.scaling, recipe.fp8.amax_history_len or 1024
+    scaling, history = recipe.fp8.scaling, recipe.fp8.options().get("amax_history_len") or 1024
     step.notes += [f"{recipe.name}: {n}" for n in fp8._unsupported_kind_notes(decisions, backend)]
     for d in decisions:
         if d.to_swap:

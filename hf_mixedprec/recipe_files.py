@@ -14,10 +14,10 @@ import os
 from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Tag, ValidationError
 
 from hf_mixedprec._text import shown
 from hf_mixedprec.errors import Problem, RecipeError
@@ -44,16 +44,42 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+def _tagged(annotation: Any) -> dict[str, type[BaseModel]]:
+    """The members of the tagged unions an annotation holds, by tag (``fp8``: one model per scaling)."""
+    found: dict[str, type[BaseModel]] = {}
+    for arg in get_args(annotation):
+        tags = [m.tag for m in getattr(arg, "__metadata__", ()) if isinstance(m, Tag)]
+        if tags:
+            found[tags[0]] = get_args(arg)[0]
+        else:
+            found.update(_tagged(arg))
+    return found
+
+
+def _located(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], type[BaseModel] | None]:
+    """An error's location in a recipe without the tags pydantic puts in it inside a tagged union
+    (``fp8.current.margin`` is ``fp8.margin`` to the user), and the model the location ends in, if any."""
     model: type[BaseModel] | None = RecipeSpec
+    tags: dict[str, type[BaseModel]] = {}
+    out: list[Any] = []
     for part in loc:
+        if isinstance(part, str) and part in tags:  # the member of the union just entered
+            model, tags = tags[part], {}
+            continue
+        out.append(part)
         if isinstance(part, int):  # an index into a list of sections (phases)
             continue
         field = model.model_fields.get(str(part)) if model is not None else None
-        if field is None:
-            return None
-        model = _model_in(field.annotation)
-    return model
+        model = _model_in(field.annotation) if field is not None else None
+        tags = _tagged(field.annotation) if field is not None else {}
+    return tuple(out), model
+
+
+def _allowed_keys(model: type[BaseModel]) -> list[str]:
+    """The keys a section accepts: every kind's for a section that comes in kinds (``SECTION_KEYS``), else its
+    fields; and the shorthands its validators expand."""
+    keys = list(getattr(model, "SECTION_KEYS", ())) or [f.alias or n for n, f in model.model_fields.items()]
+    return keys + list(getattr(model, "SHORTHAND_KEYS", ()))
 
 
 def _problems_from(err: ValidationError, source: str) -> list[Problem]:
@@ -63,7 +89,8 @@ def _problems_from(err: ValidationError, source: str) -> list[Problem]:
 def _problems_in(errors: list[Any], source: str, prefix: tuple[Any, ...]) -> list[Problem]:
     problems = []
     for e in errors:
-        own = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        raw = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        own, _ = _located(raw)
         loc = prefix + own
         etype = e["type"]
         ctx = e.get("ctx") or {}
@@ -75,10 +102,8 @@ def _problems_in(errors: list[Any], source: str, prefix: tuple[Any, ...]) -> lis
             key = ".".join(x for x in (key, ctx["key"]) if x)
             msg = ctx["message"]
         elif etype == "extra_forbidden":
-            parent = _model_at(own[:-1])  # a phase's own errors are located in a recipe of its own
-            keys = [f.alias or n for n, f in parent.model_fields.items()] if parent else []
-            keys += list(getattr(parent, "SHORTHAND_KEYS", ()))
-            allowed = ", ".join(keys) if parent else "see `hf-mixedprec schema`"
+            _, parent = _located(raw[:-1])  # a phase's own errors are located in a recipe of its own
+            allowed = ", ".join(_allowed_keys(parent)) if parent else "see `hf-mixedprec schema`"
             msg = f"unknown key (allowed: {allowed})"
         elif etype in ("literal_error", "enum"):
             expected = str(ctx.get("expected", "")).replace("'", "").replace(" or ", ", ")

@@ -6,8 +6,9 @@ Everything a user can type is checked here, and every problem is reported as ``d
 ``amax_compute_algo``, ``init_scale``, ``growth_interval``) and each option has exactly one spelling. What a
 recipe does to a Trainer or an Accelerate loop is in :mod:`hf_mixedprec.recipe` (``recipe.callbacks()``...).
 
-The sections (``loss_scale:``, ``fp8:``, ``clipping:``, ``health:``, ``distributed:``, ``phases:``) are defined in
-:mod:`hf_mixedprec.schema_sections` and re-exported here; this module puts them together in :class:`RecipeSpec`
+The sections (``loss_scale:``, ``health:``, ``distributed:``, ``phases:``) are defined in
+:mod:`hf_mixedprec.schema_sections`, those that come in kinds (``fp8:`` by scaling, ``clipping:`` by method) in
+:mod:`hf_mixedprec.schema_kinds`, and re-exported here; this module puts them together in :class:`RecipeSpec`
 and checks the rules that span sections (precision vs. its sections, DeepSpeed, storage, each phase as a recipe).
 """
 
@@ -23,19 +24,32 @@ from pydantic import BeforeValidator, Field, PrivateAttr, ValidationError, Valid
 from pydantic_core import PydanticCustomError
 
 from hf_mixedprec.modules_config import DEFAULT_RULES, LEGACY_FP8_KEYS, ModuleRule, legacy_rules, module_rules_check
-from hf_mixedprec.schema_sections import _CLIP_PARAMS as _CLIP_PARAMS  # re-exported: recipe_files reads it here
-from hf_mixedprec.schema_sections import (
+from hf_mixedprec.schema_kinds import _CLIP_PARAMS as _CLIP_PARAMS  # re-exported: recipe_files reads it here
+from hf_mixedprec.schema_kinds import (
     _FP8_SCALING_ONLY,
     CLIP_DEFAULTS,
+    TORCHAO_AMAX_EPS,
+    AGCConfig,
+    AutoClipConfig,
+    BlockwiseFP8Config,
+    ClippingConfig,
+    ClippingSection,
+    CurrentFP8Config,
+    DelayedFP8Config,
+    FP8Config,
+    FP8Section,
+    MXFP8Config,
+    NoClipConfig,
+    NormClipConfig,
+    ZClipConfig,
+)
+from hf_mixedprec.schema_sections import (
     MAX_PHASES,
     MAX_STEPS,
     PHASE_STRATEGIES,
-    TORCHAO_AMAX_EPS,
-    ClippingConfig,
     DetectorConfig,
     DetectorsConfig,
     DistributedConfig,
-    FP8Config,
     HealthConfig,
     LossScaleConfig,
     PhaseConfig,
@@ -53,17 +67,28 @@ __all__ = [
     "MAX_STEPS",
     "RECIPE_ENV",
     "TORCHAO_AMAX_EPS",
+    "AGCConfig",
+    "AutoClipConfig",
+    "BlockwiseFP8Config",
     "ClippingConfig",
+    "ClippingSection",
+    "CurrentFP8Config",
+    "DelayedFP8Config",
     "DetectorConfig",
     "DetectorsConfig",
     "DistributedConfig",
     "FP8Config",
+    "FP8Section",
     "HealthConfig",
     "LossScaleConfig",
+    "MXFP8Config",
     "ModuleRule",
+    "NoClipConfig",
+    "NormClipConfig",
     "PhaseConfig",
     "RecipeSpec",
     "StorageConfig",
+    "ZClipConfig",
 ]
 
 Generation = Literal["cpu", "mps", "volta", "turing", "ampere", "ada", "hopper", "blackwell"]
@@ -205,7 +230,7 @@ class RecipeSpec(_Section):
     precision: Precision = Field(..., description="Training precision: fp32, fp16 (+ loss scaling), bf16, or fp8.")
     tf32: bool = Field(False, description="Allow TF32 matmuls (Ampere and later).")
     loss_scale: LossScaleConfig | None = Field(None, description="fp16 only: dynamic loss scaling.")
-    fp8: FP8Config | None = Field(None, description="fp8 only: FP8 scaling and what stays in BF16.")
+    fp8: FP8Section | None = Field(None, description="fp8 only: FP8 scaling and what stays in BF16.")
     storage: StorageConfig = Field(
         default_factory=StorageConfig,
         description="What weights, master weights and optimizer states are stored in (default: FP32 master and "
@@ -217,7 +242,7 @@ class RecipeSpec(_Section):
         description="Per-module precision rules, first match wins (default: MoE routers compute fp32, the output "
         "projection out of FP8; a list given replaces them). See docs/modules.md.",
     )
-    clipping: ClippingConfig = Field(default_factory=ClippingConfig, description="Gradient clipping.")
+    clipping: ClippingSection = Field(default_factory=ClippingConfig, description="Gradient clipping.")
     health: HealthConfig = Field(default_factory=HealthConfig, description="Scale-health monitoring and reactions.")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="How the job is launched.")
     phases: Annotated[tuple[PhaseConfig, ...], BeforeValidator(_as_tuple)] | None = Field(
@@ -272,7 +297,7 @@ class RecipeSpec(_Section):
         if not self.distributed.fp8_all_gather:
             return self
         fp8 = self.fp8
-        recipe = (fp8.torchao_recipe or "tensorwise") if fp8 is not None else None
+        recipe = fp8.torchao_recipe if isinstance(fp8, CurrentFP8Config) else None  # backend torchao: always current
         if fp8 is None or fp8.backend != "torchao" or recipe != "tensorwise":
             if fp8 is None:
                 have = "no fp8 section"

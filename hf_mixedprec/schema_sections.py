@@ -1,5 +1,6 @@
-"""The sections of a recipe: the pydantic models of ``loss_scale:``, ``fp8:``, ``clipping:``, ``health:``,
-``distributed:`` and each entry of ``phases:``, the strict base they share, and the rules each checks on its own.
+"""The sections of a recipe: the pydantic models of ``loss_scale:``, ``health:``, ``distributed:`` and each entry
+of ``phases:``, the strict base every section shares, and the rules each checks on its own. The sections that come
+in kinds (``fp8:`` by scaling, ``clipping:`` by method) are in :mod:`hf_mixedprec.schema_kinds`.
 
 Split out of :mod:`hf_mixedprec.schema` to keep both modules short: ``schema`` puts these sections together in
 :class:`~hf_mixedprec.schema.RecipeSpec`, checks the rules that span sections, and re-exports the names other
@@ -16,21 +17,16 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 from pydantic_core import PydanticCustomError
 
 from hf_mixedprec.detectors import DETECTORS, Detector, Reaction
-from hf_mixedprec.formats import FP8_SCALING_DEFAULTS
 
 __all__ = [
-    "CLIP_DEFAULTS",
     "MAX_AMAX_HISTORY",
     "MAX_PHASES",
     "MAX_STEPS",
     "MAX_WINDOW",
     "PHASE_STRATEGIES",
-    "TORCHAO_AMAX_EPS",
-    "ClippingConfig",
     "DetectorConfig",
     "DetectorsConfig",
     "DistributedConfig",
-    "FP8Config",
     "HealthConfig",
     "LossScaleConfig",
     "PhaseConfig",
@@ -94,223 +90,6 @@ class LossScaleConfig(_Section):
         if self.max_scale is not None and self.max_scale < self.init_scale:
             raise _rule("max_scale", f"{self.max_scale:g} is below init_scale {self.init_scale:g}")
         return self
-
-
-_FP8_SCALING_ONLY = (
-    "amax_history_len",
-    "amax_compute_algo",
-    "margin",
-    "epsilon",
-    "power_2_scales",
-    "mx_rounding",
-    "block_size",
-)
-_ALLOWED_BLOCK_SIZE = {"mxfp8": (32,), "blockwise": (128,)}
-
-
-class FP8Config(_Section):
-    """FP8 training settings (only with ``precision: fp8``)."""
-
-    backend: Literal["auto", "transformer_engine", "torchao", "native", "emulated"] = Field(
-        "auto",
-        description="Who runs the FP8 math: auto picks transformer_engine on CUDA, else torchao for current scaling, "
-        "else refuses loudly; native: hf_mixedprec's quantizers on torch._scaled_mm (delayed, current); emulated: "
-        "exact FP8 values with float32 GEMMs, anywhere.",
-    )
-    scaling: Literal["delayed", "current", "mxfp8", "blockwise"] = Field(
-        "delayed",
-        description="How scales are chosen: amax history, amax now, per-32-block E8M0, or 1x128/128x128 tiles.",
-    )
-    format: Literal["HYBRID", "E4M3"] = Field(
-        "HYBRID", description="HYBRID = E4M3 forward, E5M2 gradients; E4M3 = E4M3 everywhere. Pure E5M2 is refused."
-    )
-    amax_history_len: int | None = Field(
-        None,
-        ge=1,
-        le=MAX_AMAX_HISTORY,
-        description=f"delayed only: amax history length (TE default 1024; at most {MAX_AMAX_HISTORY}, kept per layer).",
-    )
-    amax_compute_algo: Literal["max", "most_recent"] | None = Field(
-        None, description="delayed only: scale from the max of the history or the most recent amax."
-    )
-    margin: int | None = Field(
-        None,
-        ge=0,
-        le=64,
-        description="delayed/mxfp8: scale is divided by 2**margin (at most 64: beyond it every value underflows).",
-    )
-    epsilon: float | None = Field(None, ge=0, description="current only: amax floor before computing the scale.")
-    power_2_scales: bool | None = Field(None, description="current/blockwise: round scales down to a power of two.")
-    mx_rounding: Literal["rceil", "floor"] | None = Field(
-        None, description="mxfp8 only: rceil (TE/hardware, never saturates) or floor (OCP spec, may saturate)."
-    )
-    block_size: int | None = Field(
-        None, ge=1, le=4096, description="mxfp8: 32 (OCP MX); blockwise: 128 (TE); at most 4096."
-    )
-    torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = Field(
-        None, description="backend torchao only: torchao's float8 recipe name (default tensorwise)."
-    )
-    align: int = Field(
-        16, ge=1, description="Linear layers whose in/out features are not multiples of this stay in BF16."
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _scaling_options(cls, data: Any) -> Any:
-        if not isinstance(data, Mapping):
-            return data
-        data = dict(data)
-        if str(data.get("format", "")).upper() == "E5M2":
-            raise _rule("format", "pure E5M2 training is refused (Transformer Engine refuses it too); use HYBRID")
-        scaling = data.get("scaling", "delayed")
-        if scaling not in FP8_SCALING_DEFAULTS:
-            return data  # the field validator reports the bad value
-        backend = data.get("backend", "auto")
-        if backend == "torchao":
-            _torchao_rules(data, scaling)
-        elif backend == "native" and scaling not in ("delayed", "current"):
-            raise _rule(
-                "backend",
-                f"native runs delayed and current scaling (per-tensor scales on torch._scaled_mm), not {scaling!r}; "
-                "use emulated (any device) or transformer_engine for it",
-            )
-        if backend != "torchao" and data.get("torchao_recipe") is not None:
-            raise _rule("torchao_recipe", f"only applies to backend torchao (backend is {backend!r}); remove it")
-        applicable = FP8_SCALING_DEFAULTS[scaling]
-        for key in _FP8_SCALING_ONLY:
-            if key in applicable:
-                if data.get(key) is None:
-                    data[key] = applicable[key]
-            elif data.get(key) is not None:
-                users = [s for s, opts in FP8_SCALING_DEFAULTS.items() if key in opts]
-                raise _rule(
-                    key,
-                    f"does not apply to scaling {scaling!r} (it applies to: {', '.join(users)}); remove it"
-                    " (set it to null in a recipe that extends another)",
-                )
-        size = data.get("block_size")
-        allowed = _ALLOWED_BLOCK_SIZE.get(scaling)
-        if allowed and isinstance(size, int) and size not in allowed:
-            raise _rule(
-                "block_size", f"{size} is not supported for {scaling} (allowed: {', '.join(map(str, allowed))})"
-            )
-        return data
-
-    def options(self) -> dict[str, Any]:
-        """The scaling-specific options that apply to this recipe's scaling (resolved)."""
-        return {k: getattr(self, k) for k in FP8_SCALING_DEFAULTS[self.scaling]}
-
-
-#: torchao clamps every amax at this value before computing a scale (``torchao/float8/float8_utils.py``, EPS).
-TORCHAO_AMAX_EPS = 1e-12
-#: torchao's float8 recipes that use E4M3 for every tensor with power-of-2 scales (``Float8LinearConfig.from_recipe_name``).
-_TORCHAO_ROWWISE = ("rowwise", "rowwise_with_gw_hp")
-
-
-def _torchao_rules(data: dict[str, Any], scaling: Any) -> None:
-    """What torchao's ``Float8LinearConfig`` can express, checked before any model exists (``validate`` and every
-    load say it in one line), and the defaults that make a torchao recipe say what torchao will do.
-
-    * scaling: current only (torchao dropped delayed scaling; it has no TE-style mxfp8/blockwise training);
-    * ``torchao_recipe`` defaults to tensorwise; the rowwise recipes use E4M3 for every tensor and power-of-2
-      scales: those are their defaults, and a recipe saying otherwise is refused, never overridden;
-    * ``epsilon``: torchao always clamps amax at 1e-12, so that is the default; 0 (no floor, the value recipes
-      written for Transformer Engine carry) is accepted and the conversion notes the 1e-12 clamp; others are refused.
-    """
-    if scaling != "current":
-        raise _rule(
-            "scaling",
-            f"{scaling!r} is not available with backend torchao (allowed: current; torchao dropped delayed "
-            "scaling and has no TE-style mxfp8/blockwise training; use backend transformer_engine or emulated)",
-        )
-    name = data.get("torchao_recipe")
-    if name is None:
-        name = data["torchao_recipe"] = "tensorwise"
-    if name in _TORCHAO_ROWWISE:
-        if data.get("format") is None:
-            data["format"] = "E4M3"
-        elif str(data["format"]).upper() != "E4M3":
-            raise _rule(
-                "format",
-                f"{data['format']!r} does not match torchao's {name} recipe, which casts every tensor to E4M3 "
-                f"(allowed: E4M3 with torchao_recipe {name}; or torchao_recipe tensorwise for HYBRID)",
-            )
-        if data.get("power_2_scales") is None:
-            data["power_2_scales"] = True
-        elif data["power_2_scales"] is not True:
-            raise _rule(
-                "power_2_scales",
-                f"{data['power_2_scales']!r} does not match torchao's {name} recipe, which rounds every scale to a "
-                f"power of two (allowed: true with torchao_recipe {name}; or torchao_recipe tensorwise)",
-            )
-    eps = data.get("epsilon")
-    if eps is None:
-        data["epsilon"] = TORCHAO_AMAX_EPS
-    elif isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps not in (0.0, TORCHAO_AMAX_EPS):
-        raise _rule(
-            "epsilon",
-            f"{eps!r} cannot be set with backend torchao, which always clamps amax at 1e-12 (allowed: 1e-12, the "
-            "default, or 0; or backend emulated for another floor)",
-        )
-
-
-ClipMethod = Literal["none", "norm", "zclip", "autoclip", "agc"]
-#: Each method's recipe parameters and their defaults (the clippers' keyword defaults in clipping.py come from here).
-CLIP_DEFAULTS: dict[str, dict[str, Any]] = {
-    "none": {},
-    "norm": {"max_norm": 1.0},
-    # ZClip (2025): 25 warm-up steps, EMA alpha 0.97, z threshold 2.5; max_norm is an optional hard cap.
-    "zclip": {"alpha": 0.97, "z_thresh": 2.5, "warmup_steps": 25, "max_norm": None},
-    # AutoClip (2020): clip at the p-th percentile of the grad-norm history.
-    "autoclip": {"percentile": 10.0, "history_size": 1000},
-    # AGC (2021): clip each unit's gradient to clip_factor * max(||W_i||, eps).
-    "agc": {"clip_factor": 0.01, "eps": 0.001},
-}
-_CLIP_PARAMS = ("max_norm", "alpha", "z_thresh", "warmup_steps", "percentile", "history_size", "clip_factor", "eps")
-
-
-class ClippingConfig(_Section):
-    """Gradient clipping: fixed norm, or adaptive (ZClip, AutoClip, AGC)."""
-
-    method: ClipMethod = Field("zclip", description="none | norm | zclip | autoclip | agc.")
-    max_norm: float | None = Field(None, gt=0, description="norm: the threshold; zclip: optional hard cap.")
-    alpha: float | None = Field(None, gt=0, lt=1, description="zclip: EMA factor for the norm mean/variance.")
-    z_thresh: float | None = Field(None, gt=0, description="zclip: z-score above which a step is clipped.")
-    warmup_steps: int | None = Field(
-        None, ge=1, le=MAX_STEPS, description="zclip: steps used to initialise mean/variance."
-    )
-    percentile: float | None = Field(None, gt=0, le=100, description="autoclip: percentile of the norm history.")
-    history_size: int | None = Field(
-        None,
-        ge=1,
-        le=MAX_WINDOW,
-        description=f"autoclip: how many past norms are kept (at most {MAX_WINDOW:,}, kept in memory).",
-    )
-    clip_factor: float | None = Field(None, gt=0, description="agc: lambda, the allowed grad/weight norm ratio.")
-    eps: float | None = Field(None, gt=0, description="agc: floor for weight norms.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _method_options(cls, data: Any) -> Any:
-        if not isinstance(data, Mapping):
-            return data
-        data = dict(data)
-        method = data.get("method", "zclip")
-        if method not in CLIP_DEFAULTS:
-            return data
-        applicable = CLIP_DEFAULTS[method]
-        for key in _CLIP_PARAMS:
-            if key in applicable:
-                if key not in data:
-                    data[key] = applicable[key]
-            elif data.get(key) is not None:
-                users = [m for m, opts in CLIP_DEFAULTS.items() if key in opts]
-                raise _rule(key, f"does not apply to method {method!r} (it applies to: {', '.join(users)}); remove it")
-        return data
-
-    def params(self) -> dict[str, Any]:
-        """The parameters that apply to this method (resolved)."""
-        return {k: getattr(self, k) for k in CLIP_DEFAULTS[self.method]}
 
 
 class DetectorConfig(_Section):

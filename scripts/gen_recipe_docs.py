@@ -38,8 +38,19 @@ def _validator(field: Any) -> str | None:
     return None
 
 
+def _family(ann: Any) -> Any:
+    """The base of the kinds an annotation's tagged union holds (``FP8Config`` for the fp8 field), if any."""
+    models = [m for m, _ in _models_in(ann)]
+    if len(models) > 1 and all(hasattr(m, "family") for m in models):
+        return models[0].family()
+    return None
+
+
 def _type(field: Any) -> str:
     ann = field.annotation
+    family = _family(ann)
+    if family is not None:  # a section that comes in kinds: named by its base, as code names "any fp8 section"
+        return family.__name__ + (" or null" if type(None) in getattr(ann, "__args__", ()) else "")
     before = _validator(field)
     if before == "_names":  # one name or a list of names
         return "str or list of str"
@@ -105,7 +116,7 @@ def _section(model: type[BaseModel], prefix: str, out: list[str], seen: dict[typ
             k, t, meaning = extra[name]
             rows.append(f"| `{prefix}{k}` | `{t}` | null | {meaning} |")
         if sub:
-            nested.append((sub[0][0], f"{key}[]." if sub[0][1] else f"{key}."))
+            nested.append((_family(ann) or sub[0][0], f"{key}[]." if sub[0][1] else f"{key}."))
     out.append("| key | type | default | meaning |")
     out.append("| --- | --- | --- | --- |")
     out.extend(rows)
@@ -121,7 +132,37 @@ def _section(model: type[BaseModel], prefix: str, out: list[str], seen: dict[typ
         if sub_model.__doc__:
             out.append(sub_model.__doc__.strip().splitlines()[0])
             out.append("")
-        _section(sub_model, sub_prefix if len(shared) == 1 else f"{prefix}<detector>.", out, seen)
+        if hasattr(sub_model, "KINDS"):
+            _kinds_section(sub_model, sub_prefix, out)
+        else:
+            _section(sub_model, sub_prefix if len(shared) == 1 else f"{prefix}<detector>.", out, seen)
+
+
+def _kinds_section(family: Any, prefix: str, out: list[str]) -> None:
+    """A section that comes in kinds (``fp8`` by scaling, ``clipping`` by method): every key once, in the section's
+    order, with the kinds it applies to and its default in each."""
+    sel, kinds = family.SELECTOR, family.KINDS
+    default = family.model_fields[sel].default
+    out.append(
+        f"One model per `{prefix}{sel}` (`{default}` when absent): the `{sel}` column names the kinds each key "
+        "applies to; a key of another kind is an error."
+    )
+    out.append("")
+    out.append(f"| key | {sel} | type | default | meaning |")
+    out.append("| --- | --- | --- | --- | --- |")
+    for key in family.SECTION_KEYS:
+        owners = {name: kind.model_fields[key] for name, kind in kinds.items() if key in kind.model_fields}
+        field = family.model_fields.get(key) or next(iter(owners.values()))
+        applies = "all" if len(owners) == len(kinds) else ", ".join(owners)
+        if key in family.model_fields:
+            dflt = _default(field)
+        else:
+            per_kind = {name: _default(f) for name, f in owners.items()}
+            same = len(set(per_kind.values())) == 1
+            dflt = next(iter(per_kind.values())) if same else "; ".join(f"{n}: {d}" for n, d in per_kind.items())
+        meaning = (field.description or "").replace("|", "/")
+        out.append(f"| `{prefix}{key}` | {applies} | `{_type(field)}` | {dflt} | {meaning} |")
+    out.append("")
 
 
 def render() -> str:

@@ -46,13 +46,13 @@ def test_shipped_values():
         "max",
         0,
     )
-    assert d.fp8.epsilon is None and d.fp8.mx_rounding is None
+    assert not hasattr(d.fp8, "epsilon") and not hasattr(d.fp8, "mx_rounding")  # options of other scalings
     v = load_recipe_file("v100-fp16")
     assert v.loss_scale.init_scale == 65536.0 and v.loss_scale.growth_interval == 2000
     assert v.fp8 is None and v.tf32 is False
     m = load_recipe_file("b200-mxfp8")
     assert (m.fp8.scaling, m.fp8.mx_rounding, m.fp8.block_size, m.fp8.format) == ("mxfp8", "rceil", 32, "E4M3")
-    assert m.fp8.amax_history_len is None
+    assert not hasattr(m.fp8, "amax_history_len")
     b = load_recipe_file("h100-fp8-blockwise")
     assert (b.fp8.block_size, b.fp8.power_2_scales) == (128, True)
 
@@ -78,7 +78,10 @@ def test_json_schema_names_every_section():
     assert {"name", "precision", "tf32", "loss_scale", "fp8", "clipping", "health", "distributed"} <= set(
         schema["properties"]
     )
-    fp8 = schema["$defs"]["FP8Config"]["properties"]
+    # fp8 is one of four models by scaling, each with only its own keys; together they hold every key
+    kinds = [ref["$ref"].rsplit("/", 1)[1] for ref in schema["properties"]["fp8"]["anyOf"][0]["oneOf"]]
+    assert kinds == ["DelayedFP8Config", "CurrentFP8Config", "MXFP8Config", "BlockwiseFP8Config"]
+    fp8 = {key for kind in kinds for key in schema["$defs"][kind]["properties"]}
     for key in (
         "backend",
         "scaling",
@@ -93,6 +96,10 @@ def test_json_schema_names_every_section():
         "align",
     ):
         assert key in fp8, key
+    assert "epsilon" not in schema["$defs"]["DelayedFP8Config"]["properties"]
+    assert schema["$defs"]["CurrentFP8Config"]["properties"]["scaling"]["const"] == "current"
+    clipping = [ref["$ref"].rsplit("/", 1)[1] for ref in schema["properties"]["clipping"]["oneOf"]]
+    assert clipping == ["NoClipConfig", "NormClipConfig", "ZClipConfig", "AutoClipConfig", "AGCConfig"]
     rule = schema["$defs"]["ModuleRule"]["properties"]
     assert {"match", "class", "select", "first_blocks", "last_blocks", "compute", "fp8", "storage"} <= set(rule)
     ls = schema["$defs"]["LossScaleConfig"]["properties"]
@@ -232,10 +239,10 @@ def test_extends_by_relative_path_and_null_removes(tmp_path):
         tmp_path, "child.yaml", "name: child\nextends: base.yaml\nfp8: {scaling: mxfp8, amax_history_len: null}\n"
     )
     r = load_recipe_file(child)
-    assert r.fp8.scaling == "mxfp8" and r.fp8.amax_history_len is None and r.fp8.block_size == 32
+    assert r.fp8.scaling == "mxfp8" and not hasattr(r.fp8, "amax_history_len") and r.fp8.block_size == 32
     # switching the scaling drops the parent's delayed-only options without a null
     switched = _write(tmp_path, "switched.yaml", "name: s\nextends: base.yaml\nfp8: {scaling: mxfp8}\n")
-    assert load_recipe_file(switched).fp8.amax_history_len is None
+    assert not hasattr(load_recipe_file(switched).fp8, "amax_history_len")
     bad = _write(tmp_path, "bad.yaml", "name: bad\nextends: base.yaml\nfp8: {scaling: mxfp8, amax_history_len: 16}\n")
     with pytest.raises(RecipeError) as exc:
         load_recipe_file(bad)
@@ -306,5 +313,143 @@ def test_switching_method_or_scaling_in_a_child_drops_the_old_options():
     r = resolve_recipe({"name": "c", "extends": "cpu-bf16", "clipping": {"method": "norm", "max_norm": 0.5}})
     assert r.clipping.method == "norm" and r.clipping.params() == {"max_norm": 0.5}
     r = resolve_recipe({"name": "m", "extends": "h100-fp8-delayed", "fp8": {"scaling": "current"}})
-    assert r.fp8.scaling == "current" and r.fp8.amax_history_len is None
+    assert r.fp8.scaling == "current" and not hasattr(r.fp8, "amax_history_len")
     assert r.fp8.align == 16 and r.modules == load_recipe_file("h100-fp8-delayed").modules  # common options stay
+
+
+# -- fp8 and clipping come in kinds: one model per scaling / method -------------------------------------------------
+
+
+def test_each_kind_has_only_its_own_options():
+    from hf_mixedprec.formats import FP8_SCALING_DEFAULTS
+    from hf_mixedprec.schema import CLIP_DEFAULTS, ClippingConfig, FP8Config
+
+    for scaling, defaults in FP8_SCALING_DEFAULTS.items():
+        cfg = FP8Config(scaling=scaling)
+        assert isinstance(cfg, FP8Config) and type(cfg) is FP8Config.KINDS[scaling]
+        assert cfg.options() == defaults
+        kind_only = set(type(cfg).model_fields) - {"backend", "scaling", "format", "align", "torchao_recipe"}
+        assert kind_only == set(defaults), scaling
+        # a dump keeps the flat shape: every key, null where it does not apply
+        assert list(cfg.model_dump()) == list(FP8Config.SECTION_KEYS)
+    for method, defaults in CLIP_DEFAULTS.items():
+        cfg = ClippingConfig(method=method)
+        assert isinstance(cfg, ClippingConfig) and type(cfg) is ClippingConfig.KINDS[method]
+        assert cfg.params() == defaults and set(type(cfg).model_fields) == {"method", *defaults}
+    assert type(ClippingConfig()).__name__ == "ZClipConfig" and type(FP8Config()).__name__ == "DelayedFP8Config"
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        (
+            {"scaling": "current", "margin": 2},
+            "margin: does not apply to scaling 'current' (it applies to: delayed, mxfp8); remove it (set it to null "
+            "in a recipe that extends another)",
+        ),
+        (
+            {"scaling": "mxfp8", "amax_history_len": 16},
+            "amax_history_len: does not apply to scaling 'mxfp8' (it applies to: delayed); remove it",
+        ),
+        ({"epsilon": 0.5}, "epsilon: does not apply to scaling 'delayed' (it applies to: current); remove it"),
+        (
+            {"scaling": "current", "torchao_recipe": "rowwise"},
+            "torchao_recipe: only applies to backend torchao (backend is 'auto'); remove it",
+        ),
+        (
+            {"scaling": "mxfp8", "backend": "torchao"},
+            "scaling: 'mxfp8' is not available with backend torchao (allowed: current;",
+        ),
+        ({"scaling": "blockwise", "block_size": 32}, "block_size: 32 is not supported for blockwise (allowed: 128)"),
+    ],
+)
+def test_an_fp8_option_of_another_kind_cannot_be_built_from_python(data, expected):
+    from hf_mixedprec.schema import FP8Config, RecipeSpec
+
+    kind = FP8Config.KINDS[data.get("scaling", "delayed")]
+    for build in (lambda: FP8Config(**data), lambda: FP8Config.model_validate(data), lambda: kind(**data)):
+        with pytest.raises(ValidationError) as exc:
+            build()
+        assert expected in str(exc.value)
+    with pytest.raises(ValidationError) as exc:
+        RecipeSpec.model_validate({"name": "t", "precision": "fp8", "fp8": data})
+    assert expected in str(exc.value)
+    problems = _problems({"name": "t", "precision": "fp8", "fp8": data})
+    assert len(problems) == 1 and problems[0].startswith(f"x.yaml: fp8.{expected}"), problems
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        ({"method": "norm", "alpha": 0.5}, "alpha: does not apply to method 'norm' (it applies to: zclip); remove it"),
+        ({"method": "none", "max_norm": 1.0}, "max_norm: does not apply to method 'none' (it applies to: norm, zclip)"),
+        ({"percentile": 5.0}, "percentile: does not apply to method 'zclip' (it applies to: autoclip); remove it"),
+        (
+            {"method": "agc", "history_size": 10},
+            "history_size: does not apply to method 'agc' (it applies to: autoclip)",
+        ),
+    ],
+)
+def test_a_clipping_parameter_of_another_method_cannot_be_built_from_python(data, expected):
+    from hf_mixedprec.schema import ClippingConfig, RecipeSpec
+
+    kind = ClippingConfig.KINDS[data.get("method", "zclip")]
+    for build in (lambda: ClippingConfig(**data), lambda: ClippingConfig.model_validate(data), lambda: kind(**data)):
+        with pytest.raises(ValidationError) as exc:
+            build()
+        assert expected in str(exc.value)
+    with pytest.raises(ValidationError) as exc:
+        RecipeSpec.model_validate({"name": "t", "precision": "bf16", "clipping": data})
+    assert expected in str(exc.value)
+    problems = _problems({"name": "t", "precision": "bf16", "clipping": data})
+    assert len(problems) == 1 and problems[0].startswith(f"x.yaml: clipping.{expected}"), problems
+
+
+def test_a_kind_named_directly_takes_only_its_own_selector():
+    from hf_mixedprec.schema import DelayedFP8Config, NormClipConfig
+
+    with pytest.raises(ValidationError, match="Input should be 'delayed'"):
+        DelayedFP8Config(scaling="current")
+    with pytest.raises(ValidationError, match="Input should be 'norm'"):
+        NormClipConfig(method="zclip")
+
+
+def test_null_options_of_another_kind_are_dropped_and_dumps_round_trip():
+    from hf_mixedprec.schema import ClippingConfig, FP8Config
+
+    cfg = FP8Config(scaling="current", amax_history_len=None, margin=None, epsilon=None)
+    assert cfg == FP8Config(scaling="current") and cfg.epsilon == 0.0  # a null own option takes its default
+    for name in builtin_recipe_names():
+        r = load_recipe_file(name)
+        assert Recipe.model_validate(r.model_dump()) == r  # the flat dump (nulls of other kinds) validates again
+        if r.fp8 is not None:
+            assert FP8Config.model_validate(r.fp8.model_dump()) == r.fp8
+    assert ClippingConfig(method="autoclip", history_size=None).history_size is None  # AutoClip keeps every norm
+
+
+def test_an_unknown_selector_still_lists_every_problem_of_the_section():
+    problems = _problems({"name": "t", "precision": "fp8", "fp8": {"scaling": "wavelet", "align": 0, "margin": -1}})
+    assert problems == [
+        "x.yaml: fp8.scaling: 'wavelet' is not allowed (allowed: delayed, current, mxfp8, blockwise)",
+        "x.yaml: fp8.margin: -1 is out of range (allowed: >= 0)",
+        "x.yaml: fp8.align: 0 is out of range (allowed: >= 1)",
+    ]
+    assert _problems({"name": "t", "precision": "bf16", "clipping": {"method": ["norm"]}}) == [
+        "x.yaml: clipping.method: ['norm'] is not allowed (allowed: none, norm, zclip, autoclip, agc)"
+    ]
+
+
+def test_keys_shared_by_kinds_are_declared_alike():
+    """The reference documents each key once (scripts/gen_recipe_docs.py): every kind that has it agrees on its type,
+    bounds and meaning."""
+    from hf_mixedprec.schema import ClippingConfig, FP8Config
+
+    for family in (FP8Config, ClippingConfig):
+        for key in family.SECTION_KEYS:
+            fields = [k.model_fields[key] for k in family.KINDS.values() if key in k.model_fields]
+            assert fields, key
+            if key != family.SELECTOR:
+                assert len({(repr(f.annotation), repr(f.metadata), f.description) for f in fields}) == 1, key
+        for kind in family.KINDS.values():  # each kind's keys in the section's order
+            keys = list(kind.model_fields)
+            assert keys == [k for k in family.SECTION_KEYS if k in keys], kind

@@ -23,7 +23,7 @@ from torch import nn
 
 from hf_mixedprec.module_policy import RuleAssignment, assign_rules, find_block_list
 from hf_mixedprec.modules_config import DEFAULT_RULES, ModuleRule
-from hf_mixedprec.schema import FP8Config
+from hf_mixedprec.schema import FP8Config, MXFP8Config
 
 __all__ = [
     "ALREADY_FP8",
@@ -128,7 +128,7 @@ def _keep_reason(name: str, kind: str, in_f: int, out_f: int, ctx: _Context) -> 
         return f"{kind}: backend {ctx.backend} converts only nn.Linear"
     if in_f % cfg.align or out_f % cfg.align:
         return f"in/out features {in_f}x{out_f} not divisible by align={cfg.align}"
-    if cfg.scaling == "mxfp8" and cfg.block_size and (in_f % cfg.block_size or out_f % cfg.block_size):
+    if isinstance(cfg, MXFP8Config) and cfg.block_size and (in_f % cfg.block_size or out_f % cfg.block_size):
         return f"in/out features {in_f}x{out_f} not divisible by the MX block size {cfg.block_size}"
     return None
 

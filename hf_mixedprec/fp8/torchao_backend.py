@@ -22,7 +22,7 @@ from hf_mixedprec.fp8.policy import LayerDecision
 from hf_mixedprec.fp8.probe import QuantizeRule, attach_probe
 from hf_mixedprec.fp8.swap import linear_holding
 from hf_mixedprec.scaling.fp8 import FP8Format
-from hf_mixedprec.schema import TORCHAO_AMAX_EPS, RecipeSpec
+from hf_mixedprec.schema import TORCHAO_AMAX_EPS, CurrentFP8Config, RecipeSpec
 
 __all__ = ["TORCHAO_INSTALL_HINT", "convert_torchao", "precompute_fsdp_scales", "torchao_config"]
 
@@ -40,7 +40,7 @@ def _emulate_needed(device: torch.device) -> bool:
 def torchao_config(recipe: RecipeSpec, *, emulate: bool) -> Any:
     """Build torchao's ``Float8LinearConfig`` for ``recipe``.
 
-    The schema refuses what torchao cannot express (see ``hf_mixedprec.schema_sections._torchao_rules``); this
+    The schema refuses what torchao cannot express (see ``hf_mixedprec.schema_kinds._torchao_rules``); this
     repeats the checks for recipes that reach torchao through ``backend: auto``. ``format: E4M3`` with the
     tensorwise recipe sets both grad-output casts (the dgrad and the wgrad GEMM) to E4M3: torchao refuses a config
     whose two grad-output casts differ in dtype.
@@ -51,7 +51,7 @@ def torchao_config(recipe: RecipeSpec, *, emulate: bool) -> Any:
         raise ImportError(TORCHAO_INSTALL_HINT) from exc
     fp8 = recipe.fp8
     assert fp8 is not None
-    if fp8.scaling != "current":
+    if not isinstance(fp8, CurrentFP8Config):  # the one kind with torchao's options
         raise ValueError(
             f"fp8.scaling: {fp8.scaling!r} is not available with backend torchao (allowed: current; use "
             "backend transformer_engine or emulated for delayed, mxfp8 and blockwise)"
@@ -115,7 +115,7 @@ def convert_torchao(model: nn.Module, recipe: RecipeSpec, decisions: list[LayerD
             "FP8 all-gather: FSDP2 gathers these layers' weights already in FP8, so their health statistics cover "
             "inputs and gradients (the weights' are not sampled)"
         )
-    if recipe.fp8.epsilon in (None, 0.0):
+    if recipe.fp8.options().get("epsilon") in (None, 0.0):
         notes.append("torchao clamps every amax at 1e-12 before scaling (the recipe's fp8.epsilon is 0)")
     wanted = {d.name for d in decisions if d.to_swap}
     before = {name: model.get_submodule(name) for name in wanted}
