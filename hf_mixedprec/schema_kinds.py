@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args
 from pydantic import (
     Discriminator,
     Field,
+    GetJsonSchemaHandler,
     SerializationInfo,
     SerializerFunctionWrapHandler,
     Tag,
@@ -27,6 +28,7 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+from pydantic.json_schema import JsonSchemaValue
 
 from hf_mixedprec._text import shown
 from hf_mixedprec.formats import FP8_SCALING_DEFAULTS
@@ -134,8 +136,28 @@ class _Kinded(_Section):
         data = handler(self)
         fill = not (info.exclude_none or info.exclude_unset or info.exclude_defaults or info.include)
         skip = info.exclude or ()
+        sel = self.SELECTOR
+        wanted = sel not in skip and (info.include is None or sel in info.include)
+        if sel not in data and wanted and self.kind() != self.family().model_fields[sel].default:
+            data[sel] = self.kind()  # another kind than the default is never left out: a reload would change it
         own = type(self).model_fields
         return {k: data.get(k) for k in self.SECTION_KEYS if k in data or (fill and k not in own and k not in skip)}
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        """A kind's JSON schema as the recipe reads it: the keys of other kinds allowed as null (how a recipe that
+        extends another removes one), and the selector required except for the family's default kind (a section
+        without it is that kind), so that exactly one kind matches any section."""
+        ref = handler(core_schema)
+        schema = handler.resolve_ref_schema(ref)
+        if cls.family() is cls:
+            return ref
+        props = schema.setdefault("properties", {})
+        for key in cls.SECTION_KEYS:
+            props.setdefault(key, {"type": "null"})
+        if cls.kind() != cls.family().model_fields[cls.SELECTOR].default:
+            schema.setdefault("required", []).append(cls.SELECTOR)
+        return ref
 
 
 @functools.cache

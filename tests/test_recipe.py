@@ -10,6 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from hf_mixedprec.recipe import Recipe, RecipeError, builtin_recipe_names, load_recipe_file, resolve_recipe
+from hf_mixedprec.schema import RecipeSpec
 
 SHIPPED = {
     "cpu-bf16",
@@ -73,6 +74,21 @@ def test_recipe_is_immutable():
         r.precision = "fp16"  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("how", [{"exclude_defaults": True}, {"exclude_unset": True}, {"exclude_none": True}, {}])
+def test_a_dumped_section_of_another_kind_than_the_default_reloads_as_that_kind(how):
+    recipe = RecipeSpec.model_validate(
+        {
+            "name": "x",
+            "precision": "fp8",
+            "fp8": {"scaling": "mxfp8", "backend": "emulated"},
+            "clipping": {"method": "none"},
+        }
+    )
+    dumped = recipe.model_dump(**how)
+    assert dumped["fp8"]["scaling"] == "mxfp8" and dumped["clipping"]["method"] == "none"
+    assert RecipeSpec.model_validate(dumped) == recipe
+
+
 def test_json_schema_names_every_section():
     schema = Recipe.json_schema()
     assert {"name", "precision", "tf32", "loss_scale", "fp8", "clipping", "health", "distributed"} <= set(
@@ -96,8 +112,15 @@ def test_json_schema_names_every_section():
         "align",
     ):
         assert key in fp8, key
-    assert "epsilon" not in schema["$defs"]["DelayedFP8Config"]["properties"]
+    # another kind's key is allowed only as null (a recipe extending another removes one so); the selector is
+    # required except for the default kind, so exactly one kind matches any section (oneOf holds)
+    assert schema["$defs"]["DelayedFP8Config"]["properties"]["epsilon"] == {"type": "null"}
+    assert schema["$defs"]["CurrentFP8Config"]["properties"]["margin"] == {"type": "null"}
     assert schema["$defs"]["CurrentFP8Config"]["properties"]["scaling"]["const"] == "current"
+    for kind, required in (("DelayedFP8Config", False), ("CurrentFP8Config", True), ("MXFP8Config", True)):
+        assert ("scaling" in schema["$defs"][kind].get("required", [])) is required, kind
+    for kind, required in (("ZClipConfig", False), ("NormClipConfig", True), ("NoClipConfig", True)):
+        assert ("method" in schema["$defs"][kind].get("required", [])) is required, kind
     clipping = [ref["$ref"].rsplit("/", 1)[1] for ref in schema["properties"]["clipping"]["oneOf"]]
     assert clipping == ["NoClipConfig", "NormClipConfig", "ZClipConfig", "AutoClipConfig", "AGCConfig"]
     rule = schema["$defs"]["ModuleRule"]["properties"]
