@@ -14,6 +14,7 @@ keeps the one flat shape of the section (every key, null where it does not apply
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args
 
@@ -109,6 +110,17 @@ class _Kinded(_Section):
         if cls.family() is cls:
             return cls.KINDS[cls.kind_of(obj)].model_validate(obj, **kwargs)
         return super().model_validate(obj, **kwargs)
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Any:  # type: ignore[override]
+        """``Family.model_validate_json(text)`` validates the JSON object as the kind it names."""
+        if cls.family() is cls:
+            try:
+                data = json.loads(json_data)
+            except ValueError:  # not JSON: the default kind's validation says so, as pydantic would
+                data = None
+            return cls.KINDS[cls.kind_of(data)].model_validate_json(json_data, **kwargs)
+        return super().model_validate_json(json_data, **kwargs)
 
     @classmethod
     def _selected(cls, data: Mapping[str, Any]) -> str:

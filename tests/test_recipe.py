@@ -476,3 +476,16 @@ def test_keys_shared_by_kinds_are_declared_alike():
         for kind in family.KINDS.values():  # each kind's keys in the section's order
             keys = list(kind.model_fields)
             assert keys == [k for k in family.SECTION_KEYS if k in keys], kind
+
+
+def test_a_family_base_validates_json_as_the_kind_it_names():
+    from hf_mixedprec.schema import ClippingConfig, CurrentFP8Config, FP8Config, NormClipConfig
+
+    fp8 = FP8Config.model_validate_json('{"scaling": "current", "epsilon": 0.0}')
+    assert isinstance(fp8, CurrentFP8Config) and fp8.options()["epsilon"] == 0.0
+    clip = ClippingConfig.model_validate_json('{"method": "norm", "max_norm": 2.0}')
+    assert isinstance(clip, NormClipConfig) and clip.params() == {"max_norm": 2.0}
+    with pytest.raises(ValidationError, match="does not apply to scaling 'current'"):
+        FP8Config.model_validate_json('{"scaling": "current", "margin": 2}')
+    with pytest.raises(ValidationError, match="Invalid JSON"):
+        FP8Config.model_validate_json("{not json")
