@@ -362,70 +362,57 @@ def test_each_kind_has_only_its_own_options():
     assert type(ClippingConfig()).__name__ == "ZClipConfig" and type(FP8Config()).__name__ == "DelayedFP8Config"
 
 
-@pytest.mark.parametrize(
-    "data, expected",
-    [
-        (
-            {"scaling": "current", "margin": 2},
-            "margin: does not apply to scaling 'current' (it applies to: delayed, mxfp8); remove it (set it to null "
-            "in a recipe that extends another)",
-        ),
-        (
-            {"scaling": "mxfp8", "amax_history_len": 16},
-            "amax_history_len: does not apply to scaling 'mxfp8' (it applies to: delayed); remove it",
-        ),
-        ({"epsilon": 0.5}, "epsilon: does not apply to scaling 'delayed' (it applies to: current); remove it"),
-        (
-            {"scaling": "current", "torchao_recipe": "rowwise"},
-            "torchao_recipe: only applies to backend torchao (backend is 'auto'); remove it",
-        ),
-        (
-            {"scaling": "mxfp8", "backend": "torchao"},
-            "scaling: 'mxfp8' is not available with backend torchao (allowed: current;",
-        ),
-        ({"scaling": "blockwise", "block_size": 32}, "block_size: 32 is not supported for blockwise (allowed: 128)"),
-    ],
-)
-def test_an_fp8_option_of_another_kind_cannot_be_built_from_python(data, expected):
-    from hf_mixedprec.schema import FP8Config, RecipeSpec
-
-    kind = FP8Config.KINDS[data.get("scaling", "delayed")]
-    for build in (lambda: FP8Config(**data), lambda: FP8Config.model_validate(data), lambda: kind(**data)):
-        with pytest.raises(ValidationError) as exc:
-            build()
-        assert expected in str(exc.value)
-    with pytest.raises(ValidationError) as exc:
-        RecipeSpec.model_validate({"name": "t", "precision": "fp8", "fp8": data})
-    assert expected in str(exc.value)
-    problems = _problems({"name": "t", "precision": "fp8", "fp8": data})
-    assert len(problems) == 1 and problems[0].startswith(f"x.yaml: fp8.{expected}"), problems
+_FP8_CASES = [
+    (
+        {"scaling": "current", "margin": 2},
+        "margin: does not apply to scaling 'current' (it applies to: delayed, mxfp8); remove it (set it to null "
+        "in a recipe that extends another)",
+    ),
+    (
+        {"scaling": "mxfp8", "amax_history_len": 16},
+        "amax_history_len: does not apply to scaling 'mxfp8' (it applies to: delayed); remove it",
+    ),
+    ({"epsilon": 0.5}, "epsilon: does not apply to scaling 'delayed' (it applies to: current); remove it"),
+    (
+        {"scaling": "current", "torchao_recipe": "rowwise"},
+        "torchao_recipe: only applies to backend torchao (backend is 'auto'); remove it",
+    ),
+    (
+        {"scaling": "mxfp8", "backend": "torchao"},
+        "scaling: 'mxfp8' is not available with backend torchao (allowed: current;",
+    ),
+    ({"scaling": "blockwise", "block_size": 32}, "block_size: 32 is not supported for blockwise (allowed: 128)"),
+]
+_CLIPPING_CASES = [
+    ({"method": "norm", "alpha": 0.5}, "alpha: does not apply to method 'norm' (it applies to: zclip); remove it"),
+    ({"method": "none", "max_norm": 1.0}, "max_norm: does not apply to method 'none' (it applies to: norm, zclip)"),
+    ({"percentile": 5.0}, "percentile: does not apply to method 'zclip' (it applies to: autoclip); remove it"),
+    ({"method": "agc", "history_size": 10}, "history_size: does not apply to method 'agc' (it applies to: autoclip)"),
+]
 
 
 @pytest.mark.parametrize(
-    "data, expected",
-    [
-        ({"method": "norm", "alpha": 0.5}, "alpha: does not apply to method 'norm' (it applies to: zclip); remove it"),
-        ({"method": "none", "max_norm": 1.0}, "max_norm: does not apply to method 'none' (it applies to: norm, zclip)"),
-        ({"percentile": 5.0}, "percentile: does not apply to method 'zclip' (it applies to: autoclip); remove it"),
-        (
-            {"method": "agc", "history_size": 10},
-            "history_size: does not apply to method 'agc' (it applies to: autoclip)",
-        ),
-    ],
+    "section, data, expected",
+    [("fp8", d, e) for d, e in _FP8_CASES] + [("clipping", d, e) for d, e in _CLIPPING_CASES],
 )
-def test_a_clipping_parameter_of_another_method_cannot_be_built_from_python(data, expected):
-    from hf_mixedprec.schema import ClippingConfig, RecipeSpec
+def test_an_option_of_another_kind_cannot_be_built_from_python(section, data, expected):
+    """Whichever way a section is built (the family, its model_validate, the kind itself, a recipe, a recipe file),
+    another kind's option is refused with the same message."""
+    from hf_mixedprec.schema import ClippingConfig, FP8Config, RecipeSpec
 
-    kind = ClippingConfig.KINDS[data.get("method", "zclip")]
-    for build in (lambda: ClippingConfig(**data), lambda: ClippingConfig.model_validate(data), lambda: kind(**data)):
+    family, precision = (FP8Config, "fp8") if section == "fp8" else (ClippingConfig, "bf16")
+    default = family.model_fields[family.SELECTOR].default
+    kind = family.KINDS[data.get(family.SELECTOR, default)]
+    for build in (lambda: family(**data), lambda: family.model_validate(data), lambda: kind(**data)):
         with pytest.raises(ValidationError) as exc:
             build()
         assert expected in str(exc.value)
+    recipe = {"name": "t", "precision": precision, section: data}
     with pytest.raises(ValidationError) as exc:
-        RecipeSpec.model_validate({"name": "t", "precision": "bf16", "clipping": data})
+        RecipeSpec.model_validate(recipe)
     assert expected in str(exc.value)
-    problems = _problems({"name": "t", "precision": "bf16", "clipping": data})
-    assert len(problems) == 1 and problems[0].startswith(f"x.yaml: clipping.{expected}"), problems
+    problems = _problems(recipe)
+    assert len(problems) == 1 and problems[0].startswith(f"x.yaml: {section}.{expected}"), problems
 
 
 def test_a_kind_named_directly_takes_only_its_own_selector():
