@@ -243,6 +243,13 @@ class LossScaling:
         )
         return self.scaler
 
+    def adopt_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
+        """Run with a GradScaler built elsewhere with the recipe's loss-scale settings (Accelerate's own, built from
+        the recipe's ``GradScalerKwargs``), said as :meth:`make_grad_scaler` would."""
+        assert self.recipe.loss_scale is not None
+        self._warn_hysteresis(self.recipe.loss_scale)
+        self.scaler, self.guard = scaler, False
+
     # -- per optimizer step (device only) ----------------------------------------------------------------
     def ensure_unscaled(self, optimizer: torch.optim.Optimizer | None) -> None:
         """FP16: unscale the gradients once (the GradScaler refuses a second unscale_ before update())."""

@@ -27,20 +27,22 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, GradScalerKwargs
+from accelerate.utils import GradScalerKwargs
 from pydantic import ValidationError
 
-from hf_mixedprec._private import custom_object_count, set_mixed_precision
+from hf_mixedprec._private import custom_object_count
 from hf_mixedprec.amp import PhaseScaler, track_steps_for_scheduler
 from hf_mixedprec.fp8 import model_parameters
-from hf_mixedprec.hardware import check_recipe, detect
-from hf_mixedprec.integrations.sharding import (
-    fsdp2_on_cpu_accelerator,
-    fsdp2_policy_on_accelerate,
-    keep_optimizer_params_by_name,
+from hf_mixedprec.integrations.install import (
+    accelerate_precision,
+    backpropagated_loss,
+    check_hardware,
+    enable_native_fp16,
+    install_autocast,
+    install_on_accelerator,
+    start_runtime,
 )
-from hf_mixedprec.runtime import MixedPrecisionRuntime
-from hf_mixedprec.schema import ACCELERATE_MIXED_PRECISION, RecipeSpec
+from hf_mixedprec.schema import RecipeSpec
 
 __all__ = [
     "MixedPrecisionAccelerator",
@@ -70,26 +72,6 @@ def grad_scaler_kwargs(recipe: RecipeSpec) -> GradScalerKwargs | None:
     )
 
 
-def accelerate_precision(recipe: RecipeSpec) -> str:
-    """Accelerate's ``mixed_precision`` for a recipe (FP8 layers run inside BF16 autocast, applied by us; a phased
-    recipe's is bf16 when any phase autocasts, and the runtime sets each phase's own autocast)."""
-    return ACCELERATE_MIXED_PRECISION[recipe.autocast_precision()]
-
-
-def backpropagated_loss(accelerator: Accelerator, loss: torch.Tensor) -> torch.Tensor:
-    """The loss ``Accelerator.backward`` back-propagates for ``loss``: divided by the accumulation steps,
-    except under DeepSpeed, whose engine divides itself."""
-    gas = 1 if accelerator.distributed_type == DistributedType.DEEPSPEED else accelerator.gradient_accumulation_steps
-    return loss if gas == 1 else loss / gas
-
-
-def enable_native_fp16(accelerator: Accelerator, scaler: torch.amp.GradScaler) -> None:
-    """Make ``accelerator`` run its native FP16 path (autocast + ``scaler``) on a device where it would not."""
-    set_mixed_precision(accelerator, "fp16")
-    accelerator.native_amp = True
-    accelerator.scaler = scaler
-
-
 class MixedPrecisionAccelerator(Accelerator):
     """An ``Accelerator`` that applies a recipe (see module docs). Build it with :func:`make_accelerator`.
 
@@ -104,8 +86,7 @@ class MixedPrecisionAccelerator(Accelerator):
         self, recipe: RecipeSpec, *, rehearse: bool | None = None, max_steps: int | None = None, **kwargs: Any
     ):
         rehearse = recipe.rehearse if rehearse is None else rehearse
-        if not rehearse:
-            check_recipe(recipe, detect())
+        check_hardware(recipe, rehearse=rehearse)  # before Accelerate's own constructor changes anything
         _check_deepspeed_plugin(recipe, kwargs)
         decided = _mixed_precision_decision(recipe, kwargs.get("mixed_precision"))
         kwargs["mixed_precision"] = accelerate_precision(recipe)
@@ -113,31 +94,10 @@ class MixedPrecisionAccelerator(Accelerator):
         recipe, handlers, scaler_note = _merge_grad_scaler_kwargs(recipe, handlers)
         super().__init__(kwargs_handlers=handlers, **kwargs)
         self.recipe = recipe
-        self.mp = MixedPrecisionRuntime(recipe, device=self.device, rehearse=rehearse)
-        for text in (decided, scaler_note):
-            if text:
-                self.mp.note(text)
-        if recipe.precision == "fp16" and recipe.phases is None:
-            if self.scaler is None:  # Accelerate skipped fp16 here (CPU): run its native path ourselves
-                enable_native_fp16(self, self.mp.make_grad_scaler())
-                self.mp.note(
-                    f"fp16 autocast and GradScaler enabled on {self.device.type} through Accelerate's "
-                    "native-AMP path (Accelerate ignores fp16 there)"
-                )
-            else:
-                self.mp.scaler = self.scaler
-        elif self.mp.wants_guard():
-            self.scaler = self.mp.make_guard_scaler()
-        self.mp.apply_tf32()
-        #: FSDP2 switched on here for CPU processes: Accelerate then autocasts nothing, the runtime does
-        self._mp_sharded_here = fsdp2_on_cpu_accelerator(self, recipe, self.mp)
-        if not self._mp_sharded_here:
-            fsdp2_policy_on_accelerate(self, recipe, self.mp)
-        # a loop's checks may run on rank 0 alone: a fallback moving layers on one rank would leave the ranks'
-        # FP8 amax reductions unmatched, so under FSDP2 it stops instead
-        self.mp.reactions.sharded = self.is_fsdp2 and not self.mp.checks_on_every_rank
-        if recipe.distributed.fp8_all_gather and self.is_fsdp2:
-            keep_optimizer_params_by_name(self)
+        self.mp = start_runtime(recipe, device=self.device, rehearse=rehearse, notes=(decided, scaler_note))
+        installed = install_on_accelerator(self, self.mp, late=False)
+        #: what the installer put in place; who autocasts is carried out on each model at prepare (install_autocast)
+        self._mp_installed = installed
         self._clipped_this_step = False
         self._mp_step_pending = False  # an optimizer step is done and the next has not begun (see _mp_next_step)
         #: the rows :meth:`mp_metrics` returned, with their step and the loop's values (the run report's series)
@@ -179,9 +139,7 @@ class MixedPrecisionAccelerator(Accelerator):
             return super().prepare(*args, device_placement=device_placement)
         for model in models:  # Accelerate's FSDP2 path never calls prepare_model: its work comes before the sharding
             self.mp.convert_model(model)
-            if self._mp_sharded_here and self.recipe.autocast_precision() != "fp32" and self.mp.phases is None:
-                self.mp.wrap_forward_with_autocast(model)
-                self.mp.note(f"{self.recipe.autocast_precision()} autocast installed by hf_mixedprec (FSDP2 on CPU)")
+            install_autocast(self, self.mp, model, self._mp_installed, late=False)
         result = super().prepare(*args, device_placement=device_placement)
         for model in models:
             self._mp_after_prepare(model)
@@ -199,8 +157,7 @@ class MixedPrecisionAccelerator(Accelerator):
         if not evaluation_mode:
             self._mp_storage(model)  # parameter dtypes as the recipe's storage says, then FP8 layers
             self.mp.convert_model(model)  # FP8 state stays out of unwrap_model(model).save_pretrained()
-            if self.mp.phases is not None:  # each phase's autocast, innermost (Accelerate's is fixed)
-                self.mp.wrap_forward_with_autocast(model)
+            install_autocast(self, self.mp, model, self._mp_installed, late=False)  # a phase's innermost
             self._mp_after_prepare(model)
         else:
             self._mp_model = model

@@ -1,5 +1,6 @@
-"""Sharding the Trainer callback takes care of: ``distributed.strategy: fsdp2`` on several CPU processes (gloo), where
-Accelerate would train as plain data parallel (``accelerate/state.py`` takes its FSDP branch on GPUs only)."""
+"""Sharding hf_mixedprec takes care of (the installer, ``integrations/install.py``, decides when): ``distributed.strategy:
+fsdp2`` on several CPU processes (gloo), where Accelerate would train as plain data parallel (``accelerate/state.py``
+takes its FSDP branch on GPUs only), the recipe's FSDP2 precision policy, and torchao's FP8 all-gather weights."""
 
 from __future__ import annotations
 
@@ -14,34 +15,11 @@ from hf_mixedprec.schema import RecipeSpec
 __all__ = [
     "describe_policy",
     "fsdp2_on_cpu_accelerator",
-    "fsdp2_on_cpu_processes",
     "fsdp2_policy",
     "fsdp2_policy_on_accelerate",
-    "install_sharding",
     "keep_optimizer_params_by_name",
     "scaler_ready_for_sharded_resume",
 ]
-
-
-def install_sharding(trainer: Any, recipe: RecipeSpec, rt: Any, *, late: bool) -> bool:
-    """At a Trainer's construction, before its model is prepared (not ``late``): FSDP2 on CPU processes where the
-    recipe asks (:func:`fsdp2_on_cpu_processes`), and under FSDP2 with FP8 all-gather the optimizer's parameters
-    found by name (:func:`keep_optimizer_params_by_name`). Under FSDP, however late, a health fallback moves layers
-    only under FSDP2 without FP8 all-gather where every rank checks alike (``rt.checks_on_every_rank``); elsewhere
-    it stops the run. True when FSDP2 was switched on here."""
-    sharded = not late and fsdp2_on_cpu_processes(trainer, recipe, rt)
-    if not late and not sharded:
-        fsdp2_policy_on_accelerate(trainer.accelerator, recipe, rt)
-    fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
-    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
-    # a fallback may move layers inside the sharded blocks only under FSDP2 (the unit is pointed at the new module),
-    # with every rank checking at the same steps on combined statistics (they move the same layers), and without
-    # torchao's FP8 all-gather (its weights reach a Linear as FP8 tensors)
-    swap = getattr(plugin, "fsdp_version", 1) == 2 and rt.checks_on_every_rank and not recipe.distributed.fp8_all_gather
-    rt.reactions.sharded = fsdp and not swap
-    if not late and recipe.distributed.fp8_all_gather and fsdp:
-        keep_optimizer_params_by_name(trainer.accelerator)
-    return sharded
 
 
 def scaler_ready_for_sharded_resume(trainer: Any, scaler: torch.amp.GradScaler) -> None:
@@ -51,16 +29,6 @@ def scaler_ready_for_sharded_resume(trainer: Any, scaler: torch.amp.GradScaler) 
     through the scaler, which refuses to step without a scale. The checkpoint's scale is loaded after it."""
     if getattr(trainer, "is_fsdp_enabled", False):
         ensure_scale_tensor(scaler, trainer.args.device)
-
-
-def fsdp2_on_cpu_processes(trainer: Any, recipe: RecipeSpec, rt: Any) -> bool:
-    """:func:`fsdp2_on_cpu_accelerator` for a Trainer's Accelerator, whose Trainer then routes its checkpoints
-    through Accelerate's FSDP save and load (``trainer.is_fsdp_enabled``, set once from the state at construction
-    in transformers/trainer.py)."""
-    if not fsdp2_on_cpu_accelerator(trainer.accelerator, recipe, rt):
-        return False
-    trainer.is_fsdp_enabled = True
-    return True
 
 
 def fsdp2_on_cpu_accelerator(accelerator: Any, recipe: RecipeSpec, rt: Any) -> bool:

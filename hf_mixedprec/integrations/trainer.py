@@ -45,17 +45,22 @@ from hf_mixedprec._private import (
     find_trainer,
     give_scaler,
     resumed_from,
-    set_mixed_precision,
     wrap_save_scaler,
 )
 from hf_mixedprec.checkpoints import MANIFEST_VERSION, MARK
 from hf_mixedprec.fp8 import model_parameters
 from hf_mixedprec.fp8.state import read_fp8_state_file
-from hf_mixedprec.hardware import check_recipe, detect
 from hf_mixedprec.health import HealthMonitor
-from hf_mixedprec.integrations.accelerate_plugin import accelerate_precision, backpropagated_loss, enable_native_fp16
 from hf_mixedprec.integrations.checkpointing import finish_checkpoint, manage_checkpoints
-from hf_mixedprec.integrations.sharding import install_sharding, scaler_ready_for_sharded_resume
+from hf_mixedprec.integrations.install import (
+    backpropagated_loss,
+    check_hardware,
+    install_autocast,
+    install_on_accelerator,
+    install_sharding,
+    start_runtime,
+)
+from hf_mixedprec.integrations.sharding import scaler_ready_for_sharded_resume
 from hf_mixedprec.integrations.trainer_args import RECIPE_CLIPS, _check_args, training_args
 from hf_mixedprec.integrations.trainer_storage import check_deepspeed_storage, install_storage
 from hf_mixedprec.recipe_files import resolve_recipe
@@ -191,12 +196,10 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             return
         self.trainer = trainer
         recipe, args, model = self.recipe, trainer.args, trainer.model
-        device = args.device
-        if not self.rehearse:
-            check_recipe(recipe, detect())
         deepspeed = bool(getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False))
+        check_hardware(recipe, rehearse=self.rehearse)
         notes = _check_args(recipe, args, deepspeed)
-        rt = MixedPrecisionRuntime(recipe, device=device, rehearse=self.rehearse)
+        rt = start_runtime(recipe, device=args.device, rehearse=self.rehearse)
         rt.checks_on_every_rank = True  # on_step_end runs on every rank with the same control.should_log
         # storage first: a refusal leaves the model, its forward and the Trainer as they were
         notes += check_deepspeed_storage(trainer, recipe) if deepspeed else install_storage(trainer, rt, late)
@@ -204,52 +207,20 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         for text in notes:
             rt.note(text)
         _manage_checkpoints(trainer, rt)
-        acc = trainer.accelerator
-        rt.apply_tf32()
         _ATTACHED[model] = (rt, weakref.ref(trainer))
-        sharded = install_sharding(trainer, recipe, rt, late=late)  # then Accelerate autocasts nothing
         if deepspeed:
             # DeepSpeed through TrainingArguments(deepspeed=...) or through `accelerate launch` with a
             # DeepSpeed config (what `hf-mixedprec launch` writes for distributed.strategy: deepspeed)
+            rt.apply_tf32()
+            install_sharding(trainer.accelerator, rt, late=late)
             self._setup_deepspeed(trainer, rt, late)
             return
-        autocast_by_accelerate = acc.native_amp and acc.mixed_precision == accelerate_precision(recipe) and not sharded
-        if recipe.autocast_precision() == "fp32" and acc.mixed_precision != "no":
-            set_mixed_precision(acc, "no")
-            acc.native_amp = False
-            autocast_by_accelerate = True
-        scaler = None
-        if recipe.precision == "fp16" and rt.phases is None:
-            scaler = rt.make_grad_scaler()
-            if acc.native_amp and acc.mixed_precision == "fp16":
-                acc.scaler = scaler  # same path, the recipe's loss-scale settings
-            else:
-                enable_native_fp16(acc, scaler)
-                rt.note(
-                    f"fp16 autocast and GradScaler enabled on {device.type} through Accelerate's native-AMP path "
-                    f"(Accelerate's mixed_precision was {'no' if not args.fp16 else 'fp16'!r} and ignores fp16 there)"
-                )
-        elif rt.wants_guard():
-            scaler = acc.scaler = rt.make_guard_scaler()
-            rt.note(GUARD_NOTE, quiet=True)  # every non-FP16 run has it: nothing to act on
-        if scaler is not None:
-            _hand_scaler(trainer, scaler, late)
-        if rt.phases is not None:
-            _phased_autocast(rt, model, acc, late)
-        # Accelerate autocasts at prepare time: fp16 switched on above is its own path unless the model was
-        # already prepared without it
-        if (
-            recipe.autocast_precision() != "fp32"
-            and rt.phases is None
-            and not autocast_by_accelerate
-            and (late or sharded or recipe.precision != "fp16")
-        ):
-            rt.wrap_forward_with_autocast(model)
-            rt.note(
-                f"{recipe.precision if recipe.precision == 'fp16' else 'bf16'} autocast installed by hf_mixedprec "
-                f"(Accelerate's mixed_precision is {acc.mixed_precision!r}"
-                + (", callback added after the model was prepared)" if late else ")")
-            )
+        installed = install_on_accelerator(trainer.accelerator, rt, late=late)
+        if installed.sharded:  # Trainer routes its checkpoints through Accelerate's FSDP save and load
+            trainer.is_fsdp_enabled = True
+        if installed.scaler is not None:
+            _hand_scaler(trainer, installed.scaler, late)
+        install_autocast(trainer.accelerator, rt, model, installed, late=late)
         self._route_backward_and_log(trainer, rt)
         self._route_clip_grad_norm(trainer, rt)
         # FP8 layers hold the Parameters storage made (an FP32 master for BF16-loaded weights by default); FP8 state
@@ -459,11 +430,6 @@ def _layers_before_load(trainer: Trainer, rt: MixedPrecisionRuntime, folder: str
         rt.reactions.load(list(payload.get("events") or []), moved, trainer.model)
 
 
-GUARD_NOTE = (
-    "a scale-1 GradScaler guards the optimizer step: non-finite steps and skip_step reactions are skipped exactly"
-)
-
-
 def _scaler_in_runtime_state(trainer: Trainer, rt: MixedPrecisionRuntime) -> None:
     """Checkpoint the runtime's scaler (the FP16 loss scaler, or the scale-1 guard) in the runtime's own state instead
     of Trainer's ``scaler.pt`` (``Trainer._save_scaler``, wrapped on the instance). A resume whose callback is added
@@ -480,20 +446,6 @@ def _scaler_in_runtime_state(trainer: Trainer, rt: MixedPrecisionRuntime) -> Non
         return save_scaler
 
     wrap_save_scaler(trainer, make)
-
-
-def _phased_autocast(rt: MixedPrecisionRuntime, model: Any, acc: Any, late: bool) -> None:
-    """A phased recipe's autocast changes at its boundaries, so the runtime's wrapper, which reads the phase at every
-    forward, runs innermost and wins over Accelerate's fixed one. A callback added after the model was prepared
-    sits outside Accelerate's autocast and cannot turn it off for an FP32 phase: refused."""
-    if late and acc.native_amp and "fp32" in rt.recipe.precisions():
-        raise ValueError(
-            f"recipe {rt.recipe.name!r} has an fp32 phase, and this callback was added after the Trainer prepared the "
-            f"model under mixed_precision={acc.mixed_precision!r}, whose autocast cannot be turned off then; pass "
-            "recipe.callbacks() to Trainer(callbacks=...) or use attach(trainer, recipe) before train()"
-        )
-    rt.wrap_forward_with_autocast(model)
-    rt.note(f"phased recipe: hf_mixedprec sets the autocast of each phase ({' -> '.join(rt.recipe.precisions())})")
 
 
 def _save_fp8_state(rt: MixedPrecisionRuntime, model: Any, args: TrainingArguments, state: Any) -> None:

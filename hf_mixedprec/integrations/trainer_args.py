@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from hf_mixedprec.integrations.accelerate_plugin import MIXED_PRECISION_ENV, accelerate_precision
+from hf_mixedprec.integrations.accelerate_plugin import MIXED_PRECISION_ENV
+from hf_mixedprec.integrations.install import accelerate_precision
 from hf_mixedprec.loader import accelerate_precision_env
 from hf_mixedprec.schema import RecipeSpec
 
