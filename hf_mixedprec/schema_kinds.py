@@ -122,6 +122,30 @@ class _Kinded(_Section):
             return cls.KINDS[cls.kind_of(data)].model_validate_json(json_data, **kwargs)
         return super().model_validate_json(json_data, **kwargs)
 
+    if not TYPE_CHECKING:  # pydantic's own __getattr__ is hidden from type checkers the same way
+
+        def __getattr__(self, name: str) -> Any:
+            """Another kind's option reads None, as the one flat section held it (``recipe.fp8.margin`` on current
+            scaling); writing one is what a kind refuses."""
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                if name in type(self).SECTION_KEYS:
+                    return None
+                raise
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Any:
+        """pydantic's copy; an ``update`` that names another kind (``{"scaling": "delayed"}``) builds that kind, validated,
+        from this section's options the new kind also has and the update (pydantic would keep this kind's class)."""
+        sel = self.SELECTOR
+        if not update or sel not in update or update[sel] == self.kind():
+            return super().model_copy(update=update, deep=deep)
+        family = self.family()
+        target = family.KINDS.get(update[sel]) if isinstance(update[sel], str) else None
+        own = self.model_dump(exclude_unset=True)
+        kept = {k: v for k, v in own.items() if k != sel and (target is None or k in target.model_fields)}
+        return family.model_validate({**kept, **update})
+
     @classmethod
     def _selected(cls, data: Mapping[str, Any]) -> str:
         """The selector value ``data`` gives (this kind's when absent). One that names no kind is refused together

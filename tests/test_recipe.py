@@ -47,13 +47,13 @@ def test_shipped_values():
         "max",
         0,
     )
-    assert not hasattr(d.fp8, "epsilon") and not hasattr(d.fp8, "mx_rounding")  # options of other scalings
+    assert d.fp8.epsilon is None and d.fp8.mx_rounding is None  # options of other scalings
     v = load_recipe_file("v100-fp16")
     assert v.loss_scale.init_scale == 65536.0 and v.loss_scale.growth_interval == 2000
     assert v.fp8 is None and v.tf32 is False
     m = load_recipe_file("b200-mxfp8")
     assert (m.fp8.scaling, m.fp8.mx_rounding, m.fp8.block_size, m.fp8.format) == ("mxfp8", "rceil", 32, "E4M3")
-    assert not hasattr(m.fp8, "amax_history_len")
+    assert m.fp8.amax_history_len is None
     b = load_recipe_file("h100-fp8-blockwise")
     assert (b.fp8.block_size, b.fp8.power_2_scales) == (128, True)
 
@@ -262,10 +262,10 @@ def test_extends_by_relative_path_and_null_removes(tmp_path):
         tmp_path, "child.yaml", "name: child\nextends: base.yaml\nfp8: {scaling: mxfp8, amax_history_len: null}\n"
     )
     r = load_recipe_file(child)
-    assert r.fp8.scaling == "mxfp8" and not hasattr(r.fp8, "amax_history_len") and r.fp8.block_size == 32
+    assert r.fp8.scaling == "mxfp8" and r.fp8.amax_history_len is None and r.fp8.block_size == 32
     # switching the scaling drops the parent's delayed-only options without a null
     switched = _write(tmp_path, "switched.yaml", "name: s\nextends: base.yaml\nfp8: {scaling: mxfp8}\n")
-    assert not hasattr(load_recipe_file(switched).fp8, "amax_history_len")
+    assert load_recipe_file(switched).fp8.amax_history_len is None
     bad = _write(tmp_path, "bad.yaml", "name: bad\nextends: base.yaml\nfp8: {scaling: mxfp8, amax_history_len: 16}\n")
     with pytest.raises(RecipeError) as exc:
         load_recipe_file(bad)
@@ -336,7 +336,7 @@ def test_switching_method_or_scaling_in_a_child_drops_the_old_options():
     r = resolve_recipe({"name": "c", "extends": "cpu-bf16", "clipping": {"method": "norm", "max_norm": 0.5}})
     assert r.clipping.method == "norm" and r.clipping.params() == {"max_norm": 0.5}
     r = resolve_recipe({"name": "m", "extends": "h100-fp8-delayed", "fp8": {"scaling": "current"}})
-    assert r.fp8.scaling == "current" and not hasattr(r.fp8, "amax_history_len")
+    assert r.fp8.scaling == "current" and r.fp8.amax_history_len is None
     assert r.fp8.align == 16 and r.modules == load_recipe_file("h100-fp8-delayed").modules  # common options stay
 
 
@@ -476,3 +476,43 @@ def test_a_family_base_validates_json_as_the_kind_it_names():
         FP8Config.model_validate_json('{"scaling": "current", "margin": 2}')
     with pytest.raises(ValidationError, match="Invalid JSON"):
         FP8Config.model_validate_json("{not json")
+
+
+def test_another_kinds_option_reads_none_as_the_flat_section_held_it():
+    """Reading is not writing: ``recipe.fp8.margin`` on current scaling, or ``recipe.clipping.percentile`` under zclip,
+    is None, as it was before sections came in kinds; a name no kind has still raises AttributeError."""
+    from hf_mixedprec.schema import ClippingConfig, FP8Config
+
+    seen = 0
+    for name in builtin_recipe_names():
+        r = load_recipe_file(name)
+        for section in (r.fp8, r.clipping):
+            if section is None:
+                continue
+            flat = section.model_dump()  # the flat shape: other kinds' keys as null
+            for key in type(section).SECTION_KEYS:
+                assert getattr(section, key) == flat[key], (name, key)
+                seen += key not in type(section).model_fields
+    assert seen > 20  # other kinds' keys were read, not only own fields
+    with pytest.raises(AttributeError, match="no_such_option"):
+        FP8Config(scaling="current").no_such_option  # noqa: B018
+    with pytest.raises(AttributeError):
+        ClippingConfig(method="norm").nope  # noqa: B018
+
+
+def test_model_copy_that_names_another_kind_builds_that_kind():
+    """``section.model_copy(update={"scaling": "delayed"})`` is a validated delayed section keeping the options both
+    kinds have (pydantic alone would keep the current-scaling class holding scaling 'delayed'); a bad kind is refused
+    with the allowed values, and an update within the kind is pydantic's copy."""
+    from hf_mixedprec.schema import DelayedFP8Config, FP8Config, NormClipConfig
+
+    current = FP8Config(scaling="current", backend="emulated", epsilon=1e-6)
+    delayed = current.model_copy(update={"scaling": "delayed", "margin": 1})
+    assert type(delayed) is DelayedFP8Config and delayed == FP8Config(scaling="delayed", backend="emulated", margin=1)
+    assert delayed.epsilon is None  # current's own option is not carried into delayed
+    with pytest.raises(ValidationError, match="'delayed', 'current', 'mxfp8' or 'blockwise'"):
+        current.model_copy(update={"scaling": "bogus"})
+    same = current.model_copy(update={"backend": "torchao"})
+    assert type(same) is type(current) and same.backend == "torchao" and same.epsilon == 1e-6
+    clip = load_recipe_file("cpu-bf16").clipping.model_copy(update={"method": "norm", "max_norm": 2.0})
+    assert type(clip) is NormClipConfig and clip.params() == {"max_norm": 2.0}
