@@ -189,3 +189,26 @@ def test_accelerate_fp8_config_derives_from_the_te_recipe_spec(name):
         }
     else:
         assert cfg is None
+
+
+def test_the_old_fp8_layer_listers_still_answer_with_a_deprecation_warning():
+    """``iter_monitored``, ``monitored_layers``, ``iter_emulated`` and ``emulated_layers`` were public names of
+    ``hf_mixedprec.fp8`` before ``fp8_layers`` replaced them: each still returns what it did, and warns."""
+    import hf_mixedprec.fp8 as fp8
+    from hf_mixedprec.demo import tiny_llama
+    from hf_mixedprec.recipe import load_recipe
+    from hf_mixedprec.runtime import MixedPrecisionRuntime
+
+    model = tiny_llama(0)
+    MixedPrecisionRuntime(load_recipe("h100-fp8-delayed", rehearse=True), rehearse=True).convert_model(model)
+    every = fp8.fp8_layers(model, fresh=True)
+    assert len(every) == 14
+    for old, want in [
+        ("iter_monitored", every),
+        ("monitored_layers", every),
+        ("iter_emulated", fp8.fp8_layers(model, emulated_only=True, fresh=True)),
+        ("emulated_layers", every),
+    ]:
+        with pytest.warns(DeprecationWarning, match=f"hf_mixedprec.fp8.{old}\\(model\\) is deprecated: use"):
+            got = list(getattr(fp8, old)(model))
+        assert [(n, id(m)) for n, m in got] == [(n, id(m)) for n, m in want], old

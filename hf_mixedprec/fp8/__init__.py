@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -40,10 +41,14 @@ __all__ = [
     "conversion_backend",
     "convert",
     "converted_types",
+    "emulated_layers",
     "fp8_layers",
     "fp8_step",
     "invalidate_layer_cache",
+    "iter_emulated",
+    "iter_monitored",
     "model_parameters",
+    "monitored_layers",
     "plan_conversion",
     "replace_module",
     "resolve_backend",
@@ -57,6 +62,35 @@ BACKENDS = ("emulated", "native", "torchao", "transformer_engine")
 
 class FP8BackendUnavailable(RuntimeError):
     """No backend can run this recipe's FP8 scaling here; the message says what to install or set."""
+
+
+# -- the FP8-layer listers before fp8_layers replaced them: kept, warning, so code written against them still runs ------
+def _renamed(old: str, new: str) -> None:
+    warnings.warn(f"hf_mixedprec.fp8.{old} is deprecated: use hf_mixedprec.fp8.{new}", DeprecationWarning, stacklevel=3)
+
+
+def iter_monitored(model: nn.Module) -> Iterator[tuple[str, FP8Layer]]:
+    """Deprecated: ``fp8_layers(model, fresh=True)``."""
+    _renamed("iter_monitored(model)", "fp8_layers(model, fresh=True)")
+    return iter(fp8_layers(model, fresh=True))
+
+
+def monitored_layers(model: nn.Module) -> list[tuple[str, FP8Layer]]:
+    """Deprecated: ``fp8_layers(model)``."""
+    _renamed("monitored_layers(model)", "fp8_layers(model)")
+    return fp8_layers(model)
+
+
+def iter_emulated(model: nn.Module) -> Iterator[tuple[str, EmulatedFP8GEMM]]:
+    """Deprecated: ``fp8_layers(model, emulated_only=True, fresh=True)``."""
+    _renamed("iter_emulated(model)", "fp8_layers(model, emulated_only=True, fresh=True)")
+    return iter(fp8_layers(model, emulated_only=True, fresh=True))
+
+
+def emulated_layers(model: nn.Module) -> list[tuple[str, EmulatedFP8GEMM]]:
+    """Deprecated: ``fp8_layers(model, emulated_only=True)``."""
+    _renamed("emulated_layers(model)", "fp8_layers(model, emulated_only=True)")
+    return fp8_layers(model, emulated_only=True)
 
 
 def to_high_precision(layer: nn.Module) -> nn.Module | None:
