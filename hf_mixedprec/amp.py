@@ -228,13 +228,14 @@ class LossScaling:
                 "every overflow (hysteresis 1)"
             )
 
-    def make_grad_scaler(self) -> torch.amp.GradScaler | None:
-        """A real ``torch.amp.GradScaler`` with the recipe's loss-scale settings (an fp16 recipe without phases)."""
+    def make_grad_scaler(self, cls: type[torch.amp.GradScaler] | None = None) -> torch.amp.GradScaler | None:
+        """A real ``torch.amp.GradScaler`` (or ``cls``, a subclass such as FSDP1's ``ShardedGradScaler``) with the
+        recipe's loss-scale settings (an fp16 recipe without phases)."""
         ls = self.recipe.loss_scale
         if self.recipe.precision != "fp16" or ls is None or self.recipe.phases is not None:
             return None
         self._warn_hysteresis(ls)
-        self.scaler = torch.amp.GradScaler(
+        self.scaler = (cls or torch.amp.GradScaler)(
             self.device.type,
             init_scale=ls.init_scale,
             growth_factor=ls.growth_factor,

@@ -210,11 +210,12 @@ class MixedPrecisionRuntime:
             return contextlib.nullcontext() if self.phases is None else torch.autocast(self.device.type, enabled=False)
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
-    def wrap_forward_with_autocast(self, model: nn.Module) -> None:
+    def wrap_forward_with_autocast(self, model: nn.Module) -> bool:
         """Run ``model.forward`` under the recipe's autocast (where the framework would not; always for a phased
-        recipe, whose autocast changes at its boundaries: the wrapper reads it at every forward)."""
+        recipe, whose autocast changes at its boundaries: the wrapper reads it at every forward). False when there
+        was nothing to do (no autocast, or wrapped already)."""
         if (compute_dtype(self.recipe) is None and self.phases is None) or model in _AUTOCAST_WRAPPED:
-            return
+            return False
         inner, autocast = model.forward, self.autocast
 
         @functools.wraps(inner)
@@ -224,6 +225,7 @@ class MixedPrecisionRuntime:
 
         model.forward = forward  # type: ignore[method-assign]
         _AUTOCAST_WRAPPED.add(model)
+        return True
 
     def apply_tf32(self) -> None:
         if self.device.type == "cuda":

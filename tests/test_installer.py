@@ -205,3 +205,93 @@ def test_the_plugin_adopts_accelerates_scaler_only_with_the_recipes_settings(tmp
     rt = MixedPrecisionRuntime(recipe, rehearse=True)
     assert install_loss_scaling(acc, rt) is theirs is rt.scaler
     assert hysteresis_notes(rt) == 1 and not rt.guard
+
+
+def test_a_replaced_scaler_keeps_the_class_accelerate_chose():
+    """Under FSDP1 Accelerate builds a ``ShardedGradScaler`` (its found-inf flag is reduced over ranks); a recipe with
+    other loss-scale settings replaces it with one of the same class, not with a plain GradScaler."""
+    from accelerate import Accelerator
+    from accelerate.utils import GradScalerKwargs
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from hf_mixedprec._private import set_mixed_precision
+    from hf_mixedprec.integrations.install import install_loss_scaling
+    from hf_mixedprec.runtime import MixedPrecisionRuntime
+
+    recipe = load_recipe("v100-fp16", rehearse=True)
+    _reset()
+    acc = Accelerator(cpu=True)
+    acc.native_amp, acc.scaler = True, ShardedGradScaler("cpu", init_scale=2.0**10)  # as FSDP1 on a GPU would
+    acc.scaler_handler = GradScalerKwargs(init_scale=2.0**10)
+    set_mixed_precision(acc, "fp16")
+    theirs = acc.scaler
+    rt = MixedPrecisionRuntime(recipe, rehearse=True)
+    got = install_loss_scaling(acc, rt)
+    assert got is acc.scaler is rt.scaler is not theirs
+    assert type(got) is ShardedGradScaler and got.get_scale() == recipe.loss_scale.init_scale
+
+
+@pytest.mark.parametrize(
+    "recipe_yaml",
+    [
+        "precision: fp32\n",
+        "phases:\n  - {name: warm, start: 0, precision: fp32}\n  - {name: main, start: 0.5, precision: bf16}\n",
+    ],
+)
+def test_a_late_callback_cannot_turn_accelerates_autocast_off_so_fp32_is_refused_before_anything(recipe_yaml, tmp_path):
+    """TRL's ``SFTConfig`` turns bf16 on by default, so the Trainer's Accelerator autocasts in bf16 from its
+    construction. A callback added after construction cannot unwrap a prepared model: an fp32 recipe (or phase) would
+    train in bf16 unsaid. It is refused at ``train()``, before the runtime, the scaler or the storage is installed."""
+    from trl import SFTConfig
+
+    path = tmp_path / "r.yaml"
+    path.write_text(f"name: late-fp32\nextends: cpu-bf16\n{recipe_yaml}")
+    recipe = load_recipe(str(path), rehearse=True)
+    _reset()
+    args = SFTConfig(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[], max_steps=1, save_strategy="no")
+    assert args.bf16  # TRL's default
+    model = tiny_llama(0)
+    trainer = Trainer(model=model, args=args, train_dataset=_Data())
+    scaler_before = trainer.accelerator.scaler
+    trainer.add_callback(recipe.callbacks()[0])
+    with pytest.raises(
+        ValueError,
+        match="this callback was added after the Trainer prepared the model under "
+        "mixed_precision='bf16', whose autocast cannot be turned off then",
+    ):
+        trainer.train()
+    assert runtime_of(trainer) is None and trainer.accelerator.scaler is scaler_before
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_an_fsdp2_accelerator_leaves_the_autocast_to_hf_mixedprec():
+    """Accelerate's FSDP2 preparation (``Accelerator._prepare_fsdp2``) never reaches ``prepare_model``, so it autocasts
+    nothing: the compute dtype would be the FSDP2 policy's, as stored under the recipe's ``param_dtype: auto``, i.e.
+    FP32 for a bf16 recipe. Under any FSDP2 Accelerator (on a GPU Accelerate builds it itself) hf_mixedprec owns it."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from hf_mixedprec.integrations.install import autocast_owner
+    from hf_mixedprec.runtime import MixedPrecisionRuntime
+
+    _reset()
+    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    rt = MixedPrecisionRuntime(load_recipe("a100-bf16", rehearse=True), rehearse=True)
+    assert autocast_owner(acc, rt, late=False, accelerate_wrapped=False) == "accelerate"
+    acc.state.fsdp_plugin = SimpleNamespace(fsdp_version=2)  # what an FSDP2 launch config gives Accelerate's state
+    try:
+        assert autocast_owner(acc, rt, late=False, accelerate_wrapped=False) == "hf_mixedprec"
+    finally:
+        acc.state.fsdp_plugin = None
+
+
+def test_preparing_a_model_again_notes_its_autocast_once():
+    recipe = load_recipe("h100-fp8-anneal-bf16", rehearse=True)
+    _reset()
+    acc = recipe.accelerator(cpu=True, max_steps=4)
+    model = tiny_llama(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = acc.prepare(model, opt)
+    acc.prepare(model)
+    assert sum(n.startswith("phased recipe: hf_mixedprec sets the autocast") for n in acc.mp.notes) == 1

@@ -157,7 +157,7 @@ class MixedPrecisionAccelerator(Accelerator):
         if not evaluation_mode:
             self._mp_storage(model)  # parameter dtypes as the recipe's storage says, then FP8 layers
             self.mp.convert_model(model)  # FP8 state stays out of unwrap_model(model).save_pretrained()
-            install_autocast(self, self.mp, model, self._mp_installed, late=False)  # a phase's innermost
+            install_autocast(self, self.mp, model, self._mp_installed, late=False)  # ours innermost
             self._mp_after_prepare(model)
         else:
             self._mp_model = model

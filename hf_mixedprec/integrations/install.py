@@ -6,13 +6,14 @@ the plugin, at different moments (before or after the model is prepared). What t
 so the same recipe trains the same way whichever door a user takes:
 
 - :func:`check_hardware` (skipped when rehearsing), then :func:`start_runtime`;
-- :func:`install_on_accelerator`: the recipe's TF32 setting and the three below, in order;
+- :func:`refuse_late_autocast`: a recipe whose autocast cannot be put on a model prepared before it came;
+- :func:`install_on_accelerator`: the recipe's TF32 setting, then the next three, in order;
 - :func:`install_sharding`: FSDP2 on CPU processes or the recipe's FSDP2 precision policy, and whether a health
   fallback may move layers inside sharded blocks;
 - :func:`install_loss_scaling`: who scales the loss (Accelerate's GradScaler when it already has the recipe's
   settings, else the runtime's) or, for every recipe but FP16, the scale-1 guard that skips flagged steps;
-- :func:`autocast_owner` and :func:`install_autocast`: who autocasts the forward (Accelerate, hf_mixedprec, each
-  phase's own, or nobody for an FP32 recipe).
+- :func:`autocast_owner`: who autocasts the forward (Accelerate, hf_mixedprec, each phase's own, or nobody for an FP32
+  recipe), carried out on the model by :func:`install_autocast` once the caller has it.
 
 What only one door has stays with it: the Trainer's ``TrainingArguments`` checks and checkpoint hooks
 (``integrations/trainer.py``), the plugin's ``mixed_precision`` and ``GradScalerKwargs`` precedence and its wrapped
@@ -28,6 +29,7 @@ from typing import Literal
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, GradScalerKwargs
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from hf_mixedprec._private import set_mixed_precision
 from hf_mixedprec.hardware import check_recipe, detect
@@ -53,6 +55,8 @@ __all__ = [
     "install_loss_scaling",
     "install_on_accelerator",
     "install_sharding",
+    "is_fsdp2",
+    "refuse_late_autocast",
     "start_runtime",
 ]
 
@@ -105,6 +109,11 @@ def start_runtime(
     return rt
 
 
+def is_fsdp2(accelerator: Accelerator) -> bool:
+    """Whether ``accelerator`` shards with FSDP2 (``fully_shard``), as configured or as switched on here."""
+    return getattr(getattr(accelerator.state, "fsdp_plugin", None), "fsdp_version", 1) == 2
+
+
 def install_sharding(accelerator: Accelerator, rt: MixedPrecisionRuntime, *, late: bool) -> bool:
     """Before the model is prepared (not ``late``): FSDP2 on several CPU processes where the recipe asks
     (:func:`hf_mixedprec.integrations.sharding.fsdp2_on_cpu_accelerator`), else the recipe's FSDP2 precision policy
@@ -119,9 +128,9 @@ def install_sharding(accelerator: Accelerator, rt: MixedPrecisionRuntime, *, lat
     if not late and not sharded:
         fsdp2_policy_on_accelerate(accelerator, recipe, rt)
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    swap = getattr(plugin, "fsdp_version", 1) == 2 and rt.checks_on_every_rank and not recipe.distributed.fp8_all_gather
+    swap = is_fsdp2(accelerator) and rt.checks_on_every_rank and not recipe.distributed.fp8_all_gather
     rt.reactions.sharded = plugin is not None and not swap
-    if not late and recipe.distributed.fp8_all_gather and plugin is not None:
+    if not late and recipe.distributed.fp8_all_gather and is_fsdp2(accelerator):  # torchao's: FSDP2 only
         keep_optimizer_params_by_name(accelerator)
     return sharded
 
@@ -142,12 +151,13 @@ def accelerate_scaler_matches(accelerator: Accelerator, recipe: RecipeSpec) -> b
     ) == (ls.init_scale, ls.growth_factor, ls.backoff_factor, ls.growth_interval)
 
 
-def install_loss_scaling(accelerator: Accelerator, rt: MixedPrecisionRuntime) -> torch.amp.GradScaler | None:
-    """Put the run's GradScaler on ``accelerator`` and in the runtime; returns it (None under DeepSpeed's own).
+def install_loss_scaling(accelerator: Accelerator, rt: MixedPrecisionRuntime) -> torch.amp.GradScaler:
+    """Put the run's GradScaler on ``accelerator`` and in the runtime, and return it (DeepSpeed's own loss scaling is
+    the Trainer callback's, which does not call this).
 
     - FP16 without phases, where Accelerate runs its native FP16 path: its GradScaler when it has the recipe's
-      settings (then also the class Accelerate picks for the setup, such as FSDP's sharded scaler), else one with
-      the recipe's settings in its place. Where Accelerate skipped FP16 (it ignores it on CPU, or its
+      settings, else one of the same class (FSDP1's ``ShardedGradScaler``, whose found-inf flag is reduced over
+      ranks, or torch's) with the recipe's settings in its place. Where Accelerate skipped FP16 (it ignores it on CPU, or its
       ``mixed_precision`` was ``no``), its native FP16 path is switched on with the runtime's scaler, said in a note.
     - Every other recipe: the scale-1 guard (a phased recipe's turns into the loss scaler in its FP16 phases).
     """
@@ -157,7 +167,8 @@ def install_loss_scaling(accelerator: Accelerator, rt: MixedPrecisionRuntime) ->
             if accelerate_scaler_matches(accelerator, recipe):
                 rt.amp.adopt_grad_scaler(accelerator.scaler)
             else:
-                accelerator.scaler = rt.make_grad_scaler()
+                sharded = isinstance(accelerator.scaler, ShardedGradScaler)
+                accelerator.scaler = rt.amp.make_grad_scaler(ShardedGradScaler if sharded else None)
             return accelerator.scaler
         before = accelerator.mixed_precision
         scaler = rt.make_grad_scaler()
@@ -175,23 +186,44 @@ def install_loss_scaling(accelerator: Accelerator, rt: MixedPrecisionRuntime) ->
 
 
 def autocast_owner(
-    accelerator: Accelerator, rt: MixedPrecisionRuntime, *, sharded: bool, late: bool, accelerate_wrapped: bool
+    accelerator: Accelerator, rt: MixedPrecisionRuntime, *, late: bool, accelerate_wrapped: bool
 ) -> AutocastOwner:
     """Who autocasts the forward. A phased recipe's autocast changes at its boundaries: the runtime's wrapper, which
-    reads the phase at every forward. Under FSDP2 switched on here Accelerate autocasts nothing. A model prepared
-    before the recipe came (``late``) keeps Accelerate's autocast if it had the recipe's (``accelerate_wrapped``);
-    otherwise Accelerate autocasts at ``prepare`` when its native mixed precision is the recipe's."""
+    reads the phase at every forward. Under FSDP2 Accelerate autocasts nothing (``Accelerator._prepare_fsdp2`` never
+    reaches ``prepare_model``, and the compute dtype is the FSDP2 policy's, which the recipe's ``param_dtype: auto``
+    leaves as stored): the runtime's wrapper. A model prepared before the recipe came (``late``) keeps Accelerate's
+    autocast if it had the recipe's (``accelerate_wrapped``); otherwise Accelerate autocasts at ``prepare_model``
+    when its native mixed precision is the recipe's."""
     recipe = rt.recipe
     if rt.phases is not None:
         return "phases"
     if recipe.autocast_precision() == "fp32":
         return "none"
-    if sharded:
+    if is_fsdp2(accelerator):
         return "hf_mixedprec"
     if late:
         return "accelerate" if accelerate_wrapped else "hf_mixedprec"
     native = accelerator.native_amp and accelerator.mixed_precision == accelerate_precision(recipe)
     return "accelerate" if native else "hf_mixedprec"
+
+
+def refuse_late_autocast(accelerator: Accelerator, recipe: RecipeSpec, *, late: bool) -> None:
+    """A callback added after the Trainer prepared its model sits outside Accelerate's autocast and cannot turn it off:
+    a recipe that trains in FP32 there (an FP32 recipe, or a phased recipe's FP32 phase) is refused before anything
+    is installed, rather than trained under Accelerate's autocast."""
+    if not (late and accelerator.native_amp and accelerator.mixed_precision != "no"):
+        return
+    if recipe.phases is not None and "fp32" in recipe.precisions():
+        what = "has an fp32 phase"
+    elif recipe.phases is None and recipe.autocast_precision() == "fp32":
+        what = "trains in fp32"
+    else:
+        return
+    raise ValueError(
+        f"recipe {recipe.name!r} {what}, and this callback was added after the Trainer prepared the model under "
+        f"mixed_precision={accelerator.mixed_precision!r}, whose autocast cannot be turned off then; pass "
+        "recipe.callbacks() to Trainer(callbacks=...) or use attach(trainer, recipe) before train()"
+    )
 
 
 def accelerate_autocasts(accelerator: Accelerator, recipe: RecipeSpec) -> bool:
@@ -206,7 +238,7 @@ class Installed:
     #: FSDP2 switched on here for several CPU processes
     sharded: bool
     #: the run's GradScaler (loss scaler or guard) on the Accelerator
-    scaler: torch.amp.GradScaler | None
+    scaler: torch.amp.GradScaler
     #: who autocasts the forward (:func:`autocast_owner`)
     autocast: AutocastOwner
 
@@ -217,26 +249,24 @@ def install_autocast(
     """Carry out :func:`autocast_owner`'s answer on ``model`` (before Accelerate prepares it, unless ``late``), with
     a note saying who autocasts where it is not Accelerate."""
     recipe, owner = rt.recipe, installed.autocast
+    if owner == "accelerate":
+        return
     if owner == "none":
         if accelerator.mixed_precision != "no":  # an FP32 recipe on an Accelerator built for mixed precision
             set_mixed_precision(accelerator, "no")
             accelerator.native_amp = False
         return
+    if not rt.wrap_forward_with_autocast(model):  # wrapped already (a model passed to prepare again)
+        return
     if owner == "phases":
-        if late and accelerator.native_amp and "fp32" in recipe.precisions():
-            raise ValueError(
-                f"recipe {recipe.name!r} has an fp32 phase, and the recipe came after the model was prepared under "
-                f"mixed_precision={accelerator.mixed_precision!r}, whose autocast cannot be turned off then; pass "
-                "recipe.callbacks() to Trainer(callbacks=...) or use attach(trainer, recipe) before train()"
-            )
-        rt.wrap_forward_with_autocast(model)
         rt.note(f"phased recipe: hf_mixedprec sets the autocast of each phase ({' -> '.join(recipe.precisions())})")
         return
     if owner == "hf_mixedprec":
-        rt.wrap_forward_with_autocast(model)
         precision = "fp16" if recipe.precision == "fp16" else "bf16"
         if installed.sharded:
             why = "FSDP2 on CPU"
+        elif is_fsdp2(accelerator):
+            why = "FSDP2: Accelerate autocasts nothing there"
         else:
             why = f"Accelerate's mixed_precision is {accelerator.mixed_precision!r}"
             why += ", callback added after the model was prepared" if late else ""
@@ -246,9 +276,10 @@ def install_autocast(
 def install_on_accelerator(accelerator: Accelerator, rt: MixedPrecisionRuntime, *, late: bool) -> Installed:
     """The recipe's TF32, sharding, loss scaling and the autocast decision, in that order, for a run whose Accelerator
     is built (the model is wrapped by the caller, who has it: :func:`install_autocast`)."""
+    refuse_late_autocast(accelerator, rt.recipe, late=late)
     rt.apply_tf32()
     wrapped_before = accelerate_autocasts(accelerator, rt.recipe)
     sharded = install_sharding(accelerator, rt, late=late)
     scaler = install_loss_scaling(accelerator, rt)
-    owner = autocast_owner(accelerator, rt, sharded=sharded, late=late, accelerate_wrapped=wrapped_before)
+    owner = autocast_owner(accelerator, rt, late=late, accelerate_wrapped=wrapped_before)
     return Installed(sharded=sharded, scaler=scaler, autocast=owner)

@@ -58,6 +58,7 @@ from hf_mixedprec.integrations.install import (
     install_autocast,
     install_on_accelerator,
     install_sharding,
+    refuse_late_autocast,
     start_runtime,
 )
 from hf_mixedprec.integrations.sharding import scaler_ready_for_sharded_resume
@@ -199,6 +200,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         deepspeed = bool(getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False))
         check_hardware(recipe, rehearse=self.rehearse)
         notes = _check_args(recipe, args, deepspeed)
+        refuse_late_autocast(trainer.accelerator, recipe, late=late)
         rt = start_runtime(recipe, device=args.device, rehearse=self.rehearse)
         rt.checks_on_every_rank = True  # on_step_end runs on every rank with the same control.should_log
         # storage first: a refusal leaves the model, its forward and the Trainer as they were
