@@ -29,7 +29,6 @@ from typing import Literal
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, GradScalerKwargs
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from hf_mixedprec._private import set_mixed_precision
 from hf_mixedprec.hardware import check_recipe, detect
@@ -151,14 +150,24 @@ def accelerate_scaler_matches(accelerator: Accelerator, recipe: RecipeSpec) -> b
     ) == (ls.init_scale, ls.growth_factor, ls.backoff_factor, ls.growth_interval)
 
 
+def _sharded_class(scaler: torch.amp.GradScaler) -> type[torch.amp.GradScaler] | None:
+    """FSDP1's ``ShardedGradScaler`` class when ``scaler`` is one (None otherwise, or without torch.distributed)."""
+    try:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    except ImportError:
+        return None
+    return ShardedGradScaler if isinstance(scaler, ShardedGradScaler) else None
+
+
 def install_loss_scaling(accelerator: Accelerator, rt: MixedPrecisionRuntime) -> torch.amp.GradScaler:
     """Put the run's GradScaler on ``accelerator`` and in the runtime, and return it (DeepSpeed's own loss scaling is
     the Trainer callback's, which does not call this).
 
     - FP16 without phases, where Accelerate runs its native FP16 path: its GradScaler when it has the recipe's
       settings, else one of the same class (FSDP1's ``ShardedGradScaler``, whose found-inf flag is reduced over
-      ranks, or torch's) with the recipe's settings in its place. Where Accelerate skipped FP16 (it ignores it on CPU, or its
-      ``mixed_precision`` was ``no``), its native FP16 path is switched on with the runtime's scaler, said in a note.
+      ranks, or torch's) with the recipe's settings in its place. Where Accelerate skipped FP16 (it ignores it on
+      CPU, or its ``mixed_precision`` was ``no``), its native FP16 path is switched on with the runtime's scaler,
+      said in a note.
     - Every other recipe: the scale-1 guard (a phased recipe's turns into the loss scaler in its FP16 phases).
     """
     recipe = rt.recipe
@@ -167,8 +176,7 @@ def install_loss_scaling(accelerator: Accelerator, rt: MixedPrecisionRuntime) ->
             if accelerate_scaler_matches(accelerator, recipe):
                 rt.amp.adopt_grad_scaler(accelerator.scaler)
             else:
-                sharded = isinstance(accelerator.scaler, ShardedGradScaler)
-                accelerator.scaler = rt.amp.make_grad_scaler(ShardedGradScaler if sharded else None)
+                accelerator.scaler = rt.amp.make_grad_scaler(_sharded_class(accelerator.scaler))
             return accelerator.scaler
         before = accelerator.mixed_precision
         scaler = rt.make_grad_scaler()
