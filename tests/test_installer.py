@@ -29,6 +29,27 @@ def _reset() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def _hysteresis_recipe(tmp_path: Any) -> Any:
+    """v100-fp16 asking for DeepSpeed's hysteresis 2, which torch's GradScaler cannot apply."""
+    path = tmp_path / "hysteresis.yaml"
+    path.write_text("name: hysteresis\nextends: v100-fp16\nloss_scale:\n  hysteresis: 2\n")
+    return load_recipe(str(path), rehearse=True)
+
+
+def _fp16_accelerator_like_a_gpu(scaler: torch.amp.GradScaler, handler: Any) -> Any:
+    """A CPU Accelerator in the state Accelerate builds for fp16 on a GPU: native AMP, ``scaler`` made from
+    ``handler`` (its GradScalerKwargs)."""
+    from accelerate import Accelerator
+
+    from hf_mixedprec._private import set_mixed_precision
+
+    _reset()
+    acc = Accelerator(cpu=True)
+    acc.native_amp, acc.scaler, acc.scaler_handler = True, scaler, handler
+    set_mixed_precision(acc, "fp16")
+    return acc
+
+
 def _batch() -> dict[str, torch.Tensor]:
     ids = torch.arange(2 * SEQ).reshape(2, SEQ) % 97
     return {"input_ids": ids, "labels": ids.clone()}
@@ -154,9 +175,7 @@ def test_attach_and_a_late_callback_install_what_the_callback_does(name, how, tm
 def test_a_loss_scale_hysteresis_is_said_at_every_door(tmp_path):
     """torch's GradScaler backs off on every overflow: a recipe asking for DeepSpeed's hysteresis 2 is told so, once,
     through the plugin and the Trainer alike."""
-    path = tmp_path / "hysteresis.yaml"
-    path.write_text("name: hysteresis\nextends: v100-fp16\nloss_scale:\n  hysteresis: 2\n")
-    recipe = load_recipe(str(path), rehearse=True)
+    recipe = _hysteresis_recipe(tmp_path)
     plugin = _through_plugin(recipe)
     said = [n for n in plugin["notes"] if "hysteresis 2 is applied by DeepSpeed only" in n]
     assert len(said) == 1, plugin["notes"]
@@ -168,39 +187,26 @@ def test_the_plugin_adopts_accelerates_scaler_only_with_the_recipes_settings(tmp
     the user's), so the runtime adopts it; an Accelerator built with other settings (a Trainer's: torch's defaults)
     gets the recipe's in its place. Either way the hysteresis the GradScaler cannot apply is said once (the plugin's
     adoption said nothing before the installer was shared)."""
-    from accelerate import Accelerator
     from accelerate.utils import GradScalerKwargs
 
-    from hf_mixedprec._private import set_mixed_precision
-    from hf_mixedprec.integrations.install import install_loss_scaling
+    from hf_mixedprec.integrations.install import grad_scaler_kwargs, install_loss_scaling
     from hf_mixedprec.runtime import MixedPrecisionRuntime
 
-    path = tmp_path / "hysteresis.yaml"
-    path.write_text("name: hysteresis\nextends: v100-fp16\nloss_scale:\n  hysteresis: 2\n")
-    recipe = load_recipe(str(path), rehearse=True)
+    recipe = _hysteresis_recipe(tmp_path)
 
     def hysteresis_notes(rt: MixedPrecisionRuntime) -> int:
         return sum("hysteresis 2 is applied by DeepSpeed only" in n for n in rt.notes)
 
-    _reset()
-    acc = Accelerator(cpu=True)
-    acc.native_amp, acc.scaler = True, torch.amp.GradScaler("cpu", init_scale=2.0**10)  # as a GPU's fp16 would
-    set_mixed_precision(acc, "fp16")
-    acc.scaler_handler = GradScalerKwargs(init_scale=2.0**10)
+    acc = _fp16_accelerator_like_a_gpu(
+        torch.amp.GradScaler("cpu", init_scale=2.0**10), GradScalerKwargs(init_scale=2.0**10)
+    )
     assert not accelerate_scaler_matches(acc, recipe)
     theirs = acc.scaler
     rt = MixedPrecisionRuntime(recipe, rehearse=True)
     assert install_loss_scaling(acc, rt) is acc.scaler is rt.scaler is not theirs
     assert acc.scaler.get_scale() == recipe.loss_scale.init_scale
     assert hysteresis_notes(rt) == 1
-    ls = recipe.loss_scale
-    acc.scaler_handler = GradScalerKwargs(
-        init_scale=ls.init_scale,
-        growth_factor=ls.growth_factor,
-        backoff_factor=ls.backoff_factor,
-        growth_interval=ls.growth_interval,
-    )
-    acc.scaler = theirs
+    acc.scaler_handler, acc.scaler = grad_scaler_kwargs(recipe), theirs
     assert accelerate_scaler_matches(acc, recipe)
     rt = MixedPrecisionRuntime(recipe, rehearse=True)
     assert install_loss_scaling(acc, rt) is theirs is rt.scaler
@@ -210,20 +216,17 @@ def test_the_plugin_adopts_accelerates_scaler_only_with_the_recipes_settings(tmp
 def test_a_replaced_scaler_keeps_the_class_accelerate_chose():
     """Under FSDP1 Accelerate builds a ``ShardedGradScaler`` (its found-inf flag is reduced over ranks); a recipe with
     other loss-scale settings replaces it with one of the same class, not with a plain GradScaler."""
-    from accelerate import Accelerator
     from accelerate.utils import GradScalerKwargs
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    from hf_mixedprec._private import set_mixed_precision
     from hf_mixedprec.integrations.install import install_loss_scaling
     from hf_mixedprec.runtime import MixedPrecisionRuntime
 
     recipe = load_recipe("v100-fp16", rehearse=True)
-    _reset()
-    acc = Accelerator(cpu=True)
-    acc.native_amp, acc.scaler = True, ShardedGradScaler("cpu", init_scale=2.0**10)  # as FSDP1 on a GPU would
-    acc.scaler_handler = GradScalerKwargs(init_scale=2.0**10)
-    set_mixed_precision(acc, "fp16")
+    # as FSDP1 on a GPU would build it
+    acc = _fp16_accelerator_like_a_gpu(
+        ShardedGradScaler("cpu", init_scale=2.0**10), GradScalerKwargs(init_scale=2.0**10)
+    )
     theirs = acc.scaler
     rt = MixedPrecisionRuntime(recipe, rehearse=True)
     got = install_loss_scaling(acc, rt)

@@ -38,6 +38,7 @@ from hf_mixedprec.integrations.install import (
     backpropagated_loss,
     check_hardware,
     enable_native_fp16,
+    grad_scaler_kwargs,
     install_autocast,
     install_on_accelerator,
     start_runtime,
@@ -57,19 +58,6 @@ log = logging.getLogger("hf_mixedprec")
 
 #: Accelerate's environment variable for ``mixed_precision`` (what ``accelerate launch`` exports).
 MIXED_PRECISION_ENV = "ACCELERATE_MIXED_PRECISION"
-
-
-def grad_scaler_kwargs(recipe: RecipeSpec) -> GradScalerKwargs | None:
-    """Accelerate's stock ``GradScalerKwargs`` with the recipe's loss-scale settings (fp16 only)."""
-    ls = recipe.loss_scale
-    if recipe.precision != "fp16" or ls is None:
-        return None
-    return GradScalerKwargs(
-        init_scale=ls.init_scale,
-        growth_factor=ls.growth_factor,
-        backoff_factor=ls.backoff_factor,
-        growth_interval=ls.growth_interval,
-    )
 
 
 class MixedPrecisionAccelerator(Accelerator):

@@ -50,6 +50,7 @@ __all__ = [
     "backpropagated_loss",
     "check_hardware",
     "enable_native_fp16",
+    "grad_scaler_kwargs",
     "install_autocast",
     "install_loss_scaling",
     "install_on_accelerator",
@@ -134,20 +135,27 @@ def install_sharding(accelerator: Accelerator, rt: MixedPrecisionRuntime, *, lat
     return sharded
 
 
+def grad_scaler_kwargs(recipe: RecipeSpec) -> GradScalerKwargs | None:
+    """Accelerate's stock ``GradScalerKwargs`` with the recipe's loss-scale settings (fp16 only)."""
+    ls = recipe.loss_scale
+    if recipe.precision != "fp16" or ls is None:
+        return None
+    return GradScalerKwargs(
+        init_scale=ls.init_scale,
+        growth_factor=ls.growth_factor,
+        backoff_factor=ls.backoff_factor,
+        growth_interval=ls.growth_interval,
+    )
+
+
 def accelerate_scaler_matches(accelerator: Accelerator, recipe: RecipeSpec) -> bool:
     """Whether the GradScaler Accelerate built has the recipe's loss-scale settings: it is built from the
     Accelerator's ``GradScalerKwargs`` handler, or torch's defaults without one (accelerate/accelerator.py), which the
     plugin fills from the recipe and a Trainer leaves out."""
-    ls = recipe.loss_scale
-    if getattr(accelerator, "scaler", None) is None or ls is None:
+    if getattr(accelerator, "scaler", None) is None:
         return False
     handler = getattr(accelerator, "scaler_handler", None) or GradScalerKwargs()
-    return bool(handler.enabled) and (
-        handler.init_scale,
-        handler.growth_factor,
-        handler.backoff_factor,
-        handler.growth_interval,
-    ) == (ls.init_scale, ls.growth_factor, ls.backoff_factor, ls.growth_interval)
+    return handler == grad_scaler_kwargs(recipe)  # every field, ``enabled`` included
 
 
 def _sharded_class(scaler: torch.amp.GradScaler) -> type[torch.amp.GradScaler] | None:
@@ -211,8 +219,7 @@ def autocast_owner(
         return "hf_mixedprec"
     if late:
         return "accelerate" if accelerate_wrapped else "hf_mixedprec"
-    native = accelerator.native_amp and accelerator.mixed_precision == accelerate_precision(recipe)
-    return "accelerate" if native else "hf_mixedprec"
+    return "accelerate" if accelerate_autocasts(accelerator, recipe) else "hf_mixedprec"
 
 
 def refuse_late_autocast(accelerator: Accelerator, recipe: RecipeSpec, *, late: bool) -> None:
@@ -283,8 +290,8 @@ def install_autocast(
 
 def install_on_accelerator(accelerator: Accelerator, rt: MixedPrecisionRuntime, *, late: bool) -> Installed:
     """The recipe's TF32, sharding, loss scaling and the autocast decision, in that order, for a run whose Accelerator
-    is built (the model is wrapped by the caller, who has it: :func:`install_autocast`)."""
-    refuse_late_autocast(accelerator, rt.recipe, late=late)
+    is built (the model is wrapped by the caller, who has it: :func:`install_autocast`). A ``late`` caller has called
+    :func:`refuse_late_autocast` first, before any change of its own."""
     rt.apply_tf32()
     wrapped_before = accelerate_autocasts(accelerator, rt.recipe)
     sharded = install_sharding(accelerator, rt, late=late)
