@@ -1,9 +1,14 @@
-"""Device-side helpers for the per-step hot path: cached 0-d constants, finiteness in two operations, and
-reading a device value on the host without waiting for the device (no host-device sync)."""
+"""Device-side helpers for the per-step hot path: cached 0-d constants, finiteness in two operations,
+reading a device value on the host without waiting for the device (no host-device sync), and running a model's
+forward inside a context (an autocast)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,14 +26,16 @@ class Constants:
         self._values: dict[float, Tensor] = {}
 
     def __call__(self, value: float, device: torch.device) -> Tensor:
+        if torch.compiler.is_compiling():
+            # the compiled graph holds its own constant; a write to the cache there is a side effect that breaks the
+            # graph (or, inside an autograd.Function, makes torch.compile refuse its saved tensors)
+            return torch.full((), value, dtype=torch.float32, device=device)
         if device != self._device:
             self._device, self._values = device, {}
         t = self._values.get(value)
         if t is None:
             t = torch.full((), value, dtype=torch.float32, device=device)
-            # a fake tensor (estimate's FakeTensorMode) must not outlive its mode; under torch.compile the cache
-            # is not written (a write there is a side effect that breaks the graph), the compiled graph holds t
-            if type(t) is torch.Tensor and not torch.compiler.is_compiling():
+            if type(t) is torch.Tensor:  # a fake tensor (estimate's FakeTensorMode) must not outlive its mode
                 self._values[value] = t
         return t
 
@@ -109,3 +116,30 @@ def is_main_rank() -> bool:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     return os.environ.get("RANK", "0") == "0"
+
+
+def wrap_forward(model: torch.nn.Module, context: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+    """Make ``model.forward`` run inside ``context()`` (a new one per call).
+
+    The wrapper is a method bound to ``model``, so ``copy.deepcopy(model)`` (TRL's reference model, an EMA copy)
+    binds the copy's forward to the copy: Python's ``copy`` rebinds a bound method to the copied instance, where a
+    closure over the original's bound method would keep running the original's weights. A forward that is not a
+    method of ``model`` (another wrapper's function) is wrapped as it is."""
+    inner = model.forward
+    func = getattr(inner, "__func__", None)
+    if func is None or getattr(inner, "__self__", None) is not model:
+
+        @functools.wraps(inner)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with context():
+                return inner(*args, **kwargs)
+
+        model.forward = forward  # type: ignore[method-assign]
+        return
+
+    @functools.wraps(func)
+    def method(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with context():
+            return func(self, *args, **kwargs)
+
+    model.forward = types.MethodType(method, model)  # type: ignore[method-assign]

@@ -21,7 +21,6 @@ report records it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import weakref
 from collections.abc import Iterable
@@ -33,7 +32,7 @@ from torch import nn
 
 from hf_mixedprec import formats
 from hf_mixedprec import metrics as M
-from hf_mixedprec._device import Constants, is_main_rank, several_ranks
+from hf_mixedprec._device import Constants, is_main_rank, several_ranks, wrap_forward
 from hf_mixedprec.amp import GuardScaler, LossScaling
 from hf_mixedprec.clipping import Clipper, ClipResult, global_grad_norm, make_clipper, with_grads
 from hf_mixedprec.fp8 import ConversionReport, convert, fp8_layers, fp8_step
@@ -216,14 +215,7 @@ class MixedPrecisionRuntime:
         was nothing to do (no autocast, or wrapped already)."""
         if (compute_dtype(self.recipe) is None and self.phases is None) or model in _AUTOCAST_WRAPPED:
             return False
-        inner, autocast = model.forward, self.autocast
-
-        @functools.wraps(inner)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with autocast():
-                return inner(*args, **kwargs)
-
-        model.forward = forward  # type: ignore[method-assign]
+        wrap_forward(model, self.autocast)
         _AUTOCAST_WRAPPED.add(model)
         return True
 

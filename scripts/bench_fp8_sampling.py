@@ -8,6 +8,10 @@ CPU time and wall time; forward, backward, clipping, optimizer and every hook).
 
     python scripts/bench_fp8_sampling.py                        # h100-fp8-delayed, tiny Llama, 60 pairs
     python scripts/bench_fp8_sampling.py --recipe h100-fp8-current b200-mxfp8 --pairs 100 --json out.json
+    python scripts/bench_fp8_sampling.py --compile inductor    # the forward and backward under torch.compile
+
+With ``--compile`` the table also gives the graph breaks torch.compile met and the graphs it compiled (both kinds
+of step together; the plain model compiles as one graph per kind of step).
 """
 
 from __future__ import annotations
@@ -36,14 +40,17 @@ def _setup(name: str, layers: int, seed: int = 0) -> tuple[MixedPrecisionRuntime
     return rt, model, opt, scaler
 
 
-def _step(rt: MixedPrecisionRuntime, model: Any, opt: Any, scaler: Any, batch: torch.Tensor, sample: bool) -> None:
-    """One optimizer step as the Trainer callback runs it; ``sample`` forces this step to record FP8 statistics."""
+def _step(
+    rt: MixedPrecisionRuntime, model: Any, opt: Any, scaler: Any, batch: torch.Tensor, sample: bool, run: Any = None
+) -> None:
+    """One optimizer step as the Trainer callback runs it; ``sample`` forces this step to record FP8 statistics;
+    ``run``: what computes the forward (the compiled model), else ``model``."""
     rt.begin_step(model)
     if sample != rt._sampling:  # the recipe's interval would sample other steps: this bench picks them
         rt._sampling = sample
         rt.fp8_stats.record(fp8_layers(model), sample)
     with rt.autocast():
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = (run or model)(input_ids=batch, labels=batch).loss
     rt.record_loss(loss)
     scaler.scale(loss).backward()
     rt.before_optimizer_step(model.parameters(), opt)
@@ -54,15 +61,24 @@ def _step(rt: MixedPrecisionRuntime, model: Any, opt: Any, scaler: Any, batch: t
     opt.zero_grad(set_to_none=True)
 
 
-def bench(name: str, layers: int, pairs: int, warmup: int, batch_size: int, seq_len: int) -> dict[str, Any]:
+def bench(
+    name: str, layers: int, pairs: int, warmup: int, batch_size: int, seq_len: int, compile_backend: str | None = None
+) -> dict[str, Any]:
     rt, model, opt, scaler = _setup(name, layers)
+    run = None
+    if compile_backend:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        run = torch.compile(model, backend=compile_backend)
     n = 2 * (pairs + warmup)
     batches = byte_batches(builtin_text(), seq_len=seq_len, batch_size=batch_size, n_batches=n, seed=0)
     cpu: dict[bool, list[float]] = {False: [], True: []}
     wall: dict[bool, list[float]] = {False: [], True: []}
     for i, batch in enumerate(batches):
         sample = not bh.abba(i)  # U S S U, U S S U ...: each kind goes first as often as second
-        took = bh.measure(_step, rt, model, opt, scaler, batch, sample)
+        took = bh.measure(_step, rt, model, opt, scaler, batch, sample, run)
         if i >= 2 * warmup:
             cpu[sample].append(took.cpu)
             wall[sample].append(took.wall)
@@ -71,7 +87,15 @@ def bench(name: str, layers: int, pairs: int, warmup: int, batch_size: int, seq_
             rt.metrics()
     ratios = bh.paired_ratios(cpu[True], cpu[False])
     ratios_wall = bh.paired_ratios(wall[True], wall[False])
+    compiled = {}
+    if compile_backend:
+        compiled = {
+            "compile": compile_backend,
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "graphs": counters["stats"]["unique_graphs"],
+        }
     return {
+        **compiled,
         "recipe": name,
         "layers": layers,
         "fp8_layers": len(rt.fp8_report.converted) if rt.fp8_report else 0,
@@ -99,6 +123,10 @@ def table(rows: list[dict[str, Any]]) -> str:
         ]
         for r in rows
     ]
+    if rows and "compile" in rows[0]:
+        header = ["torch.compile", *header, "graph breaks", "graphs"]
+        cells = [[r["compile"], *c, r["graph_breaks"], r["graphs"]] for r, c in zip(rows, cells, strict=True)]
+        return bh.md_table(header, "lllrrrrlrr", cells)
     return bh.md_table(header, "llrrrrl", cells)
 
 
@@ -112,11 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    ap.add_argument(
+        "--compile",
+        metavar="BACKEND",
+        help="run the model under torch.compile with this backend (inductor, aot_eager, eager); default: eager mode",
+    )
     opts = ap.parse_args(argv)
     bh.set_threads(opts.threads)
     bh.quiet(("hf_mixedprec",))
     rows = [
-        bench(r, n, opts.pairs, opts.warmup, opts.batch_size, opts.seq_len) for r in opts.recipe for n in opts.layers
+        bench(r, n, opts.pairs, opts.warmup, opts.batch_size, opts.seq_len, opts.compile)
+        for r in opts.recipe
+        for n in opts.layers
     ]
     m = bh.machine()
     print(

@@ -286,6 +286,32 @@ def test_a_deep_copy_of_a_prepared_model_does_not_copy_the_accelerator():
     assert acc._mp_step_pending  # the copy's forward is not the run's next step
 
 
+def test_a_deep_copy_of_an_autocast_wrapped_model_runs_its_own_weights_under_the_autocast():
+    """TRL's reference model and an EMA copy are ``copy.deepcopy(model)``. hf_mixedprec's autocast wrapper used to be a
+    closure over the original's bound forward, so the copy ran the original's weights (and wrote the original's FP8
+    statistics); now it is a method bound to the model, which ``deepcopy`` rebinds to the copy."""
+    import copy
+
+    import torch
+
+    from hf_mixedprec.runtime import MixedPrecisionRuntime
+
+    rt = MixedPrecisionRuntime(load_recipe("cpu-bf16"))
+    model = tiny_llama()
+    assert rt.wrap_forward_with_autocast(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(2.0)
+    seen = []
+    twin.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    ids = torch.arange(8).view(1, 8)
+    with torch.no_grad():
+        ours, theirs = model(input_ids=ids).logits, twin(input_ids=ids).logits
+    assert seen == [torch.bfloat16]  # the copy's own lm_head ran, under the recipe's autocast
+    assert torch.allclose(theirs.float(), 2 * ours.float(), rtol=1e-2, atol=1e-2)
+    assert twin.forward.__self__ is twin and model.forward.__self__ is model
+
+
 # -- an FP8 recipe no backend runs here (an H100 without Transformer Engine): refused or rehearsed before any work ------
 def test_a_recipe_without_an_fp8_backend_here_is_refused_by_finetune_and_rehearsed_by_compare(
     tmp_path, monkeypatch, capsys

@@ -12,7 +12,7 @@ import hf_mixedprec
 from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
 from hf_mixedprec.fp8 import convert, fp8_layers, fp8_step
 from hf_mixedprec.fp8.emulated import EmulatedFP8GEMM
-from hf_mixedprec.fp8.native import NativeFP8Linear, fp8_mm
+from hf_mixedprec.fp8.native import NativeFP8Linear, fp8_mm, native_available
 from hf_mixedprec.recipe import load_recipe_file, resolve_recipe
 
 SCALINGS = ["h100-fp8-delayed", "h100-fp8-current"]
@@ -162,6 +162,7 @@ def test_block_scalings_are_refused_by_name(scaling):
 def test_a_recipe_names_the_native_backend_and_its_gemms_are_fp8(monkeypatch):
     """``fp8.backend: native`` converts every FP8 layer (Linear and GPT-2's Conv1D) and each step runs the three
     GEMMs of each layer through torch._scaled_mm."""
+    assert native_available(torch.device("cpu"))[0]  # its one probe GEMM, once per process, before the count
     calls = []
     real = torch._scaled_mm
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))

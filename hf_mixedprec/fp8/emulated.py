@@ -21,11 +21,14 @@ accumulation, and the output is cast to the autocast (or input) dtype.
 
 Health statistics (amax, saturation, underflow, SQNR, MX clamp) are recorded as device tensors only when
 ``record_stats`` is set, so steps that don't log pay nothing and nothing syncs with the host; what happens to them
-next is :mod:`hf_mixedprec.fp8.stats`.
+next is :mod:`hf_mixedprec.fp8.stats`. They leave the autograd function the way ``torch.compile`` can trace in one
+graph: the input's and the weight's as extra (non-differentiable) outputs, the output gradient's as an in-place
+write into the ``fp8_grad_stats`` buffer; no Python state is written inside the function.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +37,7 @@ from torch import Tensor, nn
 
 from hf_mixedprec._device import Constants
 from hf_mixedprec.formats import FP8_SCALING_DEFAULTS, NumberFormat, get_format
-from hf_mixedprec.fp8.stats import SampledStats
+from hf_mixedprec.fp8.stats import SampledStats, StatsRecord
 from hf_mixedprec.fp8.swap import linear_holding
 from hf_mixedprec.scaling import (
     current_scale,
@@ -46,7 +49,12 @@ from hf_mixedprec.scaling import (
     quantize_mxfp8,
 )
 from hf_mixedprec.scaling.fp8 import abs_and_amax
-from hf_mixedprec.scaling.stats import raw_operand_stats, tensorwise_operand_stats
+from hf_mixedprec.scaling.stats import (
+    RAW_COLUMNS,
+    raw_from_tensorwise,
+    raw_operand_stats,
+    tensorwise_operand_stats,
+)
 from hf_mixedprec.schema import FP8Config
 
 __all__ = [
@@ -102,7 +110,7 @@ def _pad_to(t: Tensor, dim: int, multiple: int) -> tuple[Tensor, int]:
 class _Quantized:
     """A quantize-dequantize result with what the health statistics need."""
 
-    __slots__ = ("codes", "data", "deq", "magnitude", "scale")
+    __slots__ = ("amax", "codes", "data", "deq", "magnitude", "scale")
 
     def __init__(
         self,
@@ -112,9 +120,11 @@ class _Quantized:
         *,
         scale: Tensor | None = None,
         magnitude: Tensor | None = None,
+        amax: Tensor | None = None,
     ) -> None:
         self.deq, self.data, self.codes = deq, data, codes
-        self.scale, self.magnitude = scale, magnitude  # per-tensor scalings: the scale, and |x| as the amax saw it
+        # per-tensor scalings: the scale, |x| as the amax saw it, and the amax
+        self.scale, self.magnitude, self.amax = scale, magnitude, amax
 
 
 class EmulatedFP8GEMM(SampledStats, nn.Module):
@@ -144,8 +154,11 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
             self.register_buffer("fp8_amax_history", torch.zeros(spec.amax_history_len, 3, device=dev))
             self.register_buffer("fp8_scale", torch.ones(3, device=dev))
             self.register_buffer("fp8_amax_pending", torch.zeros(3, device=dev), persistent=False)
-        # records: a tensorwise_operand_stats record for per-tensor scales, a raw_operand_stats row for block scales
+        # records: a tensorwise_operand_stats record for per-tensor scales, a raw_operand_stats row for block scales;
+        # the output gradient's row is written in place by the backward (grad_record), NaN until then
         self.start_records()
+        never = torch.full((len(RAW_COLUMNS),), math.nan, dtype=torch.float64, device=dev)
+        self.register_buffer("fp8_grad_stats", never.view(torch.int64), persistent=False)
         # per-tensor scales with a finite reciprocal take the cheap statistics (tensorwise_operand_stats): current
         # scales are at least fmt.max / FLT_MAX, delayed ones fmt.max * 2**-margin / FLT_MAX, above 2**-128 up to 8
         self._tensorwise_stats = spec.scaling == "current" or (spec.scaling == "delayed" and spec.margin <= 8)
@@ -163,7 +176,7 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
     def _fmt(self, role: int) -> NumberFormat:
         return self.bwd_fmt if role == 2 else self.fwd_fmt
 
-    def _qdq_tensorwise(self, t: Tensor, role: int) -> tuple[_Quantized, Tensor]:
+    def _qdq_tensorwise(self, t: Tensor, role: int) -> _Quantized:
         fmt = self._fmt(role)
         mag, amax = abs_and_amax(t)
         if self.spec.scaling == "delayed":
@@ -175,7 +188,7 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
             scale = current_scale(amax, fmt=fmt, epsilon=self.spec.epsilon, power_2=self.spec.power_2_scales)
         q = quantize_fp8(t, scale, fmt)
         deq = dequantize_fp8(q, scale) if self.dequantizes or self.record_stats else None
-        return _Quantized(deq, q, scale=scale, magnitude=mag), amax
+        return _Quantized(deq, q, scale=scale, magnitude=mag, amax=amax)
 
     def _qdq_blocked(
         self, t: Tensor, role: int, dim: int, weight_block: bool = False, src_dtype: torch.dtype | None = None
@@ -204,21 +217,59 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
             deq, data = deq.transpose(0, 1), data.transpose(0, 1)
         return _Quantized(deq, data)
 
-    def _record(self, role: int, t: Tensor, q: _Quantized, amax: Tensor | None) -> None:
+    def operand_record(self, role: int, t: Tensor, q: _Quantized) -> StatsRecord:
         """Device-side health statistics of one quantization (no host sync), from the tensors the quantization
-        made, kept as :attr:`records` ``[role]``; :attr:`stats` (or
-        :func:`~hf_mixedprec.fp8.stats.raw_stats_table`) finishes them.
-
-        MX clamp is measured on the rowwise blocks (along the last dim), the ones recorded here.
+        made: a :func:`~hf_mixedprec.scaling.stats.tensorwise_operand_stats` list for per-tensor scales, else a
+        :func:`~hf_mixedprec.scaling.stats.raw_operand_stats` row. MX clamp is measured on the rowwise blocks (along
+        the last dim), the ones the forward GEMM and the output gradient's dgrad GEMM use.
         """
         fmt = self._fmt(role)
-        if self._tensorwise_stats and amax is not None and q.scale is not None:
+        if self._tensorwise_stats and q.amax is not None and q.scale is not None:
             top = _K(fmt.max, t.device) * torch.reciprocal(q.scale)  # what an FP8 value of fmt.max dequantizes to
-            self.records[role] = tensorwise_operand_stats(t, q.deq, amax=amax, top=top, magnitude=q.magnitude)
+            return tensorwise_operand_stats(t, q.deq, amax=q.amax, top=top, magnitude=q.magnitude)
+        return raw_operand_stats(
+            t, q.data, q.deq, fmt, amax=q.amax, scale_codes=q.codes, block_size=self.spec.block_size
+        )
+
+    def forward_records(self, ctx: Any, x2: Tensor, xq: _Quantized, w: Tensor, wq: _Quantized) -> tuple[Tensor, ...]:
+        """Inside the autograd function's forward: on a sampled step (``ctx.record``) the input's and the weight's
+        records, flat, as extra outputs of the function (non-differentiable); :meth:`_gemm` keeps them as
+        :attr:`records` outside it, where a list written is no side effect ``torch.compile`` must break the graph
+        for. Other steps: nothing."""
+        ctx.record = self.record_stats
+        if not ctx.record:
+            return ()
+        flat: list[Tensor] = []
+        for role, t, q in ((0, x2, xq), (1, w, wq)):
+            rec = self.operand_record(role, t, q)
+            flat.extend(rec if isinstance(rec, list) else [rec])
+        ctx.mark_non_differentiable(*flat)
+        return tuple(flat)
+
+    def grad_record(self, ctx: Any, g2: Tensor, gq: _Quantized) -> None:
+        """Inside the autograd function's backward, on a sampled step: the output gradient's record written in place
+        into :attr:`fp8_grad_stats` (a buffer, which a compiled backward may write; its float64 row kept as int64 bits,
+        so casting the module to another float type leaves it whole)."""
+        if ctx.record:
+            rec = self.operand_record(2, g2, gq)
+            row = raw_from_tensorwise([rec])[0] if isinstance(rec, list) else rec
+            self.fp8_grad_stats.copy_(row.view(torch.int64))
+
+    def _run(self, fn: Any, x: Tensor, out_dtype: torch.dtype) -> Tensor:
+        """``fn.apply`` (the emulated or native autograd function); on a sampled step, keep the records it returned
+        and mark the output gradient's (:meth:`grad_record` writes it when the backward runs)."""
+        out = fn.apply(x, self.weight, self.bias, self, out_dtype)
+        if not isinstance(out, tuple):
+            return out
+        y, *flat = out
+        if self._tensorwise_stats:
+            half = len(flat) // 2
+            self.records[0], self.records[1] = flat[:half], flat[half:]
         else:
-            self.records[role] = raw_operand_stats(
-                t, q.data, q.deq, fmt, amax=amax, scale_codes=q.codes, block_size=self.spec.block_size
-            )
+            self.records[0], self.records[1] = flat
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            self.records[2] = self.fp8_grad_stats
+        return y
 
     def quantize_for(self, t: Tensor, role: int, *, gemm: str, src_dtype: torch.dtype | None = None) -> _Quantized:
         """Quantize ``t`` (2-D, float32) for one GEMM operand.
@@ -227,16 +278,11 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
         the first dim of W) or "wgrad" (over the first, token dim of dy and x). ``src_dtype``: the operand's type
         before it was upcast to float32 (default float32).
         """
-        amax = None
         if self.spec.scaling in ("delayed", "current"):
-            q, amax = self._qdq_tensorwise(t, role)
-        else:
-            weight_block = role == 1 and self.spec.scaling == "blockwise"
-            dim = 0 if (gemm == "wgrad" or (gemm == "dgrad" and role == 1)) else -1
-            q = self._qdq_blocked(t, role, dim, weight_block, src_dtype)
-        if self.record_stats and gemm != "wgrad" and not (role == 1 and gemm == "dgrad"):
-            self._record(role, t, q, amax)
-        return q
+            return self._qdq_tensorwise(t, role)
+        weight_block = role == 1 and self.spec.scaling == "blockwise"
+        dim = 0 if (gemm == "wgrad" or (gemm == "dgrad" and role == 1)) else -1
+        return self._qdq_blocked(t, role, dim, weight_block, src_dtype)
 
     # -- forward -----------------------------------------------------------------------------------
     def gemm_weight(self, weight: Tensor) -> Tensor:
@@ -254,7 +300,7 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
     def _gemm(self, x: Tensor, out_dtype: torch.dtype) -> Tensor:
         """The layer's GEMMs (forward, and backward through autograd): float32 on dequantized operands here; the
         native backend (:mod:`hf_mixedprec.fp8.native`) multiplies the FP8 operands themselves."""
-        return _EmulatedFP8Fn.apply(x, self.weight, self.bias, self, out_dtype)
+        return self._run(_EmulatedFP8Fn, x, out_dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         device_type = x.device.type
@@ -326,8 +372,9 @@ class _EmulatedFP8Fn(torch.autograd.Function):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).float()
         w = mod.gemm_weight(weight)
-        xq = mod.quantize_for(x2, 0, gemm="fprop", src_dtype=x.dtype).deq
-        wq = mod.quantize_for(w, 1, gemm="fprop", src_dtype=weight.dtype).deq
+        xquant = mod.quantize_for(x2, 0, gemm="fprop", src_dtype=x.dtype)
+        wquant = mod.quantize_for(w, 1, gemm="fprop", src_dtype=weight.dtype)
+        xq, wq = xquant.deq, wquant.deq
         y = xq @ wq.t()
         if bias is not None:
             y = y + bias.float()
@@ -342,15 +389,19 @@ class _EmulatedFP8Fn(torch.autograd.Function):
             )
         ctx.save_for_backward(x_w, w_d)
         remember_gemm(ctx, mod, x, weight, bias)
-        return y.to(out_dtype).reshape(*lead, y.shape[-1])
+        records = mod.forward_records(ctx, x2, xquant, w, wquant)
+        out = y.to(out_dtype).reshape(*lead, y.shape[-1])
+        return (out, *records) if records else out
 
     @staticmethod
-    def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, gy: Tensor, *_records: Tensor) -> tuple[Tensor | None, ...]:
         x_w, w_d = ctx.saved_tensors
         mod: EmulatedFP8GEMM = ctx.mod
         lead, x_dtype, w_dtype, has_bias, b_dtype = ctx.meta
         g2 = gy.reshape(-1, gy.shape[-1]).float()
-        g_d = mod.quantize_for(g2, 2, gemm="dgrad", src_dtype=gy.dtype).deq
+        gquant = mod.quantize_for(g2, 2, gemm="dgrad", src_dtype=gy.dtype)
+        mod.grad_record(ctx, g2, gquant)
+        g_d = gquant.deq
         gx = (g_d @ w_d).to(x_dtype).reshape(*lead, w_d.shape[1]) if ctx.needs_input_grad[0] else None
         gw = None
         if ctx.needs_input_grad[1]:  # frozen weights (e.g. a PEFT base layer) need no wgrad GEMM

@@ -92,7 +92,7 @@ class _NativeGEMM:
     dequantizes = False
 
     def _gemm(self: Any, x: Tensor, out_dtype: torch.dtype) -> Tensor:
-        return _NativeFP8Fn.apply(x, self.weight, self.bias, self, out_dtype)
+        return self._run(_NativeFP8Fn, x, out_dtype)
 
 
 def _inv(scale: Tensor) -> Tensor:
@@ -115,15 +115,18 @@ class _NativeFP8Fn(torch.autograd.Function):
             y = y + bias.float()
         ctx.save_for_backward(xq.data, wq.data, x_inv, w_inv)
         remember_gemm(ctx, mod, x, weight, bias)
-        return y.to(out_dtype).reshape(*lead, y.shape[-1])
+        records = mod.forward_records(ctx, x2, xq, w, wq)
+        out = y.to(out_dtype).reshape(*lead, y.shape[-1])
+        return (out, *records) if records else out
 
     @staticmethod
-    def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, gy: Tensor, *_records: Tensor) -> tuple[Tensor | None, ...]:
         xd, wd, x_inv, w_inv = ctx.saved_tensors
         mod: EmulatedFP8GEMM = ctx.mod
         lead, x_dtype, w_dtype, has_bias, b_dtype = ctx.meta
         g2 = gy.reshape(-1, gy.shape[-1]).float()
         gq = mod.quantize_for(g2, 2, gemm="dgrad", src_dtype=gy.dtype)
+        mod.grad_record(ctx, g2, gq)
         g_inv = _inv(gq.scale)
         gx = None
         if ctx.needs_input_grad[0]:

@@ -12,6 +12,7 @@ hooks return at once. Each probe also knows how to put its layer back in high pr
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -21,15 +22,19 @@ from torch import nn
 
 from hf_mixedprec.fp8.stats import SampledStats
 from hf_mixedprec.scaling.fp8 import FP8Format
-from hf_mixedprec.scaling.stats import ROLES, raw_operand_stats
+from hf_mixedprec.scaling.stats import RAW_COLUMNS, ROLES, raw_operand_stats
 
 __all__ = ["LayerProbe", "QuantizeRule", "attach_probe", "probe_of"]
 
 #: ``rule(t, role, src_dtype) -> (data, dequantized)`` for a 2-D float32 operand ``t`` ([tokens, features] for
 #: input and gradient, [out, in] for the weight), its role ("input", "weight", "grad") and the type it had before
 #: the upcast: ``data`` the scaled values the backend would store in FP8 (after saturation), ``dequantized`` what
-#: the GEMM computes with. None: the backend keeps that operand in high precision (nothing to measure).
+#: the GEMM computes with. None: the backend does not quantize that operand this time (nothing to measure); a role
+#: the backend never quantizes is left out of the probe's ``formats``.
 QuantizeRule = Callable[[torch.Tensor, str, torch.dtype], "tuple[torch.Tensor, torch.Tensor] | None"]
+
+#: the non-persistent buffer a probe adds to its layer: the output gradient's latest row
+GRAD_STATS_BUFFER = "fp8_probe_grad_stats"
 
 _PROBES: weakref.WeakKeyDictionary[nn.Module, LayerProbe] = weakref.WeakKeyDictionary()
 
@@ -48,6 +53,10 @@ class LayerProbe(SampledStats):
         self.formats = formats
         self._to_high_precision = to_high_precision
         self.start_records()  # raw_operand_stats rows, as the emulated layers keep them
+        # the gradient's row is written in place by the gradient hook (a Python write there would break a compiled
+        # graph); float64 values held as int64 bits, as the emulated layers hold theirs
+        never = torch.full((len(RAW_COLUMNS),), math.nan, dtype=torch.float64, device=module.weight.device)
+        module.register_buffer(GRAD_STATS_BUFFER, never.view(torch.int64), persistent=False)
         self._module = weakref.ref(module)
         self._handle = module.register_forward_hook(self._forward_hook)
 
@@ -56,25 +65,40 @@ class LayerProbe(SampledStats):
         """The backend layer this probe samples (None once it is gone)."""
         return self._module()
 
-    def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if not (self.record_stats and module.training and args and isinstance(args[0], torch.Tensor)):
-            return
+            return None
         self._measure("input", args[0])
         if type(module.weight) in (torch.Tensor, nn.Parameter):  # a subclass arrived quantized (FP8 all-gather)
             self._measure("weight", module.weight)
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(self._grad_hook)
+        if isinstance(output, torch.Tensor) and output.requires_grad and "grad" in self.formats:
+            held = getattr(module, GRAD_STATS_BUFFER)
+            self.records[2] = held
+            # an identity whose backward measures the gradient (a hook on the output tensor would break a compiled
+            # graph at every layer)
+            return _MeasureGrad.apply(output, held, self)
+        return None
 
-    def _grad_hook(self, grad: torch.Tensor) -> None:
-        self._measure("grad", grad)
+    def measure_grad(self, held: torch.Tensor, grad: torch.Tensor) -> None:
+        """The output gradient's row, written into ``held`` (the layer's buffer); NaN when the backend did not
+        quantize it this time (no scale yet), as never measured."""
+        row = self._measure("grad", grad)
+        if row is None:
+            row = torch.full((len(RAW_COLUMNS),), math.nan, dtype=torch.float64, device=grad.device)
+        held.copy_(row.view(torch.int64))
 
-    def _measure(self, role: str, t: torch.Tensor) -> None:
+    def _measure(self, role: str, t: torch.Tensor) -> torch.Tensor | None:
+        """The raw row of ``t`` quantized as the backend would (None: it keeps ``t`` in high precision); the input
+        and the weight kept in :attr:`records` (the gradient's row goes to the module's buffer)."""
         t2 = t.detach().reshape(-1, t.shape[-1]).to(torch.float32)
         out = self.rule(t2, role, t.dtype)
         if out is None:
-            return
+            return None
         data, deq = out
-        self.records[ROLES.index(role)] = raw_operand_stats(t2, data, deq, self.formats[role])
+        row = raw_operand_stats(t2, data, deq, self.formats[role])
+        if role != "grad":
+            self.records[ROLES.index(role)] = row
+        return row
 
     def high_precision(self) -> nn.Module:
         """The layer's high-precision equivalent holding the same Parameter objects (the health fallback)."""
@@ -88,6 +112,20 @@ class LayerProbe(SampledStats):
         module = self._module()
         if module is not None:
             _PROBES.pop(module, None)
+
+
+class _MeasureGrad(torch.autograd.Function):
+    """The identity, whose backward hands the incoming gradient to a probe."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, held: torch.Tensor, probe: LayerProbe) -> torch.Tensor:
+        ctx.held, ctx.probe = held, probe
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.probe.measure_grad(ctx.held, grad)
+        return grad, None, None
 
 
 def attach_probe(

@@ -5,9 +5,11 @@ The path, in order:
 1. **recording** (:class:`SampledStats`): on a sampled step an FP8 layer (emulated or native) or the probe of a
    torchao / Transformer Engine layer keeps, per operand (input, weight, output gradient), the raw record of its
    quantization (:func:`~hf_mixedprec.scaling.stats.raw_operand_stats` or, for per-tensor scales, the cheaper
-   :func:`~hf_mixedprec.scaling.stats.tensorwise_operand_stats`), as device tensors; other steps record nothing;
+   :func:`~hf_mixedprec.scaling.stats.tensorwise_operand_stats`), as device tensors (the output gradient's row
+   written in place into a buffer, so a compiled backward can record it); other steps record nothing;
 2. **sampling** (:class:`FP8Statistics`): the runtime tells the layers when a sampled step begins and ends, and
-   after its optimizer step keeps the records as taken (:class:`FP8Sample`, references only);
+   after its optimizer step keeps the records as taken (:class:`FP8Sample`: references, and one copy of the rows
+   held in buffers, which the next sampled step overwrites);
 3. **the table** (:func:`raw_stats_table`): at the next check every kept record becomes one ``[layers, 3, 8]``
    table in a fixed number of tensor operations, combined over ranks when training is distributed
    (:func:`raw_over_ranks`, one all-gather), finished into per-layer
@@ -53,8 +55,15 @@ __all__ = [
 ]
 
 #: What a layer keeps of one operand's sampled statistics: a list of per-tensor record tensors
-#: (:func:`~hf_mixedprec.scaling.stats.tensorwise_operand_stats`), a raw row, or None (never measured).
+#: (:func:`~hf_mixedprec.scaling.stats.tensorwise_operand_stats`), a raw row, or None (never measured). A raw row
+#: may be held as the int64 bits of its float64 values: a buffer the layer's backward writes in place
+#: (:attr:`~hf_mixedprec.fp8.emulated.EmulatedFP8GEMM.fp8_grad_stats`), which :class:`FP8Sample` copies.
 StatsRecord = list[torch.Tensor] | torch.Tensor | None
+
+
+def _row(rec: torch.Tensor) -> torch.Tensor:
+    """A raw row as float64 (a view of a row held as int64 bits)."""
+    return rec.view(torch.float64) if rec.dtype == torch.int64 else rec
 
 
 class SampledStats:
@@ -113,19 +122,25 @@ def raw_stats_table(layers: Sequence[Sequence[StatsRecord]]) -> torch.Tensor | N
         return None
     converted = iter(raw_from_tensorwise(fast).unbind(0) if fast else ())
     never = torch.full((len(RAW_COLUMNS),), math.nan, dtype=torch.float64, device=first.device)
-    rows = [never if rec is None else next(converted) if isinstance(rec, list) else rec for rec in records]
+    rows = [never if rec is None else next(converted) if isinstance(rec, list) else _row(rec) for rec in records]
     return torch.stack(rows).view(len(layers), 3, len(RAW_COLUMNS))
 
 
 class FP8Sample:
-    """A sampled step's FP8 statistics, kept as taken (references, no tensor operation), finished at the next
-    check."""
+    """A sampled step's FP8 statistics, kept as taken (references, and one stacked copy of the rows held in buffers),
+    finished at the next check."""
 
     def __init__(self, layers: NamedLayers) -> None:
         sampled = [(n, m) for n, m in layers if any(m.measured)]
         self.names = [n for n, _ in sampled]
         self.flags = [(m.measured, m.mx_clamp) for _, m in sampled]
         self.records = [list(m.records) for _, m in sampled]  # a later sampled step replaces the layers' lists
+        # rows in buffers that a later sampled step overwrites: one copy of them all
+        held = [(i, r) for i, rec in enumerate(self.records) for r, x in enumerate(rec) if _in_place(x)]
+        if held:
+            copies = torch.stack([self.records[i][r] for i, r in held]).view(torch.float64).unbind(0)
+            for (i, r), row in zip(held, copies, strict=True):
+                self.records[i][r] = row
 
     def layer_stats(self, over_ranks: bool = False) -> dict[str, LayerStats]:
         """The sample's statistics per layer; ``over_ranks``: combined over the ranks (:func:`raw_over_ranks`, a
@@ -136,6 +151,10 @@ class FP8Sample:
         raw = raw_over_ranks(raw) if over_ranks else raw
         # one finished table; every layer's statistics view it (a fixed number of operations)
         return dict(zip(self.names, layer_stats_from_table(finish_operand_stats(raw), self.flags), strict=True))
+
+
+def _in_place(rec: StatsRecord) -> bool:
+    return isinstance(rec, torch.Tensor) and rec.dtype == torch.int64
 
 
 def raw_over_ranks(raw: torch.Tensor) -> torch.Tensor:

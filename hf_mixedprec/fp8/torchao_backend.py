@@ -156,8 +156,10 @@ def _quantize_rule(cfg: Any) -> tuple[QuantizeRule, dict[str, FP8Format]]:
         data = to_fp8_saturated(t * scale, c.target_dtype)
         return data, data.to(torch.float32) / scale
 
-    formats: dict[str, FP8Format] = {
-        role: "e4m3" if c.target_dtype == torch.float8_e4m3fn else "e5m2" for role, c in casts.items()
+    formats: dict[str, FP8Format] = {  # a role torchao keeps in high precision has nothing to measure
+        role: "e4m3" if c.target_dtype == torch.float8_e4m3fn else "e5m2"
+        for role, c in casts.items()
+        if c.scaling_type is not ScalingType.DISABLED
     }
     return rule, formats
 

@@ -14,7 +14,6 @@ targets the TE 2.x recipe classes of ``transformer_engine/common/recipe/__init__
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_mixedprec._device import wrap_forward
 from hf_mixedprec.fp8.policy import LayerDecision
 from hf_mixedprec.fp8.probe import QuantizeRule, attach_probe
 from hf_mixedprec.fp8.swap import linear_holding, replace_module
@@ -214,14 +214,7 @@ def convert_te(
             group["params"] = [mapping.get(id(p), p) for p in group["params"]]
     else:
         notes.append("transformer_engine creates new parameters: build the optimizer after convert()")
-    inner = model.forward
-
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with _te_autocast(te, te_rec):
-            return inner(*args, **kwargs)
-
-    model.forward = forward  # type: ignore[method-assign]
+    wrap_forward(model, lambda: _te_autocast(te, te_rec))
     return notes
 
 

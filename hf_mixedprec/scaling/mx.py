@@ -212,7 +212,12 @@ def _to_float32(t: torch.Tensor) -> torch.Tensor:
     PyTorch converts E4M3 to float32 one element at a time on the CPU (about 4x slower than the table lookup);
     the table holds PyTorch's own conversion of every code, so the result is the same to the bit, NaNs included.
     """
-    if t.dtype != torch.float8_e4m3fn or t.device.type != "cpu" or not t.is_contiguous():
+    if (
+        t.dtype != torch.float8_e4m3fn
+        or t.device.type != "cpu"
+        or not t.is_contiguous()
+        or torch.compiler.is_compiling()  # a compiled graph converts on its own; the cache write would be a side effect
+    ):
         return t.to(torch.float32)
     table = _E4M3_TABLE.get(t.device)
     if table is None:
