@@ -50,7 +50,7 @@ def _step(
         rt._sampling = sample
         rt.fp8_stats.record(fp8_layers(model), sample)
     with rt.autocast():
-        loss = (run or model)(input_ids=batch, labels=batch).loss
+        loss = (model if run is None else run)(input_ids=batch, labels=batch).loss
     rt.record_loss(loss)
     scaler.scale(loss).backward()
     rt.before_optimizer_step(model.parameters(), opt)

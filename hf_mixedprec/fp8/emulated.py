@@ -21,9 +21,10 @@ accumulation, and the output is cast to the autocast (or input) dtype.
 
 Health statistics (amax, saturation, underflow, SQNR, MX clamp) are recorded as device tensors only when
 ``record_stats`` is set, so steps that don't log pay nothing and nothing syncs with the host; what happens to them
-next is :mod:`hf_mixedprec.fp8.stats`. They leave the autograd function the way ``torch.compile`` can trace in one
-graph: the input's and the weight's as extra (non-differentiable) outputs, the output gradient's as an in-place
-write into the ``fp8_grad_stats`` buffer; no Python state is written inside the function.
+next is :mod:`hf_mixedprec.fp8.stats`. Under ``torch.compile`` they leave the autograd function the way it traces
+in one graph (no Python state written inside the function): the input's and the weight's as extra
+(non-differentiable) outputs, the output gradient's as an in-place write into the ``fp8_grad_stats`` buffer. In
+eager mode, where that costs more than it saves, the function keeps them in Python state.
 """
 
 from __future__ import annotations
@@ -232,32 +233,38 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
         )
 
     def forward_records(self, ctx: Any, x2: Tensor, xq: _Quantized, w: Tensor, wq: _Quantized) -> tuple[Tensor, ...]:
-        """Inside the autograd function's forward: on a sampled step (``ctx.record``) the input's and the weight's
-        records, flat, as extra outputs of the function (non-differentiable); :meth:`_gemm` keeps them as
-        :attr:`records` outside it, where a list written is no side effect ``torch.compile`` must break the graph
-        for. Other steps: nothing."""
-        ctx.record = self.record_stats
+        """Inside the autograd function's forward, on a sampled step (``ctx.record``): the input's and the weight's
+        records. In eager mode they are kept in :attr:`records` here (nothing returned). Under ``torch.compile``,
+        where a Python write inside the function breaks the graph, they are returned flat, as extra
+        (non-differentiable) outputs of the function, and :meth:`_run` keeps them outside it."""
+        ctx.record, ctx.compiling = self.record_stats, torch.compiler.is_compiling()
         if not ctx.record:
             return ()
-        flat: list[Tensor] = []
-        for role, t, q in ((0, x2, xq), (1, w, wq)):
-            rec = self.operand_record(role, t, q)
-            flat.extend(rec if isinstance(rec, list) else [rec])
+        recs = [self.operand_record(0, x2, xq), self.operand_record(1, w, wq)]
+        if not ctx.compiling:
+            self.records[0], self.records[1] = recs
+            return ()
+        flat = [t for rec in recs for t in (rec if isinstance(rec, list) else [rec])]
         ctx.mark_non_differentiable(*flat)
         return tuple(flat)
 
     def grad_record(self, ctx: Any, g2: Tensor, gq: _Quantized) -> None:
-        """Inside the autograd function's backward, on a sampled step: the output gradient's record written in place
-        into :attr:`fp8_grad_stats` (a buffer, which a compiled backward may write; its float64 row kept as int64 bits,
-        so casting the module to another float type leaves it whole)."""
-        if ctx.record:
-            rec = self.operand_record(2, g2, gq)
-            row = raw_from_tensorwise([rec])[0] if isinstance(rec, list) else rec
-            self.fp8_grad_stats.copy_(row.view(torch.int64))
+        """Inside the autograd function's backward, on a sampled step: the output gradient's record, kept in
+        :attr:`records` in eager mode; under ``torch.compile`` written in place into :attr:`fp8_grad_stats` (a
+        buffer, which a compiled backward may write; its float64 row held as int64 bits, so casting the module to
+        another float type leaves it whole)."""
+        if not ctx.record:
+            return
+        rec = self.operand_record(2, g2, gq)
+        if not ctx.compiling:
+            self.records[2] = rec
+            return
+        row = raw_from_tensorwise([rec])[0] if isinstance(rec, list) else rec
+        self.fp8_grad_stats.copy_(row.view(torch.int64))
 
     def _run(self, fn: Any, x: Tensor, out_dtype: torch.dtype) -> Tensor:
-        """``fn.apply`` (the emulated or native autograd function); on a sampled step, keep the records it returned
-        and mark the output gradient's (:meth:`grad_record` writes it when the backward runs)."""
+        """``fn.apply`` (the emulated or native autograd function); on a sampled step under ``torch.compile``, keep
+        the records it returned and point the output gradient's at the buffer :meth:`grad_record` writes."""
         out = fn.apply(x, self.weight, self.bias, self, out_dtype)
         if not isinstance(out, tuple):
             return out
