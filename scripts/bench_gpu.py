@@ -62,6 +62,9 @@ def run_variant(key: str, ctx: Ctx, tokens_per_step: int) -> dict[str, Any]:
         "steps": 0,
     }
     bh.release_memory(ctx.device)
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # the graph breaks torch.compile meets in this row (warm-up and timed steps)
     t0 = time.perf_counter()
     try:
         times = RUNNERS[key](ctx, row)
@@ -80,6 +83,9 @@ def run_variant(key: str, ctx: Ctx, tokens_per_step: int) -> dict[str, Any]:
         row.update(status="error", reason=f"{type(exc).__name__}: {first}"[:400])
         traceback.print_exc(file=sys.stderr)
     row["wall_s"] = time.perf_counter() - t0
+    row["graph_breaks"] = sum(counters["graph_break"].values()) if row["compiled"] else None
+    if row["graph_breaks"] is not None:
+        row["notes"].append(f"{row['graph_breaks']} graph breaks")
     bh.release_memory(ctx.device)
     print(f"  {key}: {row['status']} ({row['wall_s']:.1f} s)", file=sys.stderr)
     return row

@@ -64,6 +64,7 @@ def test_bench_gpu_dry_run(tmp_path):
     if doc["machine"]["device"].startswith("cpu"):
         assert any("torch.compile skipped" in n for n in rows["bf16-compile"]["notes"])
         assert not rows["bf16-compile"]["compiled"]
+        assert all(r["graph_breaks"] is None for r in rows.values())  # counted in compiled rows only (on a GPU)
         for key in ("fp8-torchao-tensorwise", "fp8-torchao-rowwise"):
             r = rows[key]
             assert r["status"] == "skipped" or any("emulate=True" in n for n in r["notes"]), key
