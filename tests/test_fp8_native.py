@@ -268,3 +268,28 @@ def test_sampled_statistics_are_the_emulated_ones():
     assert tables["native"].shape == (14, 3, tables["native"].shape[-1])
     assert torch.equal(tables["native"].nan_to_num(-1.0), tables["emulated"].nan_to_num(-1.0))
     assert torch.isfinite(tables["native"][:, :, 0]).all()  # every role measured
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["emulated", "native"])
+@pytest.mark.parametrize("dims", [(64, 64), (40, 24)], ids=["aligned", "padded"])
+def test_an_inplace_activation_after_an_fp8_layer_trains_as_the_out_of_place_one(native, dims):
+    """``nn.ReLU(inplace=True)`` right after an FP8 layer, on sampled and unsampled steps: the layer's output was a
+    view its autograd function returned, which autograd refuses to modify in place. Now the step runs, and the
+    gradients equal those of the out-of-place ReLU."""
+    from hf_mixedprec.fp8 import EmulatedFP8Linear
+    from hf_mixedprec.fp8.emulated import EmulationSpec
+
+    cls = NativeFP8Linear if native else EmulatedFP8Linear
+    grads = {}
+    for inplace in (True, False):
+        torch.manual_seed(0)
+        layer = cls(torch.nn.Linear(*dims, bias=False), EmulationSpec(scaling="current"))
+        model = torch.nn.Sequential(layer, torch.nn.ReLU(inplace=inplace))
+        x = torch.randn(2, 4, dims[0], generator=torch.Generator().manual_seed(1), requires_grad=True)
+        for sampled in (False, True):
+            layer.record_stats = sampled
+            model(x).square().sum().backward()
+        assert layer.measured == (True, True, True)
+        grads[inplace] = (x.grad, layer.weight.grad)
+    for a, b in zip(grads[True], grads[False], strict=True):
+        assert a.abs().sum() > 0 and torch.equal(a, b)

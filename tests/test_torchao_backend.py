@@ -171,6 +171,23 @@ def test_probe_statistics_equal_torchaos_own_cast_of_the_same_tensors():
     assert not probes["model.layers.0.mlp.up_proj"].stats
 
 
+def test_a_sampled_step_lets_the_model_modify_a_torchao_layers_output_in_place():
+    """An inplace activation right after a torchao layer (``nn.ReLU(inplace=True)``) on a step that samples FP8
+    statistics: the probe's gradient measurement leaves the output a plain tensor, so the step trains and the
+    gradient's statistics are recorded."""
+    from hf_mixedprec.fp8 import fp8_layers
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(inplace=True), torch.nn.Linear(64, 32))
+    recipe = resolve_recipe({"name": "t", "precision": "fp8", "fp8": {"backend": "torchao", "scaling": "current"}})
+    assert len(convert(model, recipe).converted) == 2
+    probe = dict(fp8_layers(model, fresh=True))["0"]
+    probe.record_stats = True
+    model(torch.randn(8, 64)).square().sum().backward()
+    assert probe.measured == (True, True, True)
+    assert float(probe.stats.role("grad").amax) > 0 and model[0].weight.grad.abs().sum() > 0
+
+
 class Outlier:
     """From optimizer step ``at`` on, 8 of one layer's input features become huge (an activation outlier)."""
 

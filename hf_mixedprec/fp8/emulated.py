@@ -266,8 +266,10 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
         """``fn.apply`` (the emulated or native autograd function); on a sampled step under ``torch.compile``, keep
         the records it returned and point the output gradient's at the buffer :meth:`grad_record` writes."""
         out = fn.apply(x, self.weight, self.bias, self, out_dtype)
+        # the function returns [tokens, out_features]: a view it returned could not be modified in place (an inplace
+        # activation after the layer); reshaped here, it is an ordinary view
         if not isinstance(out, tuple):
-            return out
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         y, *flat = out
         if self._tensorwise_stats:
             half = len(flat) // 2
@@ -276,7 +278,7 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
             self.records[0], self.records[1] = flat
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             self.records[2] = self.fp8_grad_stats
-        return y
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def quantize_for(self, t: Tensor, role: int, *, gemm: str, src_dtype: torch.dtype | None = None) -> _Quantized:
         """Quantize ``t`` (2-D, float32) for one GEMM operand.
@@ -376,7 +378,6 @@ class _EmulatedFP8Fn(torch.autograd.Function):
     def forward(
         ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, mod: EmulatedFP8GEMM, out_dtype: torch.dtype
     ) -> Tensor:
-        lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).float()
         w = mod.gemm_weight(weight)
         xquant = mod.quantize_for(x2, 0, gemm="fprop", src_dtype=x.dtype)
@@ -397,7 +398,7 @@ class _EmulatedFP8Fn(torch.autograd.Function):
         ctx.save_for_backward(x_w, w_d)
         remember_gemm(ctx, mod, x, weight, bias)
         records = mod.forward_records(ctx, x2, xquant, w, wquant)
-        out = y.to(out_dtype).reshape(*lead, y.shape[-1])
+        out = y.to(out_dtype)  # 2-D: _run restores x's leading dims outside, where the view is autograd's own
         return (out, *records) if records else out
 
     @staticmethod

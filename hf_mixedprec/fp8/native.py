@@ -77,12 +77,13 @@ def _pad(t: Tensor, rows: int, cols: int) -> Tensor:
 
 def fp8_mm(a: Tensor, b: Tensor, inv_a: Tensor, inv_b: Tensor, out_dtype: torch.dtype) -> Tensor:
     """``(a * inv_a) @ (b * inv_b)`` for FP8 ``a`` [M, K] and ``b`` [K, N] (any layout) on FP8 tensor cores,
-    accumulated in FP32 and returned as ``out_dtype``; dims padded to multiples of 16 where they are not."""
+    accumulated in FP32 and returned as ``out_dtype``; dims padded to multiples of 16 where they are not (the result
+    is then cut back and copied: a fresh tensor either way, never a view an autograd function would return)."""
     m, n = a.shape[0], b.shape[1]
     a = _pad(a, _ALIGN, _ALIGN).contiguous()
     b = _pad(b, _ALIGN, _ALIGN).t().contiguous().t()  # column-major
     out = scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
-    return out[:m, :n] if out.shape != (m, n) else out
+    return out[:m, :n].clone() if out.shape != (m, n) else out
 
 
 class _NativeGEMM:
@@ -104,7 +105,6 @@ class _NativeFP8Fn(torch.autograd.Function):
     def forward(
         ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, mod: EmulatedFP8GEMM, out_dtype: torch.dtype
     ) -> Tensor:
-        lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).float()
         w = mod.gemm_weight(weight)
         xq = mod.quantize_for(x2, 0, gemm="fprop", src_dtype=x.dtype)
@@ -116,7 +116,7 @@ class _NativeFP8Fn(torch.autograd.Function):
         ctx.save_for_backward(xq.data, wq.data, x_inv, w_inv)
         remember_gemm(ctx, mod, x, weight, bias)
         records = mod.forward_records(ctx, x2, xq, w, wq)
-        out = y.to(out_dtype).reshape(*lead, y.shape[-1])
+        out = y.to(out_dtype)  # 2-D: _run restores x's leading dims outside, where the view is autograd's own
         return (out, *records) if records else out
 
     @staticmethod

@@ -12,6 +12,7 @@ hooks return at once. Each probe also knows how to put its layer back in high pr
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -74,10 +75,16 @@ class LayerProbe(SampledStats):
         if isinstance(output, torch.Tensor) and output.requires_grad and "grad" in self.formats:
             held = getattr(module, GRAD_STATS_BUFFER)
             self.records[2] = held
-            # an identity whose backward measures the gradient (a hook on the output tensor would break a compiled
-            # graph at every layer)
-            return _MeasureGrad.apply(output, held, self)
+            if torch.compiler.is_compiling():
+                # a hook on the output tensor would break a compiled graph at every layer: a copy whose backward
+                # measures the gradient (a copy, not a view: a view a custom function returns cannot be modified
+                # in place, as an inplace activation after the layer would)
+                return _MeasureGrad.apply(output, held, self)
+            output.register_hook(functools.partial(self._grad_hook, held))
         return None
+
+    def _grad_hook(self, held: torch.Tensor, grad: torch.Tensor) -> None:
+        self.measure_grad(held, grad)
 
     def measure_grad(self, held: torch.Tensor, grad: torch.Tensor) -> None:
         """The output gradient's row, written into ``held`` (the layer's buffer); NaN when the backend did not
@@ -115,12 +122,13 @@ class LayerProbe(SampledStats):
 
 
 class _MeasureGrad(torch.autograd.Function):
-    """The identity, whose backward hands the incoming gradient to a probe."""
+    """A copy of the layer's output, whose backward hands the incoming gradient to a probe (under torch.compile,
+    where the copy is fused away)."""
 
     @staticmethod
     def forward(ctx: Any, output: torch.Tensor, held: torch.Tensor, probe: LayerProbe) -> torch.Tensor:
         ctx.held, ctx.probe = held, probe
-        return output.view_as(output)
+        return output.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
