@@ -29,7 +29,6 @@ eager mode, where that costs more than it saves, the function keeps them in Pyth
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +37,7 @@ from torch import Tensor, nn
 
 from hf_mixedprec._device import Constants
 from hf_mixedprec.formats import FP8_SCALING_DEFAULTS, NumberFormat, get_format
-from hf_mixedprec.fp8.stats import SampledStats, StatsRecord
+from hf_mixedprec.fp8.stats import SampledStats, StatsRecord, held_row, hold
 from hf_mixedprec.fp8.swap import linear_holding
 from hf_mixedprec.scaling import (
     current_scale,
@@ -50,12 +49,7 @@ from hf_mixedprec.scaling import (
     quantize_mxfp8,
 )
 from hf_mixedprec.scaling.fp8 import abs_and_amax
-from hf_mixedprec.scaling.stats import (
-    RAW_COLUMNS,
-    raw_from_tensorwise,
-    raw_operand_stats,
-    tensorwise_operand_stats,
-)
+from hf_mixedprec.scaling.stats import raw_from_tensorwise, raw_operand_stats, tensorwise_operand_stats
 from hf_mixedprec.schema import FP8Config
 
 __all__ = [
@@ -158,8 +152,7 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
         # records: a tensorwise_operand_stats record for per-tensor scales, a raw_operand_stats row for block scales;
         # the output gradient's row is written in place by the backward (grad_record), NaN until then
         self.start_records()
-        never = torch.full((len(RAW_COLUMNS),), math.nan, dtype=torch.float64, device=dev)
-        self.register_buffer("fp8_grad_stats", never.view(torch.int64), persistent=False)
+        self.register_buffer("fp8_grad_stats", held_row(dev), persistent=False)
         # per-tensor scales with a finite reciprocal take the cheap statistics (tensorwise_operand_stats): current
         # scales are at least fmt.max / FLT_MAX, delayed ones fmt.max * 2**-margin / FLT_MAX, above 2**-128 up to 8
         self._tensorwise_stats = spec.scaling == "current" or (spec.scaling == "delayed" and spec.margin <= 8)
@@ -260,7 +253,7 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
             self.records[2] = rec
             return
         row = raw_from_tensorwise([rec])[0] if isinstance(rec, list) else rec
-        self.fp8_grad_stats.copy_(row.view(torch.int64))
+        hold(self.fp8_grad_stats, row)
 
     def _run(self, fn: Any, x: Tensor, out_dtype: torch.dtype) -> Tensor:
         """``fn.apply`` (the emulated or native autograd function); on a sampled step under ``torch.compile``, keep

@@ -13,7 +13,6 @@ hooks return at once. Each probe also knows how to put its layer back in high pr
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -21,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_mixedprec.fp8.stats import SampledStats
+from hf_mixedprec.fp8.stats import SampledStats, held_row, hold, never_measured
 from hf_mixedprec.scaling.fp8 import FP8Format
-from hf_mixedprec.scaling.stats import RAW_COLUMNS, ROLES, raw_operand_stats
+from hf_mixedprec.scaling.stats import ROLES, raw_operand_stats
 
 __all__ = ["LayerProbe", "QuantizeRule", "attach_probe", "probe_of"]
 
@@ -55,9 +54,8 @@ class LayerProbe(SampledStats):
         self._to_high_precision = to_high_precision
         self.start_records()  # raw_operand_stats rows, as the emulated layers keep them
         # the gradient's row is written in place by the gradient hook (a Python write there would break a compiled
-        # graph); float64 values held as int64 bits, as the emulated layers hold theirs
-        never = torch.full((len(RAW_COLUMNS),), math.nan, dtype=torch.float64, device=module.weight.device)
-        module.register_buffer(GRAD_STATS_BUFFER, never.view(torch.int64), persistent=False)
+        # graph), held as the emulated layers hold theirs
+        module.register_buffer(GRAD_STATS_BUFFER, held_row(module.weight.device), persistent=False)
         self._module = weakref.ref(module)
         self._handle = module.register_forward_hook(self._forward_hook)
 
@@ -80,19 +78,14 @@ class LayerProbe(SampledStats):
                 # measures the gradient (a copy, not a view: a view a custom function returns cannot be modified
                 # in place, as an inplace activation after the layer would)
                 return _MeasureGrad.apply(output, held, self)
-            output.register_hook(functools.partial(self._grad_hook, held))
+            output.register_hook(functools.partial(self.measure_grad, held))
         return None
-
-    def _grad_hook(self, held: torch.Tensor, grad: torch.Tensor) -> None:
-        self.measure_grad(held, grad)
 
     def measure_grad(self, held: torch.Tensor, grad: torch.Tensor) -> None:
         """The output gradient's row, written into ``held`` (the layer's buffer); NaN when the backend did not
         quantize it this time (no scale yet), as never measured."""
         row = self._measure("grad", grad)
-        if row is None:
-            row = torch.full((len(RAW_COLUMNS),), math.nan, dtype=torch.float64, device=grad.device)
-        held.copy_(row.view(torch.int64))
+        hold(held, never_measured(grad.device) if row is None else row)
 
     def _measure(self, role: str, t: torch.Tensor) -> torch.Tensor | None:
         """The raw row of ``t`` quantized as the backend would (None: it keeps ``t`` in high precision); the input

@@ -50,6 +50,9 @@ __all__ = [
     "SampledStats",
     "StatsRecord",
     "fp8_layer_metrics",
+    "held_row",
+    "hold",
+    "never_measured",
     "raw_over_ranks",
     "raw_stats_table",
 ]
@@ -61,9 +64,29 @@ __all__ = [
 StatsRecord = list[torch.Tensor] | torch.Tensor | None
 
 
+def never_measured(device: torch.device) -> torch.Tensor:
+    """The raw row of a role never measured: NaN in every :data:`~hf_mixedprec.scaling.stats.RAW_COLUMNS` column."""
+    return torch.full((len(RAW_COLUMNS),), math.nan, dtype=torch.float64, device=device)
+
+
+def held_row(device: torch.device) -> torch.Tensor:
+    """A buffer for a raw row that a backward writes in place (:func:`hold`): the float64 values as int64 bits, so
+    casting the module to another float type leaves it whole; never measured until written."""
+    return never_measured(device).view(torch.int64)
+
+
+def hold(buffer: torch.Tensor, row: torch.Tensor) -> None:
+    """Write the float64 raw ``row`` into a :func:`held_row` buffer."""
+    buffer.copy_(row.view(torch.int64))
+
+
+def _is_held(rec: StatsRecord) -> bool:
+    return isinstance(rec, torch.Tensor) and rec.dtype == torch.int64
+
+
 def _row(rec: torch.Tensor) -> torch.Tensor:
-    """A raw row as float64 (a view of a row held as int64 bits)."""
-    return rec.view(torch.float64) if rec.dtype == torch.int64 else rec
+    """A raw row as float64 (a view of a :func:`held_row` buffer)."""
+    return rec.view(torch.float64) if _is_held(rec) else rec
 
 
 class SampledStats:
@@ -121,7 +144,7 @@ def raw_stats_table(layers: Sequence[Sequence[StatsRecord]]) -> torch.Tensor | N
     if first is None:
         return None
     converted = iter(raw_from_tensorwise(fast).unbind(0) if fast else ())
-    never = torch.full((len(RAW_COLUMNS),), math.nan, dtype=torch.float64, device=first.device)
+    never = never_measured(first.device)
     rows = [never if rec is None else next(converted) if isinstance(rec, list) else _row(rec) for rec in records]
     return torch.stack(rows).view(len(layers), 3, len(RAW_COLUMNS))
 
@@ -136,9 +159,9 @@ class FP8Sample:
         self.flags = [(m.measured, m.mx_clamp) for _, m in sampled]
         self.records = [list(m.records) for _, m in sampled]  # a later sampled step replaces the layers' lists
         # rows in buffers that a later sampled step overwrites: one copy of them all
-        held = [(i, r) for i, rec in enumerate(self.records) for r, x in enumerate(rec) if _in_place(x)]
+        held = [(i, r) for i, rec in enumerate(self.records) for r, x in enumerate(rec) if _is_held(x)]
         if held:
-            copies = torch.stack([self.records[i][r] for i, r in held]).view(torch.float64).unbind(0)
+            copies = _row(torch.stack([self.records[i][r] for i, r in held])).unbind(0)
             for (i, r), row in zip(held, copies, strict=True):
                 self.records[i][r] = row
 
@@ -151,10 +174,6 @@ class FP8Sample:
         raw = raw_over_ranks(raw) if over_ranks else raw
         # one finished table; every layer's statistics view it (a fixed number of operations)
         return dict(zip(self.names, layer_stats_from_table(finish_operand_stats(raw), self.flags), strict=True))
-
-
-def _in_place(rec: StatsRecord) -> bool:
-    return isinstance(rec, torch.Tensor) and rec.dtype == torch.int64
 
 
 def raw_over_ranks(raw: torch.Tensor) -> torch.Tensor:
