@@ -29,6 +29,7 @@ __all__ = [
     "OptState",
     "Private",
     "add_keys_to_ignore_on_save",
+    "cpu_native_16bit",
     "custom_object_count",
     "declared_fp32_modules",
     "ensure_scale_tensor",
@@ -99,6 +100,17 @@ def mkldnn_fp16_supported() -> bool:
     """Whether oneDNN has native FP16 arithmetic on this CPU (``torch.ops.mkldnn._is_mkldnn_fp16_supported``; what
     DeepSpeed's CPU accelerator asks before it accepts FP16)."""
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def cpu_native_16bit() -> dict[str, bool]:
+    """What this CPU computes natively in 16 bits, as torch's CPU queries answer (``torch/cpu/__init__.py``):
+    ``avx512_bf16`` (AVX512-BF16), ``amx_tile`` (AMX, BF16 tiles) and ``amx_fp16`` (AMX-FP16). x86 answers only; on
+    other processors every answer is False whatever the hardware has."""
+    return {
+        "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
+        "amx_tile": bool(torch.cpu._is_amx_tile_supported()),
+        "amx_fp16": bool(torch.cpu._is_amx_fp16_supported()),
+    }
 
 
 def fake_tensor_mode(**kwargs: Any) -> Any:
@@ -502,6 +514,9 @@ PRIVATES: tuple[Private, ...] = (
     Private("torch._subclasses.fake_tensor:FakeTensorMode", "torch 2.13", "estimate's data-free training step"),
     Private("torch._subclasses.fake_tensor:unset_fake_temporarily", "torch 2.13", "real values inside fake mode"),
     Private("torch:ops.mkldnn._is_mkldnn_fp16_supported", "torch 2.13", "DeepSpeed's CPU FP16 question"),
+    Private("torch.cpu:_is_avx512_bf16_supported", "torch 2.13", "auto's CPU BF16 question"),
+    Private("torch.cpu:_is_amx_tile_supported", "torch 2.13", "auto's CPU BF16 question (AMX)"),
+    Private("torch.cpu:_is_amx_fp16_supported", "torch 2.13", "a rehearsal's CPU FP16 question (AMX-FP16)"),
     Private("torch.amp.grad_scaler:OptState", "torch 2.13", "the unscale/step stages the guard scaler marks"),
     Private(
         "torch.amp.grad_scaler:_refresh_per_optimizer_state", "torch 2.13", "the fresh per-optimizer state factory"

@@ -140,6 +140,8 @@ def cmd_detect(args: argparse.Namespace) -> int:
         "torchao_version": info.torchao_version,
         "precisions": list(sup.precisions),
         "fp8_scalings": list(sup.fp8_scalings),
+        "cpu_capability": info.cpu_capability,
+        "cpu_bf16": info.to_dict()["cpu_bf16"],
         "recipe": name,
         "notes": notes,
     }
@@ -150,6 +152,9 @@ def cmd_detect(args: argparse.Namespace) -> int:
     print(f"generation:  {info.generation}")
     print(f"precisions:  {', '.join(sup.precisions)}")
     print(f"fp8:         {', '.join(sup.fp8_scalings) or 'none'}")
+    if info.cpu_bf16 is not None:
+        answer = "native" if info.cpu_bf16.native else "emulated (slow)"
+        print(f"cpu bf16:    {answer}: {info.cpu_bf16.describe()} [{info.cpu_bf16.how}]")
     print(
         f"libraries:   torch {info.torch_version}, transformer_engine {info.te_version or 'not installed'}, "
         f"torchao {info.torchao_version or 'not installed'}"

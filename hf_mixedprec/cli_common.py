@@ -27,5 +27,5 @@ def _load(name_or_path: str) -> Recipe:
         name, notes = resolve_auto()
         for note in notes:
             print(f"{PROG}: {note}", file=sys.stderr)
-        return load_recipe_file(name)
+        return load_recipe_file(name).chosen_by_auto(notes)
     return load_recipe_file(name_or_path)

@@ -155,10 +155,13 @@ def _training_args(rec: Recipe, setup: _Setup) -> Any:
     )
 
 
-def _cost_note(rec: Recipe, device: torch.device, rehearsed: bool) -> str:
+def _cost_note(rec: Recipe, device: torch.device, rehearsed: bool, rt: Any = None) -> str:
     if device.type != "cuda":
         emulated = rehearsed or "fp8" in rec.precisions()
-        return "CPU: timings compare nothing (no tensor cores" + ("; FP8/FP16 emulated)" if emulated else ")")
+        slow = "; 16-bit GEMMs emulated by this CPU, see its notes" if getattr(rt, "cpu_speed", None) else ""
+        return (
+            "CPU: timings compare nothing (no tensor cores" + ("; FP8/FP16 emulated" if emulated else "") + slow + ")"
+        )
     return "GPU" + (" (rehearsed: emulation, not the recipe's speed)" if rehearsed else "")
 
 
@@ -235,7 +238,7 @@ def _train_one(rec: Recipe, setup: _Setup, *, rehearsed: bool, measure: bool = T
         fidelity=fidelity,
         tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
         peak_memory_bytes=round(peak_mib * 2**20) if device.type == "cuda" else None,
-        cost_note=_cost_note(rec, device, rehearsed),
+        cost_note=_cost_note(rec, device, rehearsed, rt),
         notes=list(rt.notes) if rt is not None else [],
         eval_curve=curve,
     )

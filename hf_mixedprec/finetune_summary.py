@@ -129,6 +129,7 @@ def summary(
         "resume_from": resume_from,
         "resume_command": resume_command(command, resume_from, fallback),
         "notes": list(rt.notes) if rt is not None else [],
+        "cpu_speed": getattr(rt, "cpu_speed", None),
         "output_dir": str(run.out),
         "saved_model": bool(save),
     }
@@ -218,6 +219,8 @@ def format_summary(s: dict[str, Any]) -> str:
             f"on {s['eval_blocks']} held-out blocks"
         )
     lines.append(f"throughput:   {s['tokens_per_s']:,.0f} tokens/s ({s['train_seconds']:.1f} s of training)")
+    if s.get("cpu_speed"):
+        lines.append(f"speed:        {s['cpu_speed']}")
     lines.append(f"peak memory:  {s['peak_memory_mib']:,.0f} MiB ({s['peak_memory_source']})")
     if (est_line := _estimate_line(s)) is not None:
         lines.append(est_line)

@@ -14,27 +14,197 @@ the recipe to use instead.
 
 from __future__ import annotations
 
+import functools
+import os
+import platform
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from hf_mixedprec._optional import available
-from hf_mixedprec._private import has_scaled_mm
-from hf_mixedprec.errors import HardwareRefusal
+from hf_mixedprec._private import cpu_native_16bit, has_scaled_mm, mkldnn_fp16_supported
+from hf_mixedprec.errors import EnvValueError, HardwareRefusal
 from hf_mixedprec.schema import RecipeSpec
 
 __all__ = [
+    "CPU_BF16_ENV",
+    "SLOW_GEMM_RATIO",
+    "CpuGemmSpeed",
     "HardwareInfo",
     "HardwareRefusal",
     "Support",
     "auto_recipe_name",
     "check_recipe",
+    "cpu_gemm_speed",
+    "cpu_speed_note",
+    "decide_cpu_gemm",
     "detect",
     "fp8_backend_for",
     "generation_of",
+    "measure_gemm_slowdown",
     "support_for",
 ]
+
+
+# -- how fast this CPU runs 16-bit GEMMs ------------------------------------------------------------------------------
+# Without native BF16 instructions (AVX512-BF16, AMX) oneDNN emulates BF16 GEMMs with FP32 ones plus conversions: on a
+# 2-core AMD EPYC with AVX2 only a BF16 F.linear (1024x256 by 704x256) took 62 ms against 12 ms in FP32, and a whole
+# BF16-autocast training step about 16x longer. FP16 without AVX512-FP16 or AMX-FP16 is the same story.
+
+#: Forces the answer to "does this CPU compute BF16 natively": ``native`` or ``emulated``. Unset: torch's CPU
+#: queries answer on x86; elsewhere a short measured GEMM decides.
+CPU_BF16_ENV = "HF_MIXEDPREC_CPU_BF16"
+_CPU_BF16_CHOICES = ("native", "emulated")
+#: A measured 16-bit GEMM this many times slower than the same GEMM in FP32 counts as emulated. Native BF16 GEMMs
+#: run at least as fast as FP32 ones (half the bytes moved; AMX and AVX512-BF16 do twice the multiply-adds).
+SLOW_GEMM_RATIO = 1.5
+_X86 = ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+@dataclass(frozen=True)
+class CpuGemmSpeed:
+    """Whether this CPU runs ``dtype`` (``bf16`` or ``fp16``) GEMMs natively, how that was found, and the evidence."""
+
+    dtype: str
+    native: bool
+    how: str
+    """``torch`` (torch's CPU queries), ``measured`` (a timed GEMM) or ``env`` (:data:`CPU_BF16_ENV`)."""
+    evidence: str
+    """What answered, in words: the instructions found or missing, or the variable."""
+    slowdown: float | None = None
+    """Measured time of a ``dtype`` GEMM over the same GEMM in FP32 (None where nothing was timed)."""
+
+    def describe(self) -> str:
+        """One line: ``bf16 GEMM 5.1x slower than fp32 on this CPU (AVX2: no AVX512-BF16, no AMX)``."""
+        if self.slowdown is None:
+            return f"{self.dtype} {'native' if self.native else 'emulated'} on this CPU ({self.evidence})"
+        if self.slowdown >= 1.0:
+            speed = f"{self.slowdown:.1f}x slower than"
+        else:
+            speed = f"{1.0 / self.slowdown:.1f}x faster than"
+        return f"{self.dtype} GEMM {speed} fp32 on this CPU ({self.evidence})"
+
+
+def _linear_seconds(a: torch.Tensor, b: torch.Tensor) -> float:
+    start = time.perf_counter()
+    torch.nn.functional.linear(a, b)
+    return time.perf_counter() - start
+
+
+@functools.cache
+def measure_gemm_slowdown(dtype: str = "bf16", budget_s: float = 0.03) -> float:
+    """The time of a 256x256 by 256x256 ``F.linear`` in ``dtype`` over the same in FP32, on one thread: the best of
+    each, timed in alternation for about ``budget_s`` (at least 4 rounds), so that a busy machine slows both alike.
+    Tens of milliseconds, once per process."""
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    a32, b32 = torch.randn(256, 256), torch.randn(256, 256)
+    a16, b16 = a32.to(low), b32.to(low)
+    best32 = best16 = float("inf")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core's speed: threads waiting on a busy core would blur the ratio
+    try:
+        with torch.inference_mode():
+            torch.nn.functional.linear(a32, b32)  # oneDNN makes its kernels on the first call
+            torch.nn.functional.linear(a16, b16)
+            start, rounds = time.perf_counter(), 0
+            while rounds < 4 or (time.perf_counter() - start < budget_s and rounds < 100):
+                best32 = min(best32, *(_linear_seconds(a32, b32) for _ in range(3)))
+                best16 = min(best16, _linear_seconds(a16, b16))
+                rounds += 1
+    finally:
+        torch.set_num_threads(threads)
+    return best16 / max(best32, 1e-9)
+
+
+def _isa_answer(dtype: str) -> tuple[bool | None, str]:
+    """torch's answer for ``dtype`` on this CPU, with the evidence; None where its queries cannot answer (not x86)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if platform.machine().lower() not in _X86:
+        return None, f"{platform.machine() or 'this processor'}, cpu capability {capability}"
+    isa = cpu_native_16bit()
+    if dtype == "bf16":
+        found = [name for key, name in (("avx512_bf16", "AVX512-BF16"), ("amx_tile", "AMX")) if isa[key]]
+        return (
+            (True, f"{capability} with {' and '.join(found)}")
+            if found
+            else (
+                False,
+                f"{capability}: no AVX512-BF16, no AMX",
+            )
+        )
+    if isa["amx_fp16"] or mkldnn_fp16_supported():
+        return True, f"{capability} with {'AMX-FP16' if isa['amx_fp16'] else 'AVX512-FP16'}"
+    return False, f"{capability}: no AVX512-FP16, no AMX-FP16"
+
+
+def decide_cpu_gemm(
+    dtype: str,
+    *,
+    env: str | None,
+    isa: tuple[bool | None, str],
+    measure: Callable[[], float],
+) -> CpuGemmSpeed:
+    """Whether ``dtype`` GEMMs are native on this CPU: ``env`` (:data:`CPU_BF16_ENV`, bf16 only) when set, else torch's
+    instruction-set answer ``isa`` where it has one, else the measured slowdown against :data:`SLOW_GEMM_RATIO`. Where
+    the answer is "emulated" the slowdown is measured too, so that the user reads how much slower."""
+    if env is not None:
+        value = env.strip().lower()
+        if value not in _CPU_BF16_CHOICES:
+            raise EnvValueError(
+                f"{CPU_BF16_ENV}={env[:40]!r} is not a CPU BF16 answer (allowed: {', '.join(_CPU_BF16_CHOICES)}; or "
+                "unset, and torch's CPU queries or a measured GEMM decide)"
+            )
+        return CpuGemmSpeed(dtype, value == "native", "env", f"{CPU_BF16_ENV}={value}")
+    answer, evidence = isa
+    if answer is True:
+        return CpuGemmSpeed(dtype, True, "torch", evidence)
+    slowdown = measure()
+    if answer is False:
+        return CpuGemmSpeed(dtype, False, "torch", evidence, round(slowdown, 2))
+    native = slowdown < SLOW_GEMM_RATIO
+    return CpuGemmSpeed(dtype, native, "measured", f"{evidence}; measured", round(slowdown, 2))
+
+
+@functools.cache
+def _cpu_gemm_speed(dtype: str, env: str | None) -> CpuGemmSpeed:
+    return decide_cpu_gemm(dtype, env=env, isa=_isa_answer(dtype), measure=lambda: measure_gemm_slowdown(dtype))
+
+
+def cpu_gemm_speed(dtype: str = "bf16") -> CpuGemmSpeed:
+    """How this CPU runs ``dtype`` (``bf16`` or ``fp16``) GEMMs (:func:`decide_cpu_gemm`), found once per process and
+    value of :data:`CPU_BF16_ENV` (which answers for bf16 only)."""
+    if dtype not in ("bf16", "fp16"):
+        raise ValueError(f"dtype {dtype!r} (allowed: bf16, fp16)")
+    return _cpu_gemm_speed(dtype, os.environ.get(CPU_BF16_ENV) if dtype == "bf16" else None)
+
+
+def _compute_dtypes(recipe: RecipeSpec) -> list[str]:
+    """The 16-bit dtypes ``recipe`` (every phase) computes its GEMMs in on a CPU: bf16 for bf16 and for fp8 (the
+    layers that are not FP8 run inside BF16 autocast), fp16 for fp16."""
+    out: list[str] = []
+    for spec in recipe.phase_specs():
+        dtype = {"bf16": "bf16", "fp8": "bf16", "fp16": "fp16"}.get(spec.precision)
+        if dtype is not None and dtype not in out:
+            out.append(dtype)
+    return out
+
+
+def cpu_speed_note(recipe: RecipeSpec, *, speed: Callable[[str], CpuGemmSpeed] | None = None) -> str | None:
+    """On a CPU: the one line saying that ``recipe`` computes in a 16-bit format this CPU emulates and how much slower
+    its GEMMs are for it, or None where every format it computes in is native (``speed``: :func:`cpu_gemm_speed`)."""
+    speed = speed or cpu_gemm_speed
+    slow = [s for s in map(speed, _compute_dtypes(recipe)) if not s.native]
+    if not slow:
+        return None
+    fast = "cpu-bf16" if speed("bf16").native else "cpu-fp32"
+    return (
+        f"SLOW ON THIS CPU: recipe {recipe.name!r} computes in {' and '.join(s.dtype.upper() for s in slow)} without "
+        f"native instructions here: {'; '.join(s.describe() for s in slow)}. On such a CPU a 16-bit recipe shows its "
+        f"numerics, not its speed; {fast} (what auto picks here) trains at this CPU's full speed"
+    )
 
 
 @dataclass(frozen=True)
@@ -49,6 +219,10 @@ class HardwareInfo:
     te_version: str | None = None
     torchao_version: str | None = None
     device_count: int = 0
+    cpu_capability: str | None = None
+    """torch's ``torch.backends.cpu.get_cpu_capability()`` (``AVX2``, ``AVX512``, ...)."""
+    cpu_bf16: CpuGemmSpeed | None = None
+    """On a CPU-only machine: whether it runs BF16 GEMMs natively (what ``auto`` decides by); None where not asked."""
 
     @property
     def generation(self) -> str:
@@ -171,14 +345,22 @@ def auto_recipe_name(
     te_available: bool = False,
     torchao_available: bool = False,
     native_available: bool = False,
+    cpu_bf16: CpuGemmSpeed | None = None,
 ) -> tuple[str, list[str]]:
     """The built-in recipe ``auto`` picks, and notes on why (every fallback is named in the notes).
 
     ``native_available``: torch has its FP8 GEMM (``torch._scaled_mm``), so hf_mixedprec's native FP8 layers run
-    delayed and current scaling without Transformer Engine or torchao."""
+    delayed and current scaling without Transformer Engine or torchao. ``cpu_bf16``: on a CPU, whether it computes
+    BF16 natively (:func:`cpu_gemm_speed`); where it does not, ``cpu-fp32``. None: not asked, ``cpu-bf16``."""
     gen = generation_of(device_type, capability)
     sup = support_for(device_type, capability, cuda_version)
     notes: list[str] = []
+    if gen == "cpu" and cpu_bf16 is not None and not cpu_bf16.native:
+        notes.append(
+            f"cpu-fp32, not cpu-bf16: this CPU has no native BF16: {cpu_bf16.describe()}. FP32 trains faster here; "
+            "ask for --recipe cpu-bf16 to rehearse BF16 numerics anyway"
+        )
+        return "cpu-fp32", notes
     if gen in ("cpu", "mps"):
         return "cpu-bf16", notes
     if gen == "pre-volta":
@@ -307,6 +489,7 @@ def check_recipe(recipe: RecipeSpec, info: HardwareInfo) -> None:
             te_available=info.te_version is not None,
             torchao_available=info.torchao_version is not None,
             native_available=torch_has_fp8_gemm(),
+            cpu_bf16=info.cpu_bf16,
         )
     except HardwareRefusal:
         instead = "a recipe with precision: fp32"
@@ -361,7 +544,16 @@ def detect() -> HardwareInfo:
         )
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         return HardwareInfo("mps", None, "Apple GPU", None, device_count=1, **common)
-    return HardwareInfo("cpu", None, "cpu", None, device_count=0, **common)
+    return HardwareInfo(
+        "cpu",
+        None,
+        "cpu",
+        None,
+        device_count=0,
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        cpu_bf16=cpu_gemm_speed("bf16"),
+        **common,
+    )
 
 
 def _dist_version(name: str) -> str | None:

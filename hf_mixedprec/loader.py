@@ -125,6 +125,7 @@ def resolve_auto(info: HardwareInfo | None = None) -> tuple[str, list[str]]:
         te_available=info.te_version is not None,
         torchao_available=info.torchao_version is not None,
         native_available=torch_has_fp8_gemm(),
+        cpu_bf16=info.cpu_bf16,
     )
 
 
@@ -149,9 +150,9 @@ def load_recipe(
     if os.fspath(name_or_path) == "auto":
         info = info or detect()
         name, notes = resolve_auto(info)
-        for note in notes:
-            log.warning("hf_mixedprec: %s", note)
-        recipe = load_recipe_file(name, cls=cls)
+        for note in notes:  # a fallback loudly; the choice itself (cpu-fp32 on a CPU without BF16) at INFO
+            log.log(logging.WARNING if note.startswith("FALLBACK") else logging.INFO, "hf_mixedprec: %s", note)
+        recipe = load_recipe_file(name, cls=cls).chosen_by_auto(notes)
     else:
         recipe = load_recipe_named(None if from_env else name_or_path, cls=cls)
     if rehearse is None:

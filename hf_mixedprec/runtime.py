@@ -46,6 +46,7 @@ from hf_mixedprec.fp8.state import (
 )
 from hf_mixedprec.fp8.stats import FP8Statistics
 from hf_mixedprec.fp8.torchao_backend import precompute_fsdp_scales
+from hf_mixedprec.hardware import cpu_speed_note
 from hf_mixedprec.health import HealthEvent, HealthMonitor, layers_to_bf16
 from hf_mixedprec.module_policy import install_compute
 from hf_mixedprec.phases import PhaseRunner
@@ -153,6 +154,13 @@ class MixedPrecisionRuntime:
         if self.rehearse:
             for spec in dict.fromkeys(recipe.phase_specs()):
                 self.note(f"REHEARSAL: recipe {recipe.name!r} on {self.device.type}: {_rehearsed_what(spec)}")
+        for text in recipe.auto_notes:  # load_recipe("auto") logged them loudly already; the run report keeps them
+            self.note(text, quiet=True)
+        #: on a CPU, the one line saying this recipe computes in a 16-bit format the CPU emulates, and how much
+        #: slower its GEMMs are (None where native, or not on a CPU); the run summary repeats it
+        self.cpu_speed: str | None = cpu_speed_note(recipe) if self.device.type == "cpu" else None
+        if self.cpu_speed is not None:
+            self.note(self.cpu_speed)
 
     @property
     def active(self) -> RecipeSpec:

@@ -367,11 +367,23 @@ class RecipeSpec(_Section):
 
     _rehearse: bool = PrivateAttr(default=False)
     _legacy_notes: tuple[str, ...] = PrivateAttr(default=())
+    _auto_notes: tuple[str, ...] = PrivateAttr(default=())
 
     @property
     def legacy_notes(self) -> tuple[str, ...]:
         """What an old recipe's moved keys became (``fp8.keep_lm_head`` -> a ``modules`` rule), one note each."""
         return self._legacy_notes
+
+    @property
+    def auto_notes(self) -> tuple[str, ...]:
+        """Why ``auto`` chose this recipe on this machine (its fallbacks), for the run report; empty when it was named."""
+        return self._auto_notes
+
+    def chosen_by_auto(self, notes: tuple[str, ...] | list[str]) -> RecipeSpec:
+        """A copy that remembers the notes ``auto`` gave when it chose this recipe."""
+        copy = self.model_copy()
+        copy._auto_notes = tuple(notes)
+        return copy
 
     def precisions_declared(self) -> tuple[str, ...]:
         """The recipe's precision and those its phases name (read before the phases are validated as recipes)."""

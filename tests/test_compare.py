@@ -15,6 +15,11 @@ from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
+#: Shapes small enough that a BF16 or FP16 run stays quick on a CPU that emulates 16-bit GEMMs (tests check what
+#: compare does, not how fast): 4 blocks of 32 tokens a step instead of the default 8 of 128.
+SMALL = {"seq_len": 32, "batch_size": 4}
+SMALL_ARGS = ["--seq-len", "32", "--batch-size", "4"]
+
 BROKEN_FP16 = """\
 name: broken-fp16
 extends: v100-fp16
@@ -24,7 +29,9 @@ loss_scale: {init_scale: 1.0e-6, min_scale: 1.0e-6, growth_interval: 1000000}
 
 @pytest.mark.slow
 def test_a_recipe_compared_with_itself_has_zero_gap_and_the_same_start_and_batches(tmp_path):
-    res = run_compare(["fp32", "cpu-bf16"], baseline="fp32", max_steps=4, output_dir=tmp_path, fidelity_points=2)
+    res = run_compare(
+        ["fp32", "cpu-bf16"], baseline="fp32", max_steps=4, output_dir=tmp_path, fidelity_points=2, **SMALL
+    )
     base, same, bf16 = res.baseline, res.runs[0], res.runs[1]
     # identical initial weights and the same batches in the same order, in every run
     assert base.init_digest == same.init_digest == bf16.init_digest
@@ -56,7 +63,7 @@ def test_a_recipe_compared_with_itself_has_zero_gap_and_the_same_start_and_batch
 
 @pytest.mark.slow
 def test_cpu_bf16_compared_with_itself_as_baseline_has_zero_gap(tmp_path):
-    res = run_compare(["cpu-bf16"], baseline="cpu-bf16", max_steps=3, output_dir=tmp_path, fidelity_points=1)
+    res = run_compare(["cpu-bf16"], baseline="cpu-bf16", max_steps=3, output_dir=tmp_path, fidelity_points=1, **SMALL)
     assert res.runs[0].loss_gap_abs == [0.0] * 3 and res.runs[0].final_delta_pct == 0.0
 
 
@@ -87,13 +94,16 @@ def test_gradient_fidelity_matches_a_direct_computation():
 
 @pytest.mark.slow
 def test_exit_codes_pass_fail_and_bad_input(tmp_path, capsys):
-    assert main(["compare", "--recipes", "cpu-bf16", "--max-steps", "3", "--output-dir", str(tmp_path / "a")]) == 0
+    argv = ["compare", "--recipes", "cpu-bf16", "--max-steps", "3", *SMALL_ARGS, "--output-dir", str(tmp_path / "a")]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "| cpu-bf16 | native |" in out and "PASS" in out
 
     broken = tmp_path / "broken-fp16.yaml"
     broken.write_text(BROKEN_FP16)
-    code = main(["compare", "--recipes", str(broken), "--max-steps", "12", "--output-dir", str(tmp_path / "b")])
+    code = main(
+        ["compare", "--recipes", str(broken), "--max-steps", "12", *SMALL_ARGS, "--output-dir", str(tmp_path / "b")]
+    )
     out = capsys.readouterr().out
     assert code == EXIT_FAILED
     assert "**broken-fp16: FAIL**" in out and "from the baseline's" in out

@@ -14,6 +14,7 @@ from hf_mixedprec.schema import RecipeSpec
 
 SHIPPED = {
     "cpu-bf16",
+    "cpu-fp32",
     "v100-fp16",
     "t4-fp16",
     "a100-bf16",
@@ -26,7 +27,7 @@ SHIPPED = {
 }
 
 
-def test_all_ten_recipes_ship():
+def test_all_eleven_recipes_ship():
     assert set(builtin_recipe_names()) == SHIPPED
 
 
