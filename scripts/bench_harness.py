@@ -407,6 +407,9 @@ def machine(device: torch.device | None = None, *, libraries: Iterable[str] = ()
     cuda = dev.type == "cuda"
     out: dict[str, Any] = {
         "cpu": cpu_name(),
+        # AVX2 / AVX512 and whether BF16 is native: a CPU without it runs BF16 GEMMs several times slower than FP32
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_bf16": cpu_bf16_line(),
         "cores": os.cpu_count(),
         "allowed_cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),
@@ -421,10 +424,20 @@ def machine(device: torch.device | None = None, *, libraries: Iterable[str] = ()
     return out
 
 
+def cpu_bf16_line() -> str:
+    """Whether this CPU computes BF16 natively, as ``hf-mixedprec detect`` says it (``native: ...`` / ``emulated:
+    bf16 GEMM 10.5x slower than fp32 on this CPU (AVX2: no AVX512-BF16, no AMX)``)."""
+    from hf_mixedprec.hardware import cpu_gemm_speed
+
+    speed = cpu_gemm_speed("bf16")
+    return f"{'native' if speed.native else 'emulated'}: {speed.describe()}"
+
+
 def machine_line(m: Mapping[str, Any], *, allowed: bool = False) -> str:
     """``m`` (:func:`machine`) in one line for a table's heading; ``allowed``: the CPUs this process may use too."""
     cores = f"{m['cores']} cores" + (f" (allowed: {m['allowed_cpus']})" if allowed else "")
-    return f"{m['cpu']}, {cores}, {m['torch_threads']} torch threads, torch {m['torch']}"
+    capability = f" ({m['cpu_capability']}; BF16 {m['cpu_bf16']})" if m.get("cpu_capability") else ""
+    return f"{m['cpu']}{capability}, {cores}, {m['torch_threads']} torch threads, torch {m['torch']}"
 
 
 # -- output ---------------------------------------------------------------------------------------------------
