@@ -2,7 +2,7 @@
 
 import sys
 
-from hf_mixedprec.cli import main
+from hf_mixedprec.cli.app import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -30,9 +30,9 @@ from accelerate.state import AcceleratorState
 from torch.utils.data import Dataset
 from transformers import Trainer
 
-from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
+from hf_mixedprec.core.demo import builtin_text, byte_batches, tiny_llama
+from hf_mixedprec.integrations.recipe import RECIPE_ENV
 from hf_mixedprec.integrations.trainer import MixedPrecisionCallback, attach
-from hf_mixedprec.recipe import RECIPE_ENV
 
 
 class Bytes(Dataset):

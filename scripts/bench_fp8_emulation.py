@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hf_mixedprec.fp8 import convert
-from hf_mixedprec.recipe import resolve_recipe
+from hf_mixedprec.integrations.recipe import resolve_recipe
 
 
 def _recipe(scaling: str, backend: str = "emulated", fmt: str | None = None):

@@ -25,9 +25,9 @@ import bench_harness as bh
 import torch
 
 import hf_mixedprec
-from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
+from hf_mixedprec.core.demo import builtin_text, byte_batches, tiny_llama
 from hf_mixedprec.fp8 import fp8_layers
-from hf_mixedprec.runtime import MixedPrecisionRuntime
+from hf_mixedprec.training.runtime import MixedPrecisionRuntime
 
 
 def _setup(name: str, layers: int, seed: int = 0) -> tuple[MixedPrecisionRuntime, Any, Any, Any]:

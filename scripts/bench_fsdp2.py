@@ -1,7 +1,7 @@
 """Step time and memory of FSDP2 on 2 ranks against one process, per recipe kind, on the same global batches.
 
 Runs ``hf-mixedprec finetune`` in one process (global batch B) and ``hf-mixedprec launch --num-processes 2
-hf_mixedprec/finetune.py`` with ``distributed.strategy: fsdp2`` (B/2 per rank), side by side in one invocation, and
+hf_mixedprec/cli/finetune.py`` with ``distributed.strategy: fsdp2`` (B/2 per rank), side by side in one invocation, and
 prints a Markdown table: training seconds (the Trainer's own train loop), tokens per second, each process's peak RSS
 (on a CPU) and the last loss.
 
@@ -69,7 +69,7 @@ def main() -> None:
             )  # fmt: skip
             _run(
                 [sys.executable, "-m", "hf_mixedprec", "launch", "--recipe", str(tmp / f"two{slug}.yaml"),
-                 "--num-processes", "2", *reh, str(ROOT / "hf_mixedprec" / "finetune.py"), *common,
+                 "--num-processes", "2", *reh, str(ROOT / "hf_mixedprec" / "cli" / "finetune.py"), *common,
                  "--batch-size", str(args.batch_size // 2), "--output-dir", str(two_dir)], tmp,
             )  # fmt: skip
             one = json.loads((one_dir / "summary.json").read_text())

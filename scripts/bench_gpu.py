@@ -164,7 +164,7 @@ def count_parameters(config: dict[str, Any]) -> int:
 
 def measure(opts: argparse.Namespace, device: torch.device) -> tuple[dict[str, Any], str]:
     """Every variant asked for; the JSON document and the heading line."""
-    from hf_mixedprec.demo import builtin_text, byte_batches
+    from hf_mixedprec.core.demo import builtin_text, byte_batches
 
     dry, batch, seq, steps, warmup = opts.dry_run, opts.batch_size, opts.seq_len, opts.steps, opts.warmup
     config = dict(TINY if dry else LLAMA_1B)

@@ -25,7 +25,7 @@ LLAMA_1B: dict[str, Any] = {
     "max_position_embeddings": 4096,
     "tie_word_embeddings": False,
 }
-#: --dry-run: the test suite's tiny Llama (hf_mixedprec.demo.TINY_LLAMA; repeated so that the
+#: --dry-run: the test suite's tiny Llama (hf_mixedprec.core.demo.TINY_LLAMA; repeated so that the
 #: plain variants run where hf_mixedprec itself is not installed).
 TINY: dict[str, Any] = {
     "vocab_size": 256,
@@ -239,7 +239,7 @@ def _native(name: str) -> Callable[[Ctx, dict[str, Any]], list[float]]:
     def run(ctx: Ctx, row: dict[str, Any]) -> list[float]:
         from hf_mixedprec.fp8 import convert, fp8_step
         from hf_mixedprec.fp8.native import native_available
-        from hf_mixedprec.recipe import resolve_recipe
+        from hf_mixedprec.integrations.recipe import resolve_recipe
 
         ok, why = native_available(ctx.device)
         if not ok:
@@ -302,7 +302,7 @@ def v_accel_plain_compile(ctx: Ctx, row: dict[str, Any]) -> list[float]:
 def _ours(name: str, ctx: Ctx, row: dict[str, Any], backend: str | None = None) -> list[float]:
     import hf_mixedprec
     from hf_mixedprec.integrations.accelerate_plugin import make_accelerator
-    from hf_mixedprec.recipe import resolve_recipe
+    from hf_mixedprec.integrations.recipe import resolve_recipe
 
     bh.reset_accelerate()
     rehearse = not ctx.cuda and name.startswith("h100-fp8")  # a CPU dry run rehearses it (emulated FP8 layers)

@@ -427,7 +427,7 @@ def machine(device: torch.device | None = None, *, libraries: Iterable[str] = ()
 def cpu_bf16_line() -> str:
     """Whether this CPU computes BF16 natively, as ``hf-mixedprec detect`` says it (``native: ...`` / ``emulated:
     bf16 GEMM 10.5x slower than fp32 on this CPU (AVX2: no AVX512-BF16, no AMX)``)."""
-    from hf_mixedprec.hardware import cpu_gemm_speed
+    from hf_mixedprec.recipes.hardware import cpu_gemm_speed
 
     speed = cpu_gemm_speed("bf16")
     return f"{'native' if speed.native else 'emulated'}: {speed.describe()}"

@@ -63,7 +63,7 @@ CHOICES: dict[str, list[dict[str, Any]]] = {
 
 
 def recipe_for(name: str) -> Any:
-    from hf_mixedprec.recipe import load_recipe, resolve_recipe
+    from hf_mixedprec.integrations.recipe import load_recipe, resolve_recipe
 
     if name in FP8_SET:
         path = ROOT / FP8_SET[name]

@@ -70,7 +70,7 @@ import torch
 from bench_overhead_trainers import MODELS, Bytes, build_model, load, run_lockstep, run_once
 from torch.utils.data import Dataset
 
-from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
+from hf_mixedprec.core.demo import builtin_text, byte_batches, tiny_llama
 
 HOOKS = ("begin_step", "before_optimizer_step", "after_optimizer_step", "check+metrics")
 
@@ -206,7 +206,7 @@ def _hook_step(rt: Any, model: Any, opt: Any, scaler: Any, batch: torch.Tensor, 
 
 def bench_hooks(name: str, layers: int, opts: argparse.Namespace) -> list[dict]:
     """Per hook: median CPU microseconds and tensor operations, per step kind, for one recipe and model depth."""
-    from hf_mixedprec.runtime import MixedPrecisionRuntime
+    from hf_mixedprec.training.runtime import MixedPrecisionRuntime
 
     recipe, rehearsed = load(name, opts.rehearse)
     rt = MixedPrecisionRuntime(recipe, device="cpu", rehearse=rehearsed or recipe.rehearse)

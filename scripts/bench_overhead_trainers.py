@@ -18,14 +18,14 @@ import torch
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
-from hf_mixedprec.hardware import HardwareRefusal
+from hf_mixedprec.core.demo import builtin_text, byte_batches, tiny_llama
+from hf_mixedprec.recipes.hardware import HardwareRefusal
 
 MODELS = ("tiny", "small")
 
 
 class Bytes(Dataset):
-    """Fixed-length byte rows cut from the standard library's docstrings (as tests/test_integration.py)."""
+    """Fixed-length byte rows cut from the standard library's docstrings (as tests/integrations/test_integration.py)."""
 
     def __init__(self, n: int, seq_len: int, seed: int = 0):
         text = builtin_text()
@@ -69,7 +69,7 @@ def build_model(kind: str) -> torch.nn.Module:
     if kind == "tiny":
         return tiny_llama(seed=0)
     try:
-        from hf_mixedprec.demo import small_llama
+        from hf_mixedprec.core.demo import small_llama
     except ImportError:  # an older checkout without small_llama: the same dims
         return tiny_llama(
             seed=0,

@@ -1,6 +1,6 @@
 """Step time and memory of each storage choice (the recipe's ``storage:`` section) under the Trainer callback.
 
-Every choice trains ``finetune``'s default model (:func:`hf_mixedprec.demo.default_model_config`: the small Llama
+Every choice trains ``finetune``'s default model (:func:`hf_mixedprec.core.demo.default_model_config`: the small Llama
 with a 2048-token vocabulary, random weights, no download) from the same seed on the same byte batches, with the
 recipe ``cpu-bf16`` (BF16 autocast on CPU) and only ``storage:`` changed; the callback swaps the Trainer's AdamW for
 the storage optimizer (hf_mixedprec's ``StorageAdamW``, or torchao's ``AdamW8bit`` / ``AdamW4bit`` / ``AdamWFp8``
@@ -60,7 +60,7 @@ MASTER_KEYS = ("remainder", "compensation")
 
 
 def recipe_for(name: str, storage: dict[str, Any]) -> Any:
-    from hf_mixedprec.recipe import resolve_recipe
+    from hf_mixedprec.integrations.recipe import resolve_recipe
 
     slug = name.replace(" + ", "-").replace(" ", "-")
     return resolve_recipe({"name": f"cpu-bf16-storage-{slug}", "extends": "cpu-bf16", "storage": storage})
@@ -69,7 +69,7 @@ def recipe_for(name: str, storage: dict[str, Any]) -> Any:
 def build_model(seed: int = 0) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
-    from hf_mixedprec.demo import default_model_config
+    from hf_mixedprec.core.demo import default_model_config
 
     bh.seed_all(seed)
     return LlamaForCausalLM(default_model_config())

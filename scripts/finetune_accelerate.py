@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import hf_mixedprec
-from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
+from hf_mixedprec.core.demo import builtin_text, byte_batches, tiny_llama
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback
 
-from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
+from hf_mixedprec.core.demo import builtin_text, byte_batches, tiny_llama
 
 
 class ByteDataset(Dataset):

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from hf_mixedprec.recipe import Recipe, builtin_recipe_names, load_recipe_file
+from hf_mixedprec.integrations.recipe import Recipe, builtin_recipe_names, load_recipe_file
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "recipes.md"
 

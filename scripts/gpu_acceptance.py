@@ -122,7 +122,7 @@ def machine() -> dict[str, Any]:
 
 def sync_section(smoke: bool) -> list[dict[str, Any]]:
     if not torch.cuda.is_available():
-        why = "needs CUDA (torch.cuda.set_sync_debug_mode); on CPU tests/test_no_host_sync_device.py guards it"
+        why = "needs CUDA (torch.cuda.set_sync_debug_mode); on CPU tests/training/test_no_host_sync_device.py guards it"
         return [{"recipe": r, "rehearsed": h, "status": "skipped", "reason": why} for r, h in SYNC_CASES]
     rows = []
     plain_done = set()
@@ -148,8 +148,8 @@ def sync_section(smoke: bool) -> list[dict[str, Any]]:
 def _estimate(config: dict[str, Any], key: str, batch: int, seq: int) -> dict[str, Any]:
     from transformers import LlamaConfig
 
-    from hf_mixedprec.estimate import estimate_memory
-    from hf_mixedprec.recipe import resolve_recipe
+    from hf_mixedprec.commands.estimate import estimate_memory
+    from hf_mixedprec.integrations.recipe import resolve_recipe
 
     which = ESTIMATE_RECIPE.get(key)
     if which is None:
@@ -173,7 +173,7 @@ def throughput_size(label: str, config: dict[str, Any], variants: list[str], o: 
     batch, seq = (2, 64) if smoke else ((4, 2048) if label.startswith("llama3-8b") else (8, 1024))
     if smoke:
         config = dict(bench_gpu.TINY)
-    from hf_mixedprec.demo import builtin_text, byte_batches
+    from hf_mixedprec.core.demo import builtin_text, byte_batches
 
     warmup, steps = (1, 2) if smoke else (3, o.steps)
     data = byte_batches(builtin_text(), seq_len=seq, batch_size=batch, n_batches=min(warmup + steps, 8))

@@ -152,7 +152,7 @@ def run_one(
     (default: yes, for an FP8 recipe) or its real backend (``False``: ``auto`` picks torchao without TE)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-    from hf_mixedprec.recipe import load_recipe_file
+    from hf_mixedprec.integrations.recipe import load_recipe_file
 
     recipe = load_recipe_file(recipe_name)
     if rehearse is None:

@@ -7,7 +7,7 @@ given steps; --outlier-at makes 8 input features of one FP8 layer huge (3e4) fro
 outlier that saturates E4M3). The model is the tiny Llama (hidden 64, 2 blocks, byte-level vocabulary), so a
 drill takes seconds to a minute on a CPU.
 
-At the end it writes health.json and the PNG plots into --output-dir (hf_mixedprec.run_report.write_run_report)
+At the end it writes health.json and the PNG plots into --output-dir (hf_mixedprec.training.run_report.write_run_report)
 and prints the same summary as `hf-mixedprec report`. A run stopped by a health reaction leaves a checkpoint in
 --output-dir; continue it with --resume CHECKPOINT (e.g. under the BF16 recipe the stop message names).
 
@@ -31,9 +31,9 @@ import torch
 from torch.utils.data import Dataset
 from transformers import PrinterCallback, Trainer, TrainerCallback
 
-from hf_mixedprec.demo import builtin_text, byte_batches, tiny_llama
+from hf_mixedprec.core.demo import builtin_text, byte_batches, tiny_llama
 from hf_mixedprec.integrations.trainer import runtime_of
-from hf_mixedprec.run_report import HEALTH_FILE, summarize, write_run_report
+from hf_mixedprec.training.run_report import HEALTH_FILE, summarize, write_run_report
 
 
 class ByteRows(Dataset):

@@ -29,9 +29,9 @@ import threading
 import time
 from pathlib import Path
 
-import hf_mixedprec.checkpoints as checkpoints
+import hf_mixedprec.core.checkpoints as checkpoints
 import hf_mixedprec.integrations.checkpointing as managed
-from hf_mixedprec.cli import main as cli_main
+from hf_mixedprec.cli.app import main as cli_main
 
 
 def _import_everything() -> None:

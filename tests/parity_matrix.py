@@ -1,6 +1,6 @@
 """The entry-point parity matrix: every way of using hf_mixedprec (rows) against every promise it makes (columns).
 
-Each cell is ``yes`` (a test in tests/test_parity.py runs that entry point and asserts the promise on values),
+Each cell is ``yes`` (a test in tests/integrations/test_parity.py runs that entry point and asserts the promise on values),
 ``refused`` (the combination is refused with one line, and that refusal is the cell's test) or ``n/a`` (the entry
 point has nothing the promise could apply to; the reason is in the table). ``scripts/gen_parity_table.py`` writes
 docs/parity.md from this file, and a test keeps the two equal, so the docs never claim a cell no test runs.
@@ -90,7 +90,7 @@ CELLS[("plugin", "log_row")] = (
 )
 CELLS[("plugin", "report")] = (
     YES,
-    "`write_run_report(dir, log_history=accelerator.mp_log, runtime=accelerator.mp)` (from `hf_mixedprec.run_report`) "
+    "`write_run_report(dir, log_history=accelerator.mp_log, runtime=accelerator.mp)` (from `hf_mixedprec.training.run_report`) "
     "writes `health.json` and the plots",
 )
 CELLS[("compare", "report")] = (YES, "`compare.json` holds each run's events and notes")

@@ -1,6 +1,7 @@
-"""The package's shape: imports only run downward through the layers listed in docs/architecture.md, with no
-cycle; no function over 80 lines and no class over 300. A module's ``if __name__ == "__main__":`` block is an entry
-point of its own (``finetune:__main__``), in the entry-points layer, that depends on its module."""
+"""The package's shape: one folder per layer, in the order docs/architecture.md lists them; a folder imports only from
+itself and the folders below it, with no cycle anywhere; no function over 80 lines and no class over 300. A module's
+``if __name__ == "__main__":`` block is an entry point of its own (``cli.finetune:__main__``), in the entry-points
+layer, that depends on its module."""
 
 from __future__ import annotations
 
@@ -65,7 +66,10 @@ def _layers() -> list[list[str]]:
 
 
 def _layer_of(module: str, layers: list[list[str]]) -> int:
-    hits = [i for i, names in enumerate(layers) if any(fnmatch.fnmatchcase(module, n) for n in names)]
+    entry = ":" in module  # a __main__ block is matched by the entry-point pattern only, not by its folder's
+    hits = [
+        i for i, names in enumerate(layers) if any(fnmatch.fnmatchcase(module, n) for n in names if (":" in n) == entry)
+    ]
     assert len(hits) == 1, f"{module} is in {len(hits)} layers of docs/architecture.md (expected exactly one)"
     return hits[0]
 
@@ -93,8 +97,40 @@ def test_every_module_is_in_one_layer_and_imports_only_downward():
 
 def test_the_entry_points_are_counted_and_finetune_is_run_through_one():
     graph = _graph()
-    assert {"finetune:__main__", "cli:__main__", "__main__:__main__"} <= set(graph)
-    assert "cli" in graph["finetune:__main__"] and "cli" not in graph["finetune"]
+    assert {"cli.finetune:__main__", "cli.__main__:__main__", "__main__:__main__"} <= set(graph)
+    # the launched script is a module of the CLI's own; the finetune command never imports the CLI back
+    assert "cli.app" in graph["cli.finetune"] and not any(d.startswith("cli") for d in graph["commands.finetune"])
+
+
+def test_the_top_level_is_the_folders_of_the_layers():
+    """Every module lives in the folder of its layer: at the top only the package's __init__ and __main__, py.typed,
+    and one folder per layer (each a package whose docstring says what lives there and what it may import)."""
+    entries = sorted(p.name for p in PKG.iterdir() if p.name != "__pycache__")
+    folders = [p for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__"]
+    assert sorted(e for e in entries if not (PKG / e).is_dir()) == ["__init__.py", "__main__.py", "py.typed"]
+    assert len(entries) <= 13, entries
+    layers = _layers()
+    for folder in folders:
+        assert (folder / "__init__.py").is_file(), folder.name
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+        assert doc, f"{folder.name}/__init__.py has no docstring"
+        # the folder is one layer of docs/architecture.md, by its own name
+        assert any(folder.name in names for names in layers), f"{folder.name}/ is in no layer of docs/architecture.md"
+
+
+def test_a_folder_imports_only_folders_below_it():
+    """Between folders the layer order is a total order (docs/architecture.md), and every edge points down it."""
+    layers = _layers()
+    order = {name: i for i, names in enumerate(layers) for name in names if "." not in name and "*" not in name}
+    upward = sorted(
+        {
+            f"{name.split('.')[0]}/ -> {dep.split('.')[0]}/"
+            for name, deps in _graph().items()
+            for dep in deps
+            if order.get(dep.split(".")[0].split(":")[0], -1) > order.get(name.split(".")[0].split(":")[0], 99)
+        }
+    )
+    assert upward == []
 
 
 def test_no_import_cycle():

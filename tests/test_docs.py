@@ -20,8 +20,8 @@ def test_recipe_reference_is_up_to_date():
 
 
 def test_metric_table_in_health_md_is_the_one_in_the_code():
-    """docs/health.md's `mp/` metric table lists exactly :data:`hf_mixedprec.metrics.METRICS`, same words."""
-    from hf_mixedprec.metrics import METRICS
+    """docs/health.md's `mp/` metric table lists exactly :data:`hf_mixedprec.core.metrics.METRICS`, same words."""
+    from hf_mixedprec.core.metrics import METRICS
 
     text = (ROOT / "docs" / "health.md").read_text()
     table = text[text.index("| metric | meaning |") :].split("\n\n")[0].splitlines()[2:]

@@ -24,7 +24,7 @@ def test_every_extra_named_in_an_install_hint_exists():
 
 
 def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
-    from hf_mixedprec.run_report import build_plots
+    from hf_mixedprec.training.run_report import build_plots
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     with pytest.raises(
@@ -34,7 +34,7 @@ def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
 
 
 def test_missing_torchao_names_the_extra(monkeypatch):
-    from hf_mixedprec.demo import tiny_llama
+    from hf_mixedprec.core.demo import tiny_llama
     from hf_mixedprec.fp8 import convert
 
     model, recipe = tiny_llama(), hf_mixedprec.load_recipe("h100-fp8-current", rehearse=True)
@@ -44,7 +44,7 @@ def test_missing_torchao_names_the_extra(monkeypatch):
 
 
 def test_missing_transformer_engine_names_the_extra(monkeypatch):
-    from hf_mixedprec.demo import tiny_llama
+    from hf_mixedprec.core.demo import tiny_llama
     from hf_mixedprec.fp8 import convert
 
     model, recipe = tiny_llama(), hf_mixedprec.load_recipe("h100-fp8-delayed", rehearse=True)

@@ -27,8 +27,8 @@ from hf_mixedprec.fp8.layers import FP8Layer, fp8_layers, fp8_step, invalidate_l
 from hf_mixedprec.fp8.policy import BACKEND_GEMM_KINDS, GEMM_KINDS, LayerDecision, plan_conversion
 from hf_mixedprec.fp8.probe import probe_of
 from hf_mixedprec.fp8.swap import replace_module
-from hf_mixedprec.hardware import fp8_backend_for
-from hf_mixedprec.schema import RecipeSpec
+from hf_mixedprec.recipes.hardware import fp8_backend_for
+from hf_mixedprec.recipes.schema import RecipeSpec
 
 __all__ = [
     "ConversionReport",
@@ -109,7 +109,7 @@ def _has(module: str) -> bool:
 
 def resolve_backend(recipe: RecipeSpec, device: torch.device) -> tuple[str, list[str]]:
     """The concrete backend for ``recipe.fp8.backend`` on ``device``, and notes on the choice
-    (:func:`hf_mixedprec.hardware.fp8_backend_for`, with this machine's installs and torch's FP8 GEMM probed)."""
+    (:func:`hf_mixedprec.recipes.hardware.fp8_backend_for`, with this machine's installs and torch's FP8 GEMM probed)."""
     assert recipe.fp8 is not None
     choice = recipe.fp8.backend
     if choice != "auto":
@@ -194,7 +194,7 @@ def convert(
 
     ``backend`` overrides ``recipe.fp8.backend`` (e.g. ``"emulated"`` to rehearse). Layers the recipe keeps in
     high precision are left untouched; nothing stops at the first layer that cannot be converted. ``decisions``:
-    the FP8 decisions of the run's precision plan (:mod:`hf_mixedprec.plan`), made for this backend; without them
+    the FP8 decisions of the run's precision plan (:mod:`hf_mixedprec.precision.plan`), made for this backend; without them
     they are made here by the same policy.
     """
     if recipe.precision != "fp8" or recipe.fp8 is None:

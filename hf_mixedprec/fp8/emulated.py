@@ -35,10 +35,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hf_mixedprec._device import Constants
-from hf_mixedprec.formats import FP8_SCALING_DEFAULTS, NumberFormat, get_format
+from hf_mixedprec.core._device import Constants
+from hf_mixedprec.core.formats import FP8_SCALING_DEFAULTS, NumberFormat, get_format
 from hf_mixedprec.fp8.stats import SampledStats, StatsRecord, held_row, hold
 from hf_mixedprec.fp8.swap import linear_holding
+from hf_mixedprec.recipes.schema import FP8Config
 from hf_mixedprec.scaling import (
     current_scale,
     dequantize_blockwise,
@@ -50,7 +51,6 @@ from hf_mixedprec.scaling import (
 )
 from hf_mixedprec.scaling.fp8 import abs_and_amax
 from hf_mixedprec.scaling.stats import raw_from_tensorwise, raw_operand_stats, tensorwise_operand_stats
-from hf_mixedprec.schema import FP8Config
 
 __all__ = [
     "EmulatedFP8Conv1D",

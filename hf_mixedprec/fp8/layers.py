@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_mixedprec._device import several_ranks
-from hf_mixedprec._private import foreach_copy_, foreach_zero_
+from hf_mixedprec.core._device import several_ranks
+from hf_mixedprec.core._private import foreach_copy_, foreach_zero_
 from hf_mixedprec.fp8.emulated import EmulatedFP8GEMM
 from hf_mixedprec.fp8.probe import LayerProbe, probe_of
 from hf_mixedprec.scaling import delayed_update

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hf_mixedprec._private import scaled_mm
+from hf_mixedprec.core._private import scaled_mm
 from hf_mixedprec.fp8.emulated import (
     EmulatedFP8Conv1D,
     EmulatedFP8GEMM,
@@ -32,7 +32,7 @@ from hf_mixedprec.fp8.emulated import (
     EmulationSpec,
     remember_gemm,
 )
-from hf_mixedprec.hardware import NATIVE_FP8_SCALINGS, torch_has_fp8_gemm
+from hf_mixedprec.recipes.hardware import NATIVE_FP8_SCALINGS, torch_has_fp8_gemm
 
 __all__ = ["NATIVE_SCALINGS", "NativeFP8Conv1D", "NativeFP8Linear", "native_available", "native_layer"]
 

@@ -5,7 +5,7 @@ GPT-2's projections: weight [in, out], ``y = x @ weight + bias``); both follow t
 are checked (the first that matches gives the reason): LoRA adapters (PEFT keeps them in high precision; only the
 frozen base layer is converted), a parameter the model declares must stay in FP32
 (``_keep_in_fp32_modules_strict``), the recipe's ``modules:`` rule governing the layer (``fp8: off`` or a
-``compute`` other than fp8; :mod:`hf_mixedprec.module_policy` says which rule that is), a kind the backend cannot
+``compute`` other than fp8; :mod:`hf_mixedprec.recipes.module_rules` says which rule that is), a kind the backend cannot
 convert (``Conv1D`` under torchao or Transformer Engine), and dimensions not divisible by ``align`` (FP8 GEMMs in TE
 and torchao want multiples of 16; MXFP8 needs whole 32-element blocks). Embeddings are lookups, not GEMMs, and are
 listed as kept. Every layer gets a decision: planning never stops at the first layer it cannot convert, and never
@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from hf_mixedprec.module_policy import RuleAssignment, assign_rules, find_block_list
-from hf_mixedprec.modules_config import DEFAULT_RULES, ModuleRule
-from hf_mixedprec.schema import FP8Config, MXFP8Config
+from hf_mixedprec.recipes.module_rules import RuleAssignment, assign_rules, find_block_list
+from hf_mixedprec.recipes.modules_config import DEFAULT_RULES, ModuleRule
+from hf_mixedprec.recipes.schema import FP8Config, MXFP8Config
 
 __all__ = [
     "ALREADY_FP8",

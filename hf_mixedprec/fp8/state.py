@@ -15,8 +15,8 @@ import os
 import torch
 from torch import nn
 
-from hf_mixedprec._private import add_keys_to_ignore_on_save
-from hf_mixedprec.checkpoints import atomic_write
+from hf_mixedprec.core._private import add_keys_to_ignore_on_save
+from hf_mixedprec.core.checkpoints import atomic_write
 from hf_mixedprec.fp8.layers import fp8_layers
 
 __all__ = [

@@ -30,8 +30,8 @@ from typing import Protocol
 
 import torch
 
-from hf_mixedprec import metrics as M
-from hf_mixedprec._device import several_ranks
+from hf_mixedprec.core import metrics as M
+from hf_mixedprec.core._device import several_ranks
 from hf_mixedprec.scaling.stats import (
     RAW_COLUMNS,
     LayerStats,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hf_mixedprec._private import fsdp2_retarget
+from hf_mixedprec.core._private import fsdp2_retarget
 
 __all__ = ["linear_holding", "replace_module"]
 
@@ -14,7 +14,7 @@ def replace_module(root: nn.Module, qualified_name: str, new: nn.Module) -> nn.M
 
     Used by FP8 conversion (emulated, Transformer Engine), phase switches and the health fallback to BF16. Under
     FSDP2 the unit that shards ``new``'s parameters is told to set them on ``new`` from now on
-    (:func:`hf_mixedprec._private.fsdp2_retarget`).
+    (:func:`hf_mixedprec.core._private.fsdp2_retarget`).
     """
     parent_name, _, child = qualified_name.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root

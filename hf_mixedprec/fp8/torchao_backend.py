@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_mixedprec._private import fsdp2_retarget
+from hf_mixedprec.core._private import fsdp2_retarget
 from hf_mixedprec.fp8.policy import LayerDecision
 from hf_mixedprec.fp8.probe import QuantizeRule, attach_probe
 from hf_mixedprec.fp8.swap import linear_holding
+from hf_mixedprec.recipes.schema import TORCHAO_AMAX_EPS, CurrentFP8Config, RecipeSpec
 from hf_mixedprec.scaling.fp8 import FP8Format
-from hf_mixedprec.schema import TORCHAO_AMAX_EPS, CurrentFP8Config, RecipeSpec
 
 __all__ = ["TORCHAO_INSTALL_HINT", "convert_torchao", "precompute_fsdp_scales", "torchao_config"]
 
@@ -40,7 +40,7 @@ def _emulate_needed(device: torch.device) -> bool:
 def torchao_config(recipe: RecipeSpec, *, emulate: bool) -> Any:
     """Build torchao's ``Float8LinearConfig`` for ``recipe``.
 
-    The schema refuses what torchao cannot express (see ``hf_mixedprec.schema_kinds._torchao_rules``); this
+    The schema refuses what torchao cannot express (see ``hf_mixedprec.recipes.kinds._torchao_rules``); this
     repeats the checks for recipes that reach torchao through ``backend: auto``. ``format: E4M3`` with the
     tensorwise recipe sets both grad-output casts (the dgrad and the wgrad GEMM) to E4M3: torchao refuses a config
     whose two grad-output casts differ in dtype.

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_mixedprec._device import wrap_forward
+from hf_mixedprec.core._device import wrap_forward
 from hf_mixedprec.fp8.policy import LayerDecision
 from hf_mixedprec.fp8.probe import QuantizeRule, attach_probe
 from hf_mixedprec.fp8.swap import linear_holding, replace_module
+from hf_mixedprec.recipes.schema import RecipeSpec
 from hf_mixedprec.scaling import (
     current_scale,
     dequantize_blockwise,
@@ -36,7 +37,6 @@ from hf_mixedprec.scaling import (
     tensor_amax,
 )
 from hf_mixedprec.scaling.fp8 import FP8Format
-from hf_mixedprec.schema import RecipeSpec
 
 __all__ = [
     "TE_INSTALL_HINT",

@@ -30,8 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import GradScalerKwargs
 from pydantic import ValidationError
 
-from hf_mixedprec._private import custom_object_count
-from hf_mixedprec.amp import PhaseScaler, track_steps_for_scheduler
+from hf_mixedprec.core._private import custom_object_count
 from hf_mixedprec.fp8 import model_parameters
 from hf_mixedprec.integrations.install import (
     accelerate_precision,
@@ -43,7 +42,8 @@ from hf_mixedprec.integrations.install import (
     install_on_accelerator,
     start_runtime,
 )
-from hf_mixedprec.schema import RecipeSpec
+from hf_mixedprec.recipes.schema import RecipeSpec
+from hf_mixedprec.training.amp import PhaseScaler, track_steps_for_scheduler
 
 __all__ = [
     "MixedPrecisionAccelerator",
@@ -247,7 +247,7 @@ class MixedPrecisionAccelerator(Accelerator):
 
         The metrics, with the step and the loop's own values given as ``row`` (``mp_metrics(loss=loss.item())``),
         are kept as one log row in :attr:`mp_log` (the run report's series:
-        ``hf_mixedprec.run_report.write_run_report(dir, log_history=accelerator.mp_log, runtime=accelerator.mp)``)
+        ``hf_mixedprec.training.run_report.write_run_report(dir, log_history=accelerator.mp_log, runtime=accelerator.mp)``)
         and ride in ``save_state``."""
         opt = self._optimizers[0] if self._optimizers else None
         self.mp.rewind_schedule(opt, self._schedulers[0] if self._schedulers else None)

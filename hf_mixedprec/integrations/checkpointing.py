@@ -1,4 +1,4 @@
-"""Trainer checkpoints that a kill cannot leave half-trusted (see :mod:`hf_mixedprec.checkpoints`).
+"""Trainer checkpoints that a kill cannot leave half-trusted (see :mod:`hf_mixedprec.core.checkpoints`).
 
 The Trainer callback installs this on its Trainer:
 
@@ -23,9 +23,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hf_mixedprec._device import several_ranks
-from hf_mixedprec._private import trainer_output_dir, wrap_save_checkpoint
-from hf_mixedprec.checkpoints import CheckpointDamaged, newest_verified, verify, write_manifest
+from hf_mixedprec.core._device import several_ranks
+from hf_mixedprec.core._private import trainer_output_dir, wrap_save_checkpoint
+from hf_mixedprec.core.checkpoints import CheckpointDamaged, newest_verified, verify, write_manifest
 
 __all__ = ["finish_checkpoint", "manage_checkpoints", "resume_target"]
 
@@ -110,7 +110,7 @@ def resume_target(out: str | os.PathLike[str] | None, wanted: Any, note: Callabl
     """What Trainer should resume from for ``resume_from_checkpoint=wanted``: unchanged for None/False; for True
     the newest complete checkpoint (a note names each damaged newer one); a named checkpoint only when it verifies
     (else :class:`CheckpointDamaged`, naming the newest that does). Checkpoints saved without manifests pass as
-    Trainer would take them (:func:`hf_mixedprec.checkpoints.unmanaged`).
+    Trainer would take them (:func:`hf_mixedprec.core.checkpoints.unmanaged`).
 
     In a distributed run rank 0 alone reads and hashes the checkpoints and hands its decision (the target, its notes
     or the refusal) to every rank: one pass over the files instead of one per rank, and every rank resumes from the

@@ -23,8 +23,8 @@ import os
 import sys
 from typing import Any
 
-from hf_mixedprec._private import mkldnn_fp16_supported
-from hf_mixedprec.schema import RecipeSpec
+from hf_mixedprec.core._private import mkldnn_fp16_supported
+from hf_mixedprec.recipes.schema import RecipeSpec
 
 __all__ = [
     "clip_through_deepspeed",
@@ -193,7 +193,7 @@ def fp8_under_deepspeed(rt: Any, model: Any, state: Any, *, late: bool = False) 
     buffers included, and autocasts nothing. ZeRO 1 and 2 partition the FP32 optimizer states and gradients; the
     FP8 layers keep their Parameters, so the optimizer steps them as any other. Delayed scaling's amaxes are reduced
     over the ranks (MAX) at each step as without DeepSpeed."""
-    from hf_mixedprec.schema import DEEPSPEED_FP8_STAGES
+    from hf_mixedprec.recipes.schema import DEEPSPEED_FP8_STAGES
 
     if late:
         raise ValueError(

@@ -30,15 +30,15 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, GradScalerKwargs
 
-from hf_mixedprec._private import set_mixed_precision
-from hf_mixedprec.hardware import check_recipe, detect
+from hf_mixedprec.core._private import set_mixed_precision
 from hf_mixedprec.integrations.sharding import (
     fsdp2_on_cpu_accelerator,
     fsdp2_policy_on_accelerate,
     keep_optimizer_params_by_name,
 )
-from hf_mixedprec.runtime import MixedPrecisionRuntime
-from hf_mixedprec.schema import ACCELERATE_MIXED_PRECISION, RecipeSpec
+from hf_mixedprec.recipes.hardware import check_recipe, detect
+from hf_mixedprec.recipes.schema import ACCELERATE_MIXED_PRECISION, RecipeSpec
+from hf_mixedprec.training.runtime import MixedPrecisionRuntime
 
 __all__ = [
     "GUARD_NOTE",

@@ -13,7 +13,7 @@ starts exactly one process unless given an MPI hostfile (``--mpirun_hostfile``),
 one process. ``torch.distributed.run`` starts the ranks on loopback and exports ``RANK``/``WORLD_SIZE``/
 ``LOCAL_RANK``; with ``ACCELERATE_USE_CPU=true`` Accelerate's state then picks ``MULTI_CPU`` over gloo.
 
-Either launcher runs through ``python -m hf_mixedprec._launcher -m MODULE ...`` (:data:`LAUNCHER`), so that
+Either launcher runs through ``python -m hf_mixedprec.core._launcher -m MODULE ...`` (:data:`LAUNCHER`), so that
 ``hf-mixedprec launch`` exits with the training script's own exit code instead of the launchers' 1.
 """
 
@@ -32,7 +32,7 @@ import yaml
 
 from hf_mixedprec.fp8.transformer_engine import accelerate_fp8_config
 from hf_mixedprec.integrations.deepspeed import deepspeed_config
-from hf_mixedprec.schema import ACCELERATE_MIXED_PRECISION, RECIPE_ENV, RecipeSpec
+from hf_mixedprec.recipes.schema import ACCELERATE_MIXED_PRECISION, RECIPE_ENV, RecipeSpec
 
 __all__ = [
     "LAUNCHER",
@@ -45,9 +45,9 @@ __all__ = [
 
 _DIST_TYPE = {"none": "NO", "ddp": "MULTI_GPU", "fsdp2": "FSDP", "deepspeed": "DEEPSPEED"}
 
-#: Every launch runs its launcher module through hf_mixedprec._launcher, which exits with the training
+#: Every launch runs its launcher module through hf_mixedprec.core._launcher, which exits with the training
 #: script's own exit code (the launchers turn any failure into 1).
-LAUNCHER = (sys.executable, "-m", "hf_mixedprec._launcher")
+LAUNCHER = (sys.executable, "-m", "hf_mixedprec.core._launcher")
 
 
 def _te_installed() -> bool:
@@ -228,6 +228,35 @@ def _cpu_threads_per_process(num_processes: int) -> int:
     return max(1, cores // num_processes)
 
 
+#: Launched scripts of the package that moved, by their old path: ``hf-mixedprec launch`` takes the old path still.
+MOVED_SCRIPTS = {"hf_mixedprec/finetune.py": "hf_mixedprec/cli/finetune.py"}
+
+
+def moved_script(script: str) -> tuple[str, str | None]:
+    """``script``, or where it moved to when it is a moved script of the package that is not there any more, with a
+    note saying so (None when it did not move)."""
+    if Path(script).is_file():
+        return script, None
+    tail = Path(script).as_posix()
+    for old, new in MOVED_SCRIPTS.items():
+        if tail == old or tail.endswith("/" + old):
+            moved = tail[: len(tail) - len(old)] + new
+            return moved, f"{old} moved to {new}: launching that (change the command to it)"
+    return script, None
+
+
+def script_argv(script: str) -> list[str]:
+    """How a launcher is handed ``script``: a script of this package as its module (``--module
+    hf_mixedprec.cli.finetune``: run as ``python -m`` does, so its folder does not go first on ``sys.path``), any
+    other as its path. ``accelerate launch`` and ``torch.distributed.run`` both take ``--module``."""
+    package = Path(__file__).resolve().parent.parent
+    path = Path(script).resolve()
+    if path.suffix == ".py" and path.is_relative_to(package) and path.is_file():
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        return ["--module", ".".join(parts)]
+    return [script]
+
+
 def plan_launch(
     recipe: RecipeSpec,
     script: str,
@@ -282,7 +311,10 @@ def plan_launch(
     env = {RECIPE_ENV: str(recipe_path)}
     if not uses_torch_distributed_run(recipe, nproc, device_type):
         title = f"accelerate launch config for recipe {recipe.name!r}"
-        command = [*LAUNCHER, "-m", "accelerate.commands.launch", "--config_file", str(acc_path), script, *script_args]
+        command = [
+            *LAUNCHER, "-m", "accelerate.commands.launch", "--config_file", str(acc_path),
+            *script_argv(script), *script_args,
+        ]  # fmt: skip
     else:
         title = f"Accelerate settings for recipe {recipe.name!r} (exported as ACCELERATE_* variables)"
         command = _cpu_processes(acc_cfg, env, notes, nproc, master_port, script, script_args)
@@ -331,7 +363,7 @@ def _cpu_processes(
         "--nproc_per_node", str(nproc),
         "--master_addr", "127.0.0.1",
         "--master_port", str(port),
-        script, *script_args,
+        *script_argv(script), *script_args,
     ]  # fmt: skip
 
 

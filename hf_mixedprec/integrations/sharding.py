@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_mixedprec._private import ensure_scale_tensor, fsdp2_on_cpu, fsdp2_possible_on_cpu
-from hf_mixedprec.schema import RecipeSpec
+from hf_mixedprec.core._private import ensure_scale_tensor, fsdp2_on_cpu, fsdp2_possible_on_cpu
+from hf_mixedprec.recipes.schema import RecipeSpec
 
 __all__ = [
     "describe_policy",

@@ -41,16 +41,15 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from hf_mixedprec._private import (
+from hf_mixedprec.core._private import (
     find_trainer,
     give_scaler,
     resumed_from,
     wrap_save_scaler,
 )
-from hf_mixedprec.checkpoints import MANIFEST_VERSION, MARK
+from hf_mixedprec.core.checkpoints import MANIFEST_VERSION, MARK
 from hf_mixedprec.fp8 import model_parameters
 from hf_mixedprec.fp8.state import read_fp8_state_file
-from hf_mixedprec.health import HealthMonitor
 from hf_mixedprec.integrations.checkpointing import finish_checkpoint, manage_checkpoints
 from hf_mixedprec.integrations.install import (
     backpropagated_loss,
@@ -64,10 +63,11 @@ from hf_mixedprec.integrations.install import (
 from hf_mixedprec.integrations.sharding import scaler_ready_for_sharded_resume
 from hf_mixedprec.integrations.trainer_args import RECIPE_CLIPS, _check_args, training_args
 from hf_mixedprec.integrations.trainer_storage import check_deepspeed_storage, install_storage
-from hf_mixedprec.recipe_files import resolve_recipe
-from hf_mixedprec.runtime import MixedPrecisionRuntime, fp8_state_dict, load_fp8_state, save_fp8_state
-from hf_mixedprec.runtime_stats import observe_fp8_samples
-from hf_mixedprec.schema import RecipeSpec
+from hf_mixedprec.recipes.files import resolve_recipe
+from hf_mixedprec.recipes.schema import RecipeSpec
+from hf_mixedprec.training.health import HealthMonitor
+from hf_mixedprec.training.runtime import MixedPrecisionRuntime, fp8_state_dict, load_fp8_state, save_fp8_state
+from hf_mixedprec.training.runtime_stats import observe_fp8_samples
 
 __all__ = ["MixedPrecisionCallback", "attach", "recipe_callbacks", "runtime_of", "training_args"]
 
@@ -82,9 +82,9 @@ _ATTACHED: weakref.WeakKeyDictionary[Any, tuple[MixedPrecisionRuntime, weakref.r
 
 
 def runtime_of(obj: Any) -> MixedPrecisionRuntime | None:
-    """The :class:`~hf_mixedprec.runtime.MixedPrecisionRuntime` applying a recipe to ``obj`` (a Trainer, its
+    """The :class:`~hf_mixedprec.training.runtime.MixedPrecisionRuntime` applying a recipe to ``obj`` (a Trainer, its
     model, or a ``MixedPrecisionAccelerator``), e.g. for its ``events``, ``notes`` or
-    ``hf_mixedprec.run_report.write_run_report(..., runtime=runtime_of(trainer))``; None if none is attached."""
+    ``hf_mixedprec.training.run_report.write_run_report(..., runtime=runtime_of(trainer))``; None if none is attached."""
     mp = getattr(obj, "mp", None)
     if isinstance(mp, MixedPrecisionRuntime):
         return mp
@@ -135,7 +135,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
 
     def __init__(self, recipe: RecipeSpec | dict[str, Any] | None = None, rehearse: bool | None = None):
         if recipe is None:  # `trainer.add_callback(MixedPrecisionCallback)`: the launcher's recipe, else auto
-            from hf_mixedprec.loader import load_recipe
+            from hf_mixedprec.recipes.loader import load_recipe
 
             recipe = load_recipe(rehearse=rehearse)
         self.recipe = recipe if isinstance(recipe, RecipeSpec) else resolve_recipe(recipe, source="<checkpoint>")

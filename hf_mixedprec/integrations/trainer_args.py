@@ -16,8 +16,8 @@ from transformers import TrainingArguments
 
 from hf_mixedprec.integrations.accelerate_plugin import MIXED_PRECISION_ENV
 from hf_mixedprec.integrations.install import accelerate_precision
-from hf_mixedprec.loader import accelerate_precision_env
-from hf_mixedprec.schema import RecipeSpec
+from hf_mixedprec.recipes.loader import accelerate_precision_env
+from hf_mixedprec.recipes.schema import RecipeSpec
 
 __all__ = ["RECIPE_CLIPS", "training_args"]
 

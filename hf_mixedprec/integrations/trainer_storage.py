@@ -10,9 +10,9 @@ from typing import Any
 
 from transformers import Trainer
 
-from hf_mixedprec.module_policy import assign_rules
-from hf_mixedprec.runtime import MixedPrecisionRuntime
-from hf_mixedprec.schema import RecipeSpec
+from hf_mixedprec.recipes.module_rules import assign_rules
+from hf_mixedprec.recipes.schema import RecipeSpec
+from hf_mixedprec.training.runtime import MixedPrecisionRuntime
 
 __all__ = ["check_deepspeed_storage", "install_storage"]
 
@@ -59,8 +59,8 @@ def check_deepspeed_storage(trainer: Trainer, recipe: RecipeSpec) -> list[str]:
     from pydantic_core import PydanticCustomError
 
     from hf_mixedprec.integrations.deepspeed import deepspeed_storage_keys, engine_config
+    from hf_mixedprec.recipes.storage_config import storage_rules
     from hf_mixedprec.storage import StorageRefusal
-    from hf_mixedprec.storage_config import storage_rules
 
     config = engine_config(trainer.accelerator.state)
     stage = (config.get("zero_optimization") or {}).get("stage")  # None when absent: named as unset below

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hf_mixedprec.formats import FLOAT32_MAX
+from hf_mixedprec.core.formats import FLOAT32_MAX
 from hf_mixedprec.scaling.fp8 import FP8Format, _fp8_format, current_scale
 from hf_mixedprec.scaling.mx import _to_float32
 

@@ -5,7 +5,7 @@ values, so it can run every step without a host-device sync.  Conventions follow
 
 * ``scale`` multiplies: ``q = saturate(round_nearest_even(x * scale))`` and dequantization multiplies by
   ``scale_inv = 1 / scale`` (TE stores ``scale_inv`` and dequantizes as ``q * scale_inv``).
-* ``fmt`` is ``"e4m3"`` / ``"e5m2"`` (any case) or a :class:`~hf_mixedprec.formats.NumberFormat`.
+* ``fmt`` is ``"e4m3"`` / ``"e5m2"`` (any case) or a :class:`~hf_mixedprec.core.formats.NumberFormat`.
 
 Divisions that define a scale are done tensor/tensor (``torch.div``), never ``python_float / tensor``:
 the latter is ``reciprocal() * x`` in torch (two roundings), and tensor/CPU-scalar division is a multiply
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_mixedprec.formats import E4M3, E5M2, FLOAT32_MAX, NumberFormat, get_format
+from hf_mixedprec.core.formats import E4M3, E5M2, FLOAT32_MAX, NumberFormat, get_format
 
 __all__ = [
     "FP8Format",
@@ -44,7 +44,7 @@ _F32_NAN_BITS = 0x7FC00000
 
 def _fp8_format(fmt: FP8Format, arg: str = "fmt") -> NumberFormat:
     """Resolve ``fmt`` to E4M3 or E5M2, raising ValueError that names ``arg`` otherwise."""
-    allowed = "'e4m3' or 'e5m2' (any case) or hf_mixedprec.formats.E4M3/E5M2"
+    allowed = "'e4m3' or 'e5m2' (any case) or hf_mixedprec.core.formats.E4M3/E5M2"
     try:
         f = get_format(fmt)
     except (ValueError, TypeError) as exc:

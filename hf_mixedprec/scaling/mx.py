@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_mixedprec.formats import NumberFormat
+from hf_mixedprec.core.formats import NumberFormat
 from hf_mixedprec.scaling.fp8 import (
     _F32_MANTISSA_BITS,
     _F32_NAN_BITS,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_mixedprec._device import Constants
+from hf_mixedprec.core._device import Constants
 from hf_mixedprec.scaling.fp8 import (
     FP8Format,
     _exp2_int,

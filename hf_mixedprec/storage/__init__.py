@@ -5,7 +5,7 @@ rounding), in what dtype optimizer states are kept, and the optimizer that does 
 - :mod:`~hf_mixedprec.storage.optim`: :class:`StorageAdamW`, AdamW over those stores;
 - :mod:`~hf_mixedprec.storage.setup`: putting a precision plan's storage into effect on a model and optimizer.
 
-What a recipe may ask for is :class:`hf_mixedprec.storage_config.StorageConfig` (the ``storage:`` section).
+What a recipe may ask for is :class:`hf_mixedprec.recipes.storage_config.StorageConfig` (the ``storage:`` section).
 """
 
 from hf_mixedprec.storage.bits import combine_remainder, kahan_store, split_remainder, stochastic_round_bf16

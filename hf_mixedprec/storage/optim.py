@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from hf_mixedprec.errors import StorageRefusal
+from hf_mixedprec.core.errors import StorageRefusal
 from hf_mixedprec.storage.bits import combine_remainder, kahan_store, split_remainder, stochastic_round_bf16
 
 __all__ = ["MASTER_MODES", "StorageAdamW", "keeps_updates", "pending_state"]

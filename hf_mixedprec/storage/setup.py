@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_mixedprec.errors import StorageRefusal
-from hf_mixedprec.formats import FORMATS
+from hf_mixedprec.core.errors import StorageRefusal
+from hf_mixedprec.core.formats import FORMATS
+from hf_mixedprec.recipes.storage_config import LOW_BIT_STATES, StorageConfig
 from hf_mixedprec.storage.bits import kahan_store, split_remainder
 from hf_mixedprec.storage.optim import StorageAdamW, pending_state
-from hf_mixedprec.storage_config import LOW_BIT_STATES, StorageConfig
 
 __all__ = [
     "StorageRefusal",

@@ -1,0 +1,109 @@
+"""``estimate`` for FSDP2 against what each of 2 gloo ranks holds in a real sharded Trainer step: the rank's shards of
+the weights, gradients and optimizer states, counted from the tensors, and the peak of what autograd saves for
+backward, recorded by the same hook as tests/commands/test_estimate.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.commands.test_estimate import BATCH, SEQ, _Ids, _Peak, small_llama_cfg
+from tests.ranks import free_port, join_as_rank, leave_group, run_two_ranks
+
+RECIPES = ("cpu-bf16", "h100-fp8-delayed")
+
+
+def _local_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind this rank's part of each tensor (a DTensor's local shard)."""
+    seen = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    join_as_rank(rank, 2, port)
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback
+
+    from hf_mixedprec.fp8.emulated import EmulatedFP8GEMM
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+
+    class Measuring(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.peak = _Peak([p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()])
+            with torch.autograd.graph.saved_tensors_hooks(self.peak.pack, _Peak.unpack):
+                return super().training_step(model, inputs, num_items_in_batch)
+
+    class Counts(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
+            params = list(model.parameters())
+            opt = getattr(optimizer, "optimizer", optimizer)
+            layers = [m for m in model.modules() if isinstance(m, EmulatedFP8GEMM)]
+            self.row = {
+                "weights": _local_bytes(params),
+                "gradients": _local_bytes(p.grad for p in params if p.grad is not None),
+                "optimizer": _local_bytes(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)),
+                "fp8_extras": _local_bytes(b for m in layers for b in m.buffers()),
+                "sharded": all(hasattr(p, "to_local") for p in params),
+            }
+
+    seen = {}
+    for name in RECIPES:
+        recipe = resolve_recipe({"name": f"{name}-fsdp2", "extends": name, "distributed": {"strategy": "fsdp2"}})
+        recipe = recipe.rehearsed(True) if name != "cpu-bf16" else recipe
+        torch.manual_seed(0)
+        cfg = small_llama_cfg()
+        args = recipe.training_args(
+            output_dir=f"{out}-{name}", max_steps=1, per_device_train_batch_size=BATCH, report_to=[],
+            save_strategy="no", disable_tqdm=True, use_cpu=True,
+        )  # fmt: skip
+        counts = Counts()
+        tr = Measuring(
+            model=AutoModelForCausalLM.from_config(cfg),
+            args=args,
+            train_dataset=_Ids(cfg.vocab_size, 2 * BATCH),
+            callbacks=[*recipe.callbacks(), counts],
+        )
+        tr.train()
+        seen[name] = {**counts.row, "activations": tr.peak.peak}
+        AcceleratorState._reset_state(reset_partial_state=False)
+    Path(f"{out}-{rank}.json").write_text(json.dumps(seen))
+    leave_group()
+
+
+@pytest.fixture(scope="module")
+def per_rank(tmp_path_factory) -> list[dict]:
+    port = free_port()
+    out = tmp_path_factory.mktemp("fsdp2-estimate") / "rank"
+    run_two_ranks(_rank, [(r, port, str(out)) for r in (0, 1)])
+    return [json.loads(Path(f"{out}-{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fsdp2_estimate_per_rank_matches_what_each_rank_holds(per_rank, recipe):
+    """Weights, gradients, optimizer states and FP8 buffers per rank within 1% of the rank's own tensors (FSDP2
+    pads each parameter's first dimension to a multiple of the ranks, so a shard may hold a row more than half);
+    activations within 10% (the rule tests/commands/test_estimate.py holds one process to); the total within 10%."""
+    from hf_mixedprec.commands.estimate import estimate_memory
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+
+    rec = resolve_recipe({"name": f"{recipe}-fsdp2", "extends": recipe, "distributed": {"strategy": "fsdp2"}})
+    est = estimate_memory(small_llama_cfg(), [rec], batch_size=BATCH, seq_len=SEQ, num_gpus=2, target="cpu")
+    mem = est.recipes[0].memory
+    assert est.recipes[0].strategy.startswith("fsdp2")
+    for rank, seen in enumerate(per_rank):
+        got = seen[recipe]
+        assert got["sharded"], rank
+        for part in ("weights", "gradients", "optimizer", "fp8_extras"):
+            want = getattr(mem, part)
+            assert abs(got[part] - want) <= 0.01 * max(want, 1), (rank, part, got[part], want)
+        assert got["activations"] > 0
+        assert abs(mem.activations - got["activations"]) <= 0.10 * got["activations"], (rank, mem.activations, got)
+        held = sum(got[p] for p in ("weights", "gradients", "optimizer", "fp8_extras", "activations"))
+        assert abs(mem.total - held) <= 0.10 * held, (rank, mem.total, held)

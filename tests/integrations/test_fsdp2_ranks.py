@@ -1,0 +1,468 @@
+"""FSDP2 on 2 CPU ranks (gloo), each test its own pair of spawned ranks: an inf on one rank, FP8 statistics combined
+over the ranks, health fallbacks inside sharded blocks, a loop of one's own on the Accelerate plugin (against one
+process, and resumed from a sharded ``save_state``), the gather and reduce dtypes the recipe names, and what is refused.
+The runs of ``hf-mixedprec launch`` against one process are in tests/integrations/test_fsdp2.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integrations.test_fsdp2 import BOUNDS
+from tests.ranks import free_port, join_as_rank, leave_group, run_ranks, run_two_ranks
+
+
+def _inf_on_one_rank(rank: int, port: int, out: str) -> None:
+    """One of 2 gloo ranks training v100-fp16 (rehearsed) under FSDP2 for 5 steps; on rank 1 alone the backward of
+    step 3 carries an inf. Each rank writes what it saw after every step."""
+    join_as_rank(rank, 2, port)
+    from transformers import Trainer, TrainerCallback
+
+    from hf_mixedprec.core.demo import tiny_llama
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+    from hf_mixedprec.integrations.trainer import runtime_of
+    from tests.integrations.test_integration import Bytes
+
+    class InfOnRankOne(TrainerCallback):
+        def __init__(self) -> None:
+            self.armed, self.rows = False, []
+
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            def grad_to_inf(module, inputs, output):
+                if self.armed:
+                    output.register_hook(lambda g: torch.full_like(g, float("inf")))
+
+            model.model.layers[1].mlp.down_proj.register_forward_hook(grad_to_inf)
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.armed = rank == 1 and state.global_step + 1 == 3
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            rt = runtime_of(trainer)
+            local = sum(float(p.to_local().double().sum()) for p in model.parameters())  # this rank's shards
+            scale = float(trainer.accelerator.scaler.get_scale())
+            self.rows.append({"scale": scale, "skipped": float(rt.amp.skipped), "shards": local})
+
+    recipe = resolve_recipe(
+        {"name": "fp16-fsdp2", "extends": "v100-fp16", "distributed": {"strategy": "fsdp2"}}
+    ).rehearsed(True)
+    args = recipe.training_args(
+        output_dir=f"{out}-run", max_steps=5, per_device_train_batch_size=2, report_to=[], use_cpu=True,
+        save_strategy="no", logging_steps=1, disable_tqdm=True,
+    )  # fmt: skip
+    probe = InfOnRankOne()
+    trainer = Trainer(
+        model=tiny_llama(0), args=args, train_dataset=Bytes(n=40, seq_len=16), callbacks=[probe, *recipe.callbacks()]
+    )
+    assert trainer.is_fsdp_enabled
+    trainer.train()
+    Path(f"{out}-{rank}.json").write_text(json.dumps(probe.rows))
+    leave_group()
+
+
+@pytest.mark.slow
+def test_an_inf_on_one_rank_makes_both_skip_the_same_step_with_equal_loss_scales(tmp_path):
+    """FP16 under FSDP2: rank 1 alone back-propagates an inf at step 3. torch's GradScaler finds infs on the
+    sharded gradients and reduces its found-inf over the ranks; both skip step 3 (their shards keep their
+    values), both halve the scale, and both go on updating at steps 4 and 5."""
+    port = free_port()
+    out = tmp_path / "rank"
+    run_two_ranks(_inf_on_one_rank, [(r, port, str(out)) for r in (0, 1)])
+    ranks = [json.loads(Path(f"{out}-{r}.json").read_text()) for r in (0, 1)]
+    for rows in ranks:
+        assert [r["skipped"] for r in rows] == [0, 0, 1, 1, 1]
+        assert rows[2]["scale"] == rows[1]["scale"] / 2 and rows[3]["scale"] == rows[2]["scale"]
+        assert rows[2]["shards"] == rows[1]["shards"]  # step 3 changed no weight of this rank's shard
+        assert rows[3]["shards"] != rows[2]["shards"] and rows[1]["shards"] != rows[0]["shards"]
+    assert [r["scale"] for r in ranks[0]] == [r["scale"] for r in ranks[1]]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "problem"),
+    [
+        ({"extends": "cpu-bf16", "distributed": {"strategy": "ddp", "fp8_all_gather": True}},
+         "distributed.fp8_all_gather: only applies to strategy fsdp2 (strategy is 'ddp'); remove it"),
+        ({"extends": "cpu-bf16", "distributed": {"strategy": "fsdp2", "fp8_all_gather": True}},
+         "distributed.fp8_all_gather: needs fp8.backend torchao with torchao_recipe tensorwise (this recipe has no fp8 section)"),
+        ({"extends": "h100-fp8-delayed", "distributed": {"strategy": "fsdp2", "fp8_all_gather": True}},
+         "(this recipe has fp8.backend 'auto'):"),
+        ({"extends": "h100-fp8-current", "fp8": {"backend": "torchao", "torchao_recipe": "rowwise", "format": "E4M3",
+          "power_2_scales": True}, "distributed": {"strategy": "fsdp2", "fp8_all_gather": True}},
+         "(this recipe has fp8.backend 'torchao', torchao_recipe 'rowwise'):"),
+    ],
+)  # fmt: skip
+def test_fp8_all_gather_is_refused_where_torchao_cannot_do_it_naming_the_key(recipe, problem):
+    from hf_mixedprec.integrations.recipe import RecipeError, resolve_recipe
+
+    with pytest.raises(RecipeError) as err:
+        resolve_recipe({"name": "x", **recipe})
+    assert problem in str(err.value)
+    ok = resolve_recipe(
+        {"name": "x", "extends": "h100-fp8-current", "fp8": {"backend": "torchao"},
+         "distributed": {"strategy": "fsdp2", "fp8_all_gather": True}}
+    )  # fmt: skip
+    assert ok.distributed.fp8_all_gather
+
+
+def _raw_rows(rank: int | None) -> list:
+    """Raw statistics rows of three operands (E4M3 at scale 1, so small values underflow and large ones clip), of
+    the whole batch (``rank`` None) or of one rank's half of it."""
+    from hf_mixedprec.scaling.fp8 import dequantize_fp8, quantize_fp8
+    from hf_mixedprec.scaling.stats import raw_operand_stats
+
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for spread in (1e-4, 1.0, 900.0):
+        x = torch.randn(8, 64, generator=g) * torch.logspace(-9, 3, 64) * spread
+        x[5, 7] = 3000.0 * spread  # the largest value lies in rank 1's half
+        part = x if rank is None else x[rank * 4 : (rank + 1) * 4]
+        q = quantize_fp8(part, 1.0, "e4m3")
+        rows.append(raw_operand_stats(part, q.float(), dequantize_fp8(q, 1.0), "e4m3"))
+    return rows
+
+
+def _reduce_raw(rank: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from hf_mixedprec.fp8.stats import raw_over_ranks
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    got = raw_over_ranks(torch.stack(_raw_rows(rank)))
+    Path(f"{out}-{rank}.json").write_text(json.dumps(got.tolist()))
+    leave_group()
+
+
+def test_fp8_statistics_of_two_ranks_combine_into_the_global_batchs(tmp_path):
+    """Every rank ends with the statistics one process measures on the whole batch: amax (the largest value is
+    on rank 1 only), saturation, underflow and SQNR, equal on both ranks; one rank's own differ."""
+    from hf_mixedprec.scaling.stats import finish_operand_stats
+
+    run_two_ranks(_reduce_raw, [(r, f"file://{tmp_path / 'init'}", str(tmp_path / "raw")) for r in (0, 1)])
+    got = [torch.tensor(json.loads((tmp_path / f"raw-{r}.json").read_text()), dtype=torch.float64) for r in (0, 1)]
+    assert torch.allclose(got[0], got[1], rtol=0, atol=0, equal_nan=True)  # the same on both ranks
+    whole = finish_operand_stats(torch.stack(_raw_rows(None)))
+    combined = finish_operand_stats(got[0])
+    assert torch.allclose(combined, whole, rtol=1e-6, equal_nan=True), (combined, whole)
+    alone = finish_operand_stats(torch.stack(_raw_rows(0)))
+    assert not torch.allclose(alone, whole, rtol=1e-3, equal_nan=True)
+    assert (alone[:, 0] < whole[:, 0]).all()  # rank 0 alone never saw the largest value
+
+
+def _fallback_on_two_ranks(rank: int, port: int, out: str, resume: str | None = None) -> None:
+    """One of 2 gloo ranks training h100-fp8-delayed (rehearsed) under FSDP2 with the Trainer callback for 6 steps
+    (logging every 2, FP8 sampled every step, a checkpoint after step 3), whose FP8 saturation detector moves a layer
+    to BF16 (threshold 1e-4); or resuming from ``resume``. Each rank writes what it saw."""
+    join_as_rank(rank, 2, port)
+    from transformers import Trainer, TrainerCallback
+
+    from hf_mixedprec.core.demo import tiny_llama
+    from hf_mixedprec.fp8.emulated import EmulatedFP8GEMM
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+    from hf_mixedprec.integrations.trainer import runtime_of
+    from tests.integrations.test_integration import Bytes
+
+    class Shards(TrainerCallback):
+        def __init__(self) -> None:
+            self.rows: list = []
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            moved = list(runtime_of(trainer).reactions.moved_layers)
+            local = {n: float(p.to_local().double().sum()) for n, p in model.named_parameters()}
+            fp8 = sorted(n for n, m in model.named_modules() if isinstance(m, EmulatedFP8GEMM))
+            self.rows.append({"moved": moved, "shards": local, "fp8": fp8})
+
+    recipe = resolve_recipe(
+        {"name": "fp8-fsdp2", "extends": "h100-fp8-delayed", "distributed": {"strategy": "fsdp2"},
+         "health": {"fp8_sample_every": 1, "detectors": {"fp8_saturation": {"threshold": 1e-4, "reaction": "fallback"}}}}
+    ).rehearsed(True)  # fmt: skip
+    args = recipe.training_args(
+        output_dir=f"{out}-run", max_steps=6, per_device_train_batch_size=2, report_to=[], use_cpu=True,
+        save_strategy="steps", save_steps=3, logging_steps=2, disable_tqdm=True,
+    )  # fmt: skip
+    probe = Shards()
+    trainer = Trainer(
+        model=tiny_llama(0), args=args, train_dataset=Bytes(n=40, seq_len=16), callbacks=[*recipe.callbacks(), probe]
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    stop = runtime_of(trainer).reactions.stop_requested
+    Path(f"{out}-{rank}.json").write_text(
+        json.dumps({"rows": probe.rows, "steps": trainer.state.global_step, "stop": stop})
+    )
+    leave_group()
+
+
+@pytest.mark.slow
+def test_a_health_fallback_under_fsdp2_moves_the_same_layers_to_bf16_on_every_rank(tmp_path):
+    """Under the Trainer callback every rank checks the combined FP8 statistics at the same steps, so a fallback
+    moves the same layers to BF16 on both ranks, inside the sharded blocks, and the run goes on: the moved layers'
+    shards keep being updated (FSDP2 now sets their gathered weights on the new BF16 module; before, the run died
+    in the next forward). The checkpoint after step 3 comes after a sampled step that no log checked: its statistics
+    are combined on every rank before the save (Trainer asks the callback for its state on rank 0 only; the
+    collective there hung). Resumed from it, the model gets the moved layers back before Distributed Checkpoint
+    loads it (a model with every layer in FP8 has keys that checkpoint lacks) and ends on the straight run's shards
+    bit for bit."""
+    port = free_port()
+    out = tmp_path / "rank"
+    run_two_ranks(_fallback_on_two_ranks, [(r, port, str(out)) for r in (0, 1)])
+    ranks = [json.loads(Path(f"{out}-{r}.json").read_text()) for r in (0, 1)]
+    again = tmp_path / "again"
+    ckpt = f"{out}-run/checkpoint-3"
+    port = free_port()
+    run_two_ranks(_fallback_on_two_ranks, [(r, port, str(again), ckpt) for r in (0, 1)])
+    resumed = [json.loads(Path(f"{again}-{r}.json").read_text()) for r in (0, 1)]
+    for seen in ranks:
+        assert seen["steps"] == 6 and seen["stop"] is None
+    moved = ranks[0]["rows"][-1]["moved"]
+    assert moved and [r["moved"] for r in ranks[0]["rows"]] == [r["moved"] for r in ranks[1]["rows"]]
+    first = next(i for i, r in enumerate(ranks[0]["rows"]) if r["moved"])
+    assert first < 2, "the fallback came after the checkpoint: its resume would not need the moved layers"
+    for seen in ranks:
+        rows = seen["rows"]
+        assert not set(moved) & set(rows[-1]["fp8"])  # no longer FP8 layers
+        for layer in moved:
+            w = f"{layer}.weight"
+            assert all(rows[i]["shards"][w] != rows[i + 1]["shards"][w] for i in range(first, 5)), layer
+    for straight, seen in zip(ranks, resumed, strict=True):
+        assert seen["steps"] == 6 and len(seen["rows"]) == 3  # steps 4-6
+        assert seen["rows"][-1]["moved"] == moved and seen["rows"][-1]["fp8"] == straight["rows"][-1]["fp8"]
+        assert seen["rows"][-1]["shards"] == straight["rows"][-1]["shards"]
+
+
+def test_a_health_fallback_under_fsdp2_stops_where_the_ranks_may_decide_differently():
+    """A loop of one's own may check on rank 0 alone: moving layers on one rank would leave the ranks' FP8 amax
+    reductions unmatched, so under FSDP2 there the fallback asks to stop (the integration saves a checkpoint
+    first) and names what to resume with; nothing moves."""
+    from hf_mixedprec.core.demo import tiny_llama
+    from hf_mixedprec.integrations.recipe import load_recipe
+    from hf_mixedprec.training.health import HealthEvent
+    from hf_mixedprec.training.runtime import MixedPrecisionRuntime
+
+    recipe = load_recipe("h100-fp8-delayed", rehearse=True)
+    rt = MixedPrecisionRuntime(recipe, rehearse=True)
+    model = tiny_llama(0)
+    rt.convert_model(model)
+    layer = "model.layers.0.mlp.down_proj"
+    before = type(model.get_submodule(layer))
+    event = HealthEvent(3, "fp8_saturation", "fallback", 0.2, 0.01, "20% of the input saturates", layer=layer)
+    rt.reactions.sharded = True
+    rt.reactions.apply([event], model, step=3)
+    assert rt.reactions.moved_layers == [] and type(model.get_submodule(layer)) is before
+    assert "only under FSDP2 without distributed.fp8_all_gather, where every rank checks" in rt.reactions.stop_requested
+    assert f"resume it with {layer} kept in BF16" in rt.reactions.stop_requested
+    rt.reactions.sharded, rt.reactions.stop_requested = False, None  # one process: the layer moves as before
+    rt.reactions.apply([event], model, step=3)
+    assert rt.reactions.moved_layers == [layer] and type(model.get_submodule(layer)) is not before
+
+
+def _plugin_loop(rank: int, world: int, port: int, base: str, out: str) -> None:
+    """A training loop of one's own on ``recipe.accelerator()``: 4 steps on the same global batches of 4 rows, in
+    one process or split over 2 ranks (``world``), with the recipe's FSDP2 strategy."""
+    if world > 1:
+        join_as_rank(rank, world, port)
+    else:
+        torch.set_num_threads(1)  # as the ranks have
+    from hf_mixedprec.core.demo import tiny_llama
+    from hf_mixedprec.fp8.emulated import EmulatedFP8GEMM
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+
+    recipe = resolve_recipe(
+        {"name": f"{base}-fsdp2", "extends": base, "clipping": {"method": "zclip", "warmup_steps": 2},
+         "distributed": {"strategy": "fsdp2"}}
+    )  # fmt: skip
+    acc = (recipe.rehearsed(True) if base != "cpu-bf16" else recipe).accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = tiny_llama(0)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(4):
+        x = torch.randint(0, 100, (4, 16), generator=g)
+        x = x if world == 1 else x[rank * 2 : (rank + 1) * 2]
+        loss = model(input_ids=x, labels=x).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        rows.append({**acc.mp_metrics(), "loss": float(acc.reduce(loss.detach(), "mean"))})  # every rank checks
+    seen = {
+        "distributed": str(acc.distributed_type),
+        "sharded": all(hasattr(p, "to_local") for p in model.parameters()),
+        "fp8_layers": sum(isinstance(m, EmulatedFP8GEMM) for m in model.modules()),
+        "notes": acc.mp.notes,
+        "rows": rows,
+    }
+    if rank == 0:
+        Path(out).write_text(json.dumps(seen))
+    leave_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base", ["cpu-bf16", "h100-fp8-delayed"])
+def test_a_loop_of_ones_own_on_the_accelerate_plugin_shards_with_fsdp2_as_the_trainer_does(base, tmp_path):
+    """``recipe.accelerator()`` under a recipe with strategy fsdp2 on 2 CPU ranks shards for real (Accelerate alone
+    would train as DDP there), converts the FP8 layers before sharding, autocasts, and trains as one process does on
+    the same global batches (bounds and their reasons: see the Trainer comparison above)."""
+    port = free_port()
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    run_ranks(_plugin_loop, [(0, 1, port, base, str(one))])
+    run_two_ranks(_plugin_loop, [(r, 2, port, base, str(two)) for r in (0, 1)])
+    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    assert b["distributed"] == "DistributedType.FSDP" and b["sharded"] and not a["sharded"]
+    assert any(n.startswith("FSDP2 on 2 CPU processes (gloo)") for n in b["notes"])
+    assert any("autocast installed by hf_mixedprec (FSDP2 on CPU)" in n for n in b["notes"])
+    assert a["fp8_layers"] == b["fp8_layers"] and (a["fp8_layers"] > 0) == (
+        base != "cpu-bf16"
+    )  # 14: the decoder layers' Linears
+    kind = "bf16" if base == "cpu-bf16" else "fp8-delayed"
+    (loss_rel, norm_rel, _), _ = BOUNDS[kind]
+    for step, (r1, r2) in enumerate(zip(a["rows"], b["rows"], strict=True), start=1):
+        assert r2["loss"] == pytest.approx(r1["loss"], rel=loss_rel), step
+        assert r2["mp/grad_norm"] == pytest.approx(r1["mp/grad_norm"], rel=norm_rel), step
+        assert r2["mp/clipped"] == r1["mp/clipped"], step
+
+
+def _te_into_sharded(rank: int, port: int, out: str) -> None:
+    join_as_rank(rank, 1, port)
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_mixedprec.core.demo import tiny_llama
+    from hf_mixedprec.fp8.transformer_engine import refuse_sharded
+
+    model = tiny_llama(0)
+    refuse_sharded(model)  # not sharded: nothing to refuse
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    try:
+        refuse_sharded(model)
+        Path(out).write_text("accepted")
+    except RuntimeError as exc:
+        Path(out).write_text(str(exc))
+    leave_group()
+
+
+def test_transformer_engine_layers_are_refused_into_a_model_fsdp2_has_sharded(tmp_path):
+    """A phase entering FP8 under fsdp2 whose ``fp8.backend: auto`` resolves to Transformer Engine (installed on that
+    GPU) is refused in one sentence before any layer moves: TE layers own new parameters, which the sharded model and
+    optimizer have never seen (an explicit transformer_engine phase is refused by the schema already)."""
+    out = tmp_path / "out.txt"
+    run_ranks(_te_into_sharded, [(0, free_port(), str(out))])
+    assert out.read_text().startswith("fp8.backend transformer_engine cannot convert a model FSDP2 has already sharded")
+
+
+def _policy_loop(rank: int, port: int, param_dtype: str, reduce_dtype: str, out: str) -> None:
+    """2 ranks of a cpu-bf16 loop on ``recipe.accelerator()`` under FSDP2 with the recipe's gather and reduce dtypes;
+    rank 0 writes the dtypes FSDP2's all-gathers and reduce-scatters carried, and the losses."""
+    join_as_rank(rank, 2, port)
+    import torch.distributed as dist
+
+    from hf_mixedprec.core.demo import tiny_llama
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+
+    carried: dict[str, set[str]] = {"all_gather": set(), "reduce_scatter": set()}
+    for name, key in (("all_gather_single", "all_gather"), ("reduce_scatter_single", "reduce_scatter")):
+        real = getattr(dist, name)
+
+        def spy(output, input, *a, _real=real, _key=key, **k):
+            carried[_key].add(str(input.dtype))
+            return _real(output, input, *a, **k)
+
+        setattr(dist, name, spy)
+    recipe = resolve_recipe(
+        {"name": "bf16-fsdp2", "extends": "cpu-bf16",
+         "distributed": {"strategy": "fsdp2", "param_dtype": param_dtype, "reduce_dtype": reduce_dtype}}
+    )  # fmt: skip
+    acc = recipe.accelerator(cpu=True)
+    model = tiny_llama(0)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        x = torch.randint(0, 100, (4, 16), generator=g)[rank * 2 : (rank + 1) * 2]
+        loss = model(input_ids=x, labels=x).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(acc.reduce(loss.detach(), "mean")))
+    stored = sorted({str(p.dtype) for p in model.parameters()})
+    if rank == 0:
+        seen = {k: sorted(v) for k, v in carried.items()}
+        Path(out).write_text(json.dumps({"carried": seen, "losses": losses, "stored": stored, "notes": acc.mp.notes}))
+    leave_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_gathers_and_reduces_in_the_dtypes_the_recipe_names(tmp_path):
+    """``distributed.param_dtype`` / ``reduce_dtype`` become FSDP2's MixedPrecisionPolicy: by default the FP32 shards
+    are gathered as stored and gradients reduced in FP32 (the one-process math); with bf16/bf16 both collectives
+    carry BF16 (half the bytes) while the shards, the master, stay FP32, and training stays close to the default
+    (norm weights then enter the forward in BF16 too)."""
+    port = free_port()
+    runs = {}
+    for dtypes in (("auto", "fp32"), ("bf16", "bf16")):
+        out = tmp_path / f"{'-'.join(dtypes)}.json"
+        run_two_ranks(_policy_loop, [(r, port, *dtypes, str(out)) for r in (0, 1)])
+        runs[dtypes] = json.loads(out.read_text())
+    default, half = runs[("auto", "fp32")], runs[("bf16", "bf16")]
+    assert default["carried"] == {"all_gather": ["torch.float32"], "reduce_scatter": ["torch.float32"]}
+    assert half["carried"] == {"all_gather": ["torch.bfloat16"], "reduce_scatter": ["torch.bfloat16"]}
+    assert default["stored"] == half["stored"] == ["torch.float32"]
+    assert any("weights all-gathered as stored, gradients reduced in fp32" in n for n in default["notes"])
+    assert any("weights all-gathered in bf16, gradients reduced in bf16" in n for n in half["notes"])
+    assert half["losses"][0] == pytest.approx(default["losses"][0], rel=5e-3)
+    assert half["losses"] != default["losses"]  # the policy changed the math: it is in effect
+    assert half["losses"] == pytest.approx(default["losses"], rel=2e-2)
+
+
+def _plugin_resume(rank: int, port: int, ckpt: str, out: str, resume: bool) -> None:
+    """2 ranks of a loop of one's own on ``recipe.accelerator()`` under FSDP2 (v100-fp16 rehearsed, ZClip): 6 steps
+    straight with ``save_state`` after step 3, or ``load_state`` of that checkpoint then steps 4-6. Rank 0 writes the
+    losses and metrics of the steps it ran, and the sum of its shards at the end."""
+    join_as_rank(rank, 2, port)
+    from hf_mixedprec.core.demo import tiny_llama
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+
+    recipe = resolve_recipe(
+        {"name": "fp16-fsdp2", "extends": "v100-fp16", "clipping": {"method": "zclip", "warmup_steps": 2},
+         "distributed": {"strategy": "fsdp2"}}
+    ).rehearsed(True)  # fmt: skip
+    acc = recipe.accelerator(cpu=True)
+    model = tiny_llama(0)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 100, (4, 16), generator=g)[rank * 2 : (rank + 1) * 2] for _ in range(6)]
+    start = 3 if resume else 0
+    if resume:
+        acc.load_state(ckpt)
+    rows = []
+    for i in range(start, 6):
+        loss = model(input_ids=batches[i], labels=batches[i]).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        rows.append({**acc.mp_metrics(), "loss": float(acc.reduce(loss.detach(), "mean"))})
+        if i == 2 and not resume:
+            acc.save_state(ckpt)
+    local = sum(float(p.to_local().double().sum()) for p in model.parameters())
+    if rank == 0:
+        Path(out).write_text(json.dumps({"rows": rows, "shards": local}))
+    leave_group()
+
+
+@pytest.mark.slow
+def test_a_loop_of_ones_own_resumes_from_a_sharded_save_state_to_the_straight_run(tmp_path):
+    """``accelerator.save_state`` under FSDP2 writes the sharded model and optimizer (Distributed Checkpoint) with
+    our state beside them (loss scaler, clipper, detector windows); ``load_state`` in a fresh pair of ranks brings
+    all of it back, and steps 4-6 equal the straight run's bit for bit (losses, norms, thresholds, loss scale, the
+    shards)."""
+    ckpt, straight, resumed = tmp_path / "ckpt", tmp_path / "straight.json", tmp_path / "resumed.json"
+    for out, resume in ((straight, False), (resumed, True)):
+        port = free_port()
+        run_two_ranks(_plugin_resume, [(r, port, str(ckpt), str(out), resume) for r in (0, 1)])
+    a, b = json.loads(straight.read_text()), json.loads(resumed.read_text())
+    assert len(a["rows"]) == 6 and len(b["rows"]) == 3
+    assert {"mp/loss_scale", "mp/clip_threshold", "mp/grad_norm"} <= set(a["rows"][-1]), sorted(a["rows"][-1])
+    assert b["rows"] == a["rows"][3:]
+    assert b["shards"] == a["shards"]

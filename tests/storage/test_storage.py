@@ -1,0 +1,738 @@
+"""Storage precision (``storage:``): master weights, optimizer-state dtypes, the plan that says them, and every entry
+point putting them into effect on a model loaded in BF16 (what transformers 5 does with most published configs)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, Trainer
+
+from hf_mixedprec.core.demo import tiny_llama
+from hf_mixedprec.integrations.recipe import load_recipe, resolve_recipe
+from hf_mixedprec.integrations.trainer import attach, runtime_of
+from hf_mixedprec.precision.plan import build_plan
+from hf_mixedprec.storage import (
+    StorageAdamW,
+    StorageRefusal,
+    combine_remainder,
+    split_remainder,
+    stochastic_round_bf16,
+)
+from hf_mixedprec.storage.optim import pending_state
+from tests.integrations.test_integration import Bytes
+
+CHOICES = [
+    ("fp32", "fp32"),
+    ("bf16_remainder", "fp32"),
+    ("bf16_kahan", "bf16"),
+    ("bf16_stochastic", "fp32"),
+    ("none", "fp32"),
+]
+
+
+def _recipe(base: str = "a100-bf16", **storage: str):
+    return resolve_recipe({"name": "storage", "extends": base, "storage": storage}).rehearsed()
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory):
+    """A tiny Llama saved in bfloat16: ``from_pretrained`` loads it in bfloat16, as most published models load."""
+    d = tmp_path_factory.mktemp("bf16-model")
+    tiny_llama(0).to(torch.bfloat16).save_pretrained(d)
+    return d
+
+
+# -- bits --------------------------------------------------------------------------------------------------------
+
+
+def test_remainder_gives_back_every_fp32_bit_and_a_nearest_bf16_weight():
+    torch.manual_seed(0)
+    x = torch.randn(200_000) * torch.logspace(-38, 37, 200_000)
+    edges = torch.tensor([0x7F7FFFFF, 0x00007FFF, 0x00008000, -(2**31), -(2**31) + 0x7FFF], dtype=torch.int32)
+    x = torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf")]), edges.view(torch.float32)])
+    upper, rem = split_remainder(x)
+    assert upper.dtype == torch.bfloat16 and rem.dtype == torch.int16
+    assert torch.equal(combine_remainder(upper, rem).view(torch.int32), x.view(torch.int32))
+    finite = torch.isfinite(x) & (x.abs() < 3e38)
+    # round to nearest: only exact ties may differ from torch's ties-to-even
+    off = upper[finite].float() != x[finite].to(torch.bfloat16).float()
+    low = x[finite].view(torch.int32) & 0xFFFF
+    assert bool((low[off] == 0x8000).all()) and int(off.sum()) < 20
+
+
+def test_a_nan_master_is_a_nan_weight():
+    """CUDA's canonical NaN (0x7FFFFFFF), x86's (0xFFC00000) and a low-half-only payload: the BF16 weight the forward
+    reads is NaN (never a zero or an inf that would hide it from the detectors), and NaN comes back."""
+    nans = torch.tensor([0x7FFFFFFF, -0x400000, 0x7F800001, -1], dtype=torch.int32).view(torch.float32)
+    upper, rem = split_remainder(nans)
+    assert torch.isnan(upper).all() and torch.isnan(combine_remainder(upper, rem)).all()
+    assert torch.isnan(stochastic_round_bf16(nans, torch.Generator().manual_seed(0))).all()
+
+
+def test_stochastic_rounding_is_unbiased_and_repeats_with_its_generator():
+    v = torch.full((100_000,), 1.0 + 2**-10)  # 1/8 of the way between two BF16 neighbours
+    a = stochastic_round_bf16(v, torch.Generator().manual_seed(3)).float()
+    b = stochastic_round_bf16(v, torch.Generator().manual_seed(3)).float()
+    assert torch.equal(a, b)
+    assert set(a.unique().tolist()) == {1.0, 1.0078125}
+    assert abs(a.mean().item() - (1.0 + 2**-10)) < 2e-5
+    for value in (-(1.0 + 2**-10), 3e-39, -3e-39, 1e30):  # negative, subnormal, large
+        got = stochastic_round_bf16(torch.full((200_000,), value), torch.Generator().manual_seed(1)).float()
+        assert abs(got.mean().item() - value) < 2e-4 * abs(value), value
+        assert len(got.unique()) == 2, value
+    exact = torch.tensor([1.0, -2.5, 0.0, float("inf")])
+    assert torch.equal(stochastic_round_bf16(exact, torch.Generator().manual_seed(0)).float(), exact)
+    assert torch.isnan(stochastic_round_bf16(torch.tensor([float("nan")]))).all()
+
+
+# -- StorageAdamW --------------------------------------------------------------------------------------------------
+
+
+def _twins(master: str, steps: int, lr: float = 1e-5, state_dtype=torch.float32):
+    """An FP32-master StorageAdamW and one keeping ``master`` for the same BF16 start, fed the same BF16 gradients."""
+    torch.manual_seed(0)
+    w0 = torch.randn(64, 48)
+    if master != "bf16_remainder":  # the others start from the BF16 weight itself
+        w0 = w0.to(torch.bfloat16).float()
+    ref = torch.nn.Parameter(w0.clone())
+    upper, rem = split_remainder(w0.clone())
+    low = torch.nn.Parameter(upper.clone() if master == "bf16_remainder" else w0.to(torch.bfloat16))
+    if master == "bf16_remainder":
+        pending_state([(low, "remainder", rem)])
+    o_ref = StorageAdamW([ref], lr=lr, weight_decay=0.01)
+    o_low = StorageAdamW([low], lr=lr, weight_decay=0.01, master=master, state_dtype=state_dtype, seed=1)
+    for _ in range(steps):
+        g = (torch.randn(64, 48) * 1e-2).to(torch.bfloat16)
+        low.grad = g
+        ref.grad = g.float()
+        o_ref.step()
+        o_low.step()
+    return ref, low, o_low, w0
+
+
+def test_remainder_master_equals_the_fp32_master_bit_for_bit_after_many_steps():
+    ref, low, opt, w0 = _twins("bf16_remainder", 300)
+    master = combine_remainder(low.data, opt.state[low]["remainder"])
+    assert torch.equal(master.view(torch.int32), ref.data.view(torch.int32))
+    assert not torch.equal(ref.data, w0)  # it trained
+
+
+def test_fp32_mode_follows_torch_adamw():
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(32, 16))
+    b = torch.nn.Parameter(a.detach().clone())
+    ours = StorageAdamW([a], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    theirs = torch.optim.AdamW([b], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    for _ in range(50):
+        g = torch.randn(32, 16)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("master", ["bf16_kahan", "bf16_stochastic", "none"])
+def test_bf16_masters_track_the_fp32_master_and_none_stalls(master):
+    """Same BF16 start and gradients at lr 1e-5, where an update is a fraction of a BF16 ulp: Kahan follows the FP32
+    master element by element, stochastic rounding on average (its movement along the FP32 master's is ~1), plain
+    BF16 (none) loses most of it."""
+    ref, low, opt, w0 = _twins(master, 200)
+    state = opt.state[low]
+    got = low.data.float() + (state["compensation"].float() if "compensation" in state else 0)
+    want = ref.data - w0
+    gain = float(((got - w0) * want).sum() / want.pow(2).sum())
+    if master == "none":
+        assert gain < 0.5
+    else:
+        assert abs(gain - 1) < 0.2, gain
+    if master == "bf16_kahan":
+        assert float((got - ref.data).norm() / want.norm()) < 0.05
+
+
+def test_a_flagged_step_changes_nothing_on_the_device():
+    _, low, opt, _ = _twins("bf16_remainder", 3)
+    before = {k: v.clone() for k, v in opt.state[low].items()}
+    weight = low.data.clone()
+    low.grad = torch.ones_like(low)
+    opt.found_inf, opt.grad_scale = torch.ones(()), None
+    opt.step()
+    del opt.found_inf, opt.grad_scale
+    assert torch.equal(low.data, weight)
+    assert all(torch.equal(before[k], opt.state[low][k]) for k in before)
+
+
+def test_state_dict_round_trip_keeps_dtypes_and_the_rounding_generator():
+    _, low, opt, _ = _twins("bf16_stochastic", 5, state_dtype=torch.bfloat16)
+    sd = opt.state_dict()
+    twin = torch.nn.Parameter(low.data.clone())
+    again = StorageAdamW([twin], lr=1e-5, weight_decay=0.01, master="bf16_stochastic", state_dtype=torch.bfloat16)
+    again.load_state_dict(sd)
+    assert again.state[twin]["exp_avg"].dtype == torch.bfloat16
+    for p, o in ((low, opt), (twin, again)):
+        p.grad = torch.full_like(p, 1e-3)
+        o.step()
+    assert torch.equal(low.data, twin.data)  # the same random numbers after the load
+    with pytest.raises(StorageRefusal, match=r"storage\.master: .*'bf16_stochastic', this run has 'none'"):
+        StorageAdamW([torch.nn.Parameter(low.data.clone())], master="none", state_dtype=torch.bfloat16).load_state_dict(
+            sd
+        )
+
+
+# -- validation ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("storage", "message"),
+    [
+        ({"master": "bf16"}, "storage.master: 'bf16' is not allowed (allowed: fp32, bf16_remainder"),
+        ({"optimizer_states": "int8"}, "storage.optimizer_states: 'int8' is not allowed (allowed: fp32, bf16, 8bit"),
+        ({"master": "bf16_kahan", "optimizer_states": "8bit"}, "storage.optimizer_states: 8bit (torchao's"),
+        (
+            {"optimizer": "sgd", "optimizer_states": "8bit"},
+            "storage.optimizer: 'sgd' cannot keep optimizer_states 8bit",
+        ),
+        ({"seed": 1}, "storage.seed: only applies to master bf16_stochastic"),
+    ],
+)
+def test_validate_names_the_key_the_value_and_what_is_allowed(tmp_path, storage, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"name": "bad", "extends": "a100-bf16", "storage": storage}))
+    r = subprocess.run(
+        [sys.executable, "-m", "hf_mixedprec", "validate", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("base", "storage", "message"),
+    [
+        ("v100-fp16", {"master": "none"}, "FP16 weights trained under a loss scaler are refused"),
+        ("v100-fp16", {"master": "bf16_remainder"}, "precision is fp16; allowed: fp32"),
+        ("cpu-bf16", {"master": "bf16_kahan"}, None),
+    ],
+)
+def test_precision_rules(base, storage, message):
+    from hf_mixedprec.core.errors import RecipeError
+
+    if message is None:
+        assert _recipe(base, **storage).storage.master == storage["master"]
+        return
+    with pytest.raises(RecipeError, match=message):
+        _recipe(base, **storage)
+
+
+def test_every_builtin_recipe_states_an_fp32_master():
+    from hf_mixedprec.recipes.files import builtin_recipe_names, builtin_recipe_path
+
+    for name in builtin_recipe_names():
+        raw = yaml.safe_load(builtin_recipe_path(name).read_text())
+        assert raw.get("storage", {}).get("master") == "fp32", name
+        assert load_recipe(name, check_hardware=False).storage.is_default, name
+
+
+# -- the plan ------------------------------------------------------------------------------------------------------
+
+
+def test_plan_bytes_per_param_by_choice(bf16_dir):
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    got = {}
+    for master, states in [*CHOICES, ("fp32", "bf16")]:
+        got[(master, states)] = build_plan(_recipe(master=master, optimizer_states=states), model).bytes_per_param()
+    n = sum(p.numel() for p in model.parameters())
+    tensors = len(list(model.parameters()))
+    step = 4 * tensors / n  # AdamW's float32 step counter per tensor
+    assert got[("fp32", "fp32")] == pytest.approx(16 + step)
+    assert got[("bf16_remainder", "fp32")] == pytest.approx(14 + step)
+    assert got[("bf16_kahan", "bf16")] == pytest.approx(10 + step)
+    assert got[("bf16_stochastic", "fp32")] == pytest.approx(12 + step)
+    assert got[("fp32", "bf16")] == pytest.approx(12 + step)
+
+
+def test_plan_keeps_a_models_strict_fp32_modules_in_fp32():
+    model = tiny_llama(0)
+    model._keep_in_fp32_modules_strict = {"norm"}
+    plan = build_plan(_recipe(master="bf16_remainder"), model)
+    assert plan.param("model.norm.weight").weight == "fp32"
+    assert plan.param("model.layers.0.mlp.up_proj.weight").weight == "bf16"
+
+
+# -- Trainer -------------------------------------------------------------------------------------------------------
+
+
+def _train(recipe, model, out, *, steps=12, lr=1e-5, attach_late=False, **targs):
+    args = recipe.training_args(
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        **{"save_strategy": "no", **targs},
+    )
+    kw = {} if attach_late else {"callbacks": recipe.callbacks()}
+    tr = Trainer(model=model, args=args, train_dataset=Bytes(n=64, seq_len=32), **kw)
+    if attach_late:
+        tr.add_callback(recipe.callbacks()[0])
+    return tr
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("late", [False, True])
+def test_a_bf16_loaded_model_under_a100_bf16_trains_with_an_fp32_master(bf16_dir, tmp_path, caplog, late):
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    start = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    tr = _train(load_recipe("a100-bf16", rehearse=True), model, tmp_path, attach_late=late)
+    with caplog.at_level("WARNING", logger="hf_mixedprec"):
+        tr.train()
+    assert "upcast to FP32" in caplog.text
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    rt = runtime_of(tr)
+    groups = rt.plan.groups()
+    assert [(g["loaded"], g["weight"], g["master"]) for g in groups] == [("bf16", "fp32", "fp32 weight")]
+    changed = sum(int((p.detach() != start[n]).sum()) for n, p in model.named_parameters() if p.dim() == 2)
+    total = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    assert changed / total > 0.5  # at lr 1e-5, pure BF16 changes about 15% of entries
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize(("master", "states"), [*CHOICES[1:], ("fp32", "bf16")])
+def test_each_choice_trains_under_the_trainer_in_the_dtypes_the_plan_says(bf16_dir, tmp_path, master, states):
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    tr = _train(_recipe(master=master, optimizer_states=states), model, tmp_path)
+    tr.train()
+    rt = runtime_of(tr)
+    (group,) = rt.plan.groups()
+    assert {
+        str(p.dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float32", "fp32")
+        for p in model.parameters()
+    } == {group["weight"]}
+    opt = tr.optimizer.optimizer
+    assert type(opt).__name__ == rt.plan.optimizer == "StorageAdamW"
+    st = next(iter(opt.state.values()))
+    assert st["exp_avg"].dtype == (torch.bfloat16 if states == "bf16" else torch.float32)
+    assert ("remainder" in st) == (master == "bf16_remainder")
+    assert ("compensation" in st) == (master == "bf16_kahan")
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_storage_optimizer_cannot_be_chosen_after_the_trainer_built_its_own(bf16_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    tr = _train(_recipe(master="bf16_remainder"), model, tmp_path, attach_late=True)
+    with pytest.raises(StorageRefusal, match="attach\\(trainer, recipe\\) before train\\(\\)"):
+        tr.train()
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_attach_before_train_builds_the_storage_optimizer(bf16_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    recipe = _recipe(master="bf16_remainder")
+    args = recipe.training_args(output_dir=str(tmp_path), max_steps=2, report_to=[], disable_tqdm=True)
+    tr = Trainer(model=model, args=args, train_dataset=Bytes(n=16, seq_len=32))
+    attach(tr, recipe)
+    tr.train()
+    assert type(tr.optimizer.optimizer) is StorageAdamW
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_frozen_lora_base_stays_bf16_and_costs_no_master(bf16_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(bf16_dir), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    )
+    tr = _train(load_recipe("a100-bf16", rehearse=True), model, tmp_path, steps=2)
+    tr.train()
+    for name, p in model.named_parameters():
+        assert p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16), name
+    frozen = [g for g in runtime_of(tr).plan.groups() if not g["trainable"]]
+    assert frozen and all(set(g["bytes"]) == {"weights"} for g in frozen)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize(("master", "states"), [*CHOICES, ("fp32", "8bit")])
+def test_resume_is_bitwise_under_the_trainer(bf16_dir, tmp_path, master, states):
+    """A checkpoint after step 3 of 6, resumed: every parameter and optimizer state ends bit for bit as the
+    straight run's (remainders, Kahan buffers and the rounding generator travel with the optimizer)."""
+    from accelerate.state import AcceleratorState
+
+    recipe = _recipe(master=master, optimizer_states=states)
+    common = {"save_strategy": "steps", "save_steps": 3, "logging_steps": 1}
+    straight = _train(
+        recipe, AutoModelForCausalLM.from_pretrained(bf16_dir), tmp_path / "a", steps=6, lr=1e-4, **common
+    )
+    straight.train()
+    want = {k: v.clone() for k, v in straight.model.state_dict().items()}
+    losses = [h["loss"] for h in straight.state.log_history if "loss" in h]
+    AcceleratorState._reset_state(reset_partial_state=True)
+    resumed = _train(recipe, AutoModelForCausalLM.from_pretrained(bf16_dir), tmp_path / "b", steps=6, lr=1e-4, **common)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))
+    got = resumed.model.state_dict()
+    assert [n for n in want if not torch.equal(want[n], got[n])] == []
+    again = [h["loss"] for h in resumed.state.log_history if "loss" in h]
+    assert again == losses  # the checkpoint's log history, then the same losses
+
+
+# -- the Accelerate plugin (an own loop) ---------------------------------------------------------------------------
+
+
+def _own_loop(recipe, bf16_dir, out, *, steps, save_at=None, load_from=None):
+    """A hand-written Accelerate loop: the user's AdamW and LambdaLR over a BF16-loaded model; returns the losses
+    and the model. ``save_at``: ``accelerator.save_state`` after that step; ``load_from``: ``load_state`` first."""
+    from accelerate.utils import set_seed
+
+    from hf_mixedprec.integrations.accelerate_plugin import make_accelerator
+
+    set_seed(0)
+    acc = make_accelerator(recipe, cpu=True)
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    data = torch.utils.data.DataLoader(Bytes(n=32, seq_len=32), batch_size=4, shuffle=False)
+    model, opt, data, sched = acc.prepare(model, opt, data, sched)
+    done = 0
+    if load_from is not None:
+        acc.load_state(str(load_from))
+        done = save_at
+        data = acc.skip_first_batches(data, done)
+    losses = []
+    for batch in data:
+        loss = model(**batch).loss
+        acc.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        done += 1
+        if load_from is None and save_at is not None and done == save_at:
+            acc.save_state(str(out))
+        if done == steps:
+            break
+    return losses, acc.unwrap_model(model), acc, opt, sched
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize(("master", "states"), [*CHOICES, ("bf16_stochastic", "bf16"), ("fp32", "8bit")])
+def test_own_accelerate_loop_keeps_the_storage_and_resumes_bit_for_bit(bf16_dir, tmp_path, master, states):
+    from accelerate.state import AcceleratorState
+
+    recipe = resolve_recipe(
+        {
+            "name": "own",
+            "extends": "a100-bf16",
+            "clipping": {"method": "none"},
+            "storage": {"master": master, "optimizer_states": states},
+        }
+    ).rehearsed()
+    straight, model, acc, opt, _ = _own_loop(recipe, bf16_dir, tmp_path / "ckpt", steps=6, save_at=3)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    kept = {"fp32": torch.float32}.get(master, torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {kept}
+    if master == "fp32":
+        assert any("upcast to FP32" in n for n in acc.mp.notes)
+    inner = opt.optimizer
+    assert type(inner).__name__ == acc.mp.plan.optimizer.replace("unchanged", "AdamW")
+    assert inner.param_groups[0]["lr"] == pytest.approx(
+        1e-4 / 7
+    )  # 6 steps: the user's scheduler drives the replacement
+    AcceleratorState._reset_state(reset_partial_state=True)
+    resumed, model2, *_ = _own_loop(recipe, bf16_dir, None, steps=6, save_at=3, load_from=tmp_path / "ckpt")
+    assert resumed == straight[3:]
+    got = model2.state_dict()
+    assert [n for n in want if not torch.equal(want[n], got[n])] == []
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_an_optimizer_family_the_recipe_does_not_name_is_refused(bf16_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    recipe = _recipe(optimizer="sgd")
+    with pytest.raises(StorageRefusal, match=r"storage\.optimizer is 'sgd', but TrainingArguments\.optim"):
+        _train(recipe, model, tmp_path, steps=1)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # a refusal changes nothing
+    from hf_mixedprec.integrations.accelerate_plugin import make_accelerator
+
+    acc = make_accelerator(recipe, cpu=True)
+    with pytest.raises(StorageRefusal, match="the optimizer passed to prepare\\(\\) is AdamW"):
+        acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+# -- finetune ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_finetune_loads_a_bf16_checkpoint_as_saved_and_the_report_says_what_training_kept(tmp_path):
+    """``finetune --model`` of a BF16 checkpoint: the FP32 master is made (and said) by the recipe's storage; the
+    saved model and health.json agree on the dtypes."""
+    import json
+
+    from tests.commands.test_finetune import _finetune
+
+    tiny_llama(vocab_size=512).to(torch.bfloat16).save_pretrained(tmp_path / "base")
+    for recipe, kept in (("a100-bf16", "fp32"),):
+        out = f"run-{kept}"
+        args = ["--recipe", recipe, "--rehearse", "--model", "base", "--lr", "1e-5", "--max-steps", "4"]
+        args += ["--seq-len", "32", "--batch-size", "2", "--logging-steps", "2", "--output-dir", out]
+        r = _finetune(*args, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "(loaded in bfloat16)" in r.stderr
+        health = json.loads((tmp_path / out / "health.json").read_text())
+        (group,) = health["storage"]["groups"]
+        assert (group["loaded"], group["weight"]) == ("bf16", kept)
+        if kept == "fp32":
+            assert any("upcast to FP32" in n for n in health["notes"])
+        saved = AutoModelForCausalLM.from_pretrained(tmp_path / out, dtype="auto")
+        assert {p.dtype for p in saved.parameters()} == {torch.float32 if kept == "fp32" else torch.bfloat16}
+
+
+# -- health: tiny_update -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize(
+    ("master", "fires"),
+    [("none", True), ("bf16_remainder", False), ("bf16_kahan", False), ("bf16_stochastic", False), ("fp32", False)],
+)
+def test_tiny_update_fires_for_plain_bf16_only(bf16_dir, tmp_path, master, fires):
+    """At lr 1e-5 updates are a fraction of a BF16 ulp: stored as plain BF16 (none) they round away and tiny_update
+    says so; every master that keeps them (FP32, remainder, Kahan, stochastic rounding) is not flagged."""
+    recipe = resolve_recipe(
+        {"name": "t", "extends": "a100-bf16", "storage": {"master": master}, "health": {"fp8_sample_every": 2}}
+    ).rehearsed()
+    tr = _train(recipe, AutoModelForCausalLM.from_pretrained(bf16_dir), tmp_path, steps=8, logging_steps=2)
+    tr.train()
+    events = [e for e in runtime_of(tr).events if e["detector"] == "tiny_update"]
+    assert bool(events) == fires, events
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_gpt2_conv1d_fp8_with_a_remainder_master_from_fp16_weights(tmp_path):
+    """A GPT-2 (transformers' Conv1D) loaded in FP16, under an emulated FP8 recipe keeping BF16 weights with
+    remainders: the FP16 values survive exactly in the master, the Conv1D layers run FP8 on BF16 weights, it learns."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_mixedprec.fp8 import fp8_layers
+    from hf_mixedprec.storage.optim import _take_pending
+    from hf_mixedprec.training.runtime import MixedPrecisionRuntime
+
+    def gpt2():
+        torch.manual_seed(0)
+        cfg = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+        return GPT2LMHeadModel(cfg).to(torch.float16)
+
+    recipe = _recipe("h100-fp8-delayed", master="bf16_remainder")
+    model = gpt2()
+    start = model.transformer.h[0].mlp.c_fc.weight.detach().float().clone()
+    MixedPrecisionRuntime(recipe, rehearse=True).prepare_storage(model)
+    w = model.transformer.h[0].mlp.c_fc.weight
+    assert w.dtype == torch.bfloat16
+    assert torch.equal(combine_remainder(w.detach(), _take_pending(w, "remainder")), start)
+
+    model = gpt2()
+    tr = _train(recipe, model, tmp_path, steps=10, lr=1e-3, logging_steps=1)
+    tr.train()
+    assert sum(1 for _ in fp8_layers(model, fresh=True)) == 8  # c_attn, c_proj, c_fc, mlp.c_proj in both blocks
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    losses = [h["loss"] for h in tr.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0]
+
+
+# -- no host read ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("master", ["bf16_remainder", "bf16_kahan", "bf16_stochastic"])
+def test_storage_steps_read_nothing_on_the_host_between_logs(tmp_path, monkeypatch, master):
+    """StorageAdamW's step (remainder split, Kahan, stochastic rounding, the skip flag) reads no device value: the
+    only host read of a run is the one copy per logging step."""
+    import collections
+
+    from tests.training.test_health import _recipe as health_recipe
+    from tests.training.test_health import _run, _StepTracker, _SyncCounter
+
+    recipe = health_recipe(f"{{storage: {{master: {master}, optimizer_states: bf16}}}}", base="cpu-bf16")
+    counter = _SyncCounter(monkeypatch)
+    tr = _run(recipe, tmp_path, steps=6, callbacks=[_StepTracker(counter)], logging_steps=3)
+    assert type(tr.optimizer.optimizer) is StorageAdamW
+    hits = [h for h in counter.hits if h[0] > 0]
+    assert collections.Counter(h[0] for h in hits) == {3: 1, 6: 1}, hits
+
+
+# -- review findings: each a shape a stranger's code takes ---------------------------------------------------------
+
+
+def test_bf16_moments_still_decay():
+    """With beta2 = 0.999 the second moment decays 0.1% a step, under half a BF16 ulp: stored by round-to-nearest it
+    would stay at its peak. Stochastically rounded it follows the FP32 moment."""
+    for dtype in (torch.float32, torch.bfloat16):
+        p = torch.nn.Parameter(torch.zeros(4096))
+        opt = StorageAdamW([p], lr=1e-3, weight_decay=0.0, state_dtype=dtype)
+        for i in range(600):
+            p.grad = torch.full_like(p, 0.1 if i < 10 else 0.0)
+            opt.step()
+        v = opt.state[p]["exp_avg_sq"].float().mean().item()
+        if dtype == torch.float32:
+            want = v
+        else:
+            assert v == pytest.approx(want, rel=0.05), (v, want)
+
+
+def test_an_optimizer_checkpoint_of_another_storage_is_refused():
+    from hf_mixedprec.core.errors import StorageRefusal as Refusal
+
+    p = torch.nn.Parameter(torch.randn(8, 8).to(torch.bfloat16))
+    plain = torch.optim.AdamW([torch.nn.Parameter(p.detach().float())])
+    plain.param_groups[0]["params"][0].grad = torch.ones(8, 8)
+    plain.step()
+    with pytest.raises(Refusal, match="not written by StorageAdamW"):
+        StorageAdamW([p], master="bf16_remainder").load_state_dict(plain.state_dict())
+    ours = StorageAdamW([p], master="bf16_remainder", state_dtype=torch.bfloat16)
+    p.grad = torch.ones_like(p)
+    ours.step()
+    with pytest.raises(Refusal, match=r"storage\.optimizer_states: .*'bfloat16', this run has 'float32'"):
+        StorageAdamW([p], master="bf16_remainder").load_state_dict(ours.state_dict())
+
+
+def test_a_scaled_gradient_is_unscaled_by_the_grad_scale_a_gradscaler_hands_over():
+    """torch's GradScaler hands ``grad_scale`` to an AMP-aware optimizer that was not unscaled first."""
+    a, b = (torch.nn.Parameter(torch.ones(16, 16)) for _ in range(2))
+    oa, ob = StorageAdamW([a], lr=1e-2), StorageAdamW([b], lr=1e-2)
+    g = torch.randn(16, 16)
+    a.grad, b.grad = g.clone(), g * 1024.0
+    oa.step()
+    ob.grad_scale, ob.found_inf = torch.tensor(1024.0), torch.zeros(())
+    ob.step()
+    assert torch.equal(a, b)
+
+
+def test_adamw_parity_where_eps_dominates():
+    """Gradients of 1e-9: the update is governed by eps (outside the square root, as torch's AdamW)."""
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(32, 16))
+    b = torch.nn.Parameter(a.detach().clone())
+    start = a.detach().clone()
+    ours = StorageAdamW([a], lr=1e-3, eps=1e-8, weight_decay=0.0)
+    theirs = torch.optim.AdamW([b], lr=1e-3, eps=1e-8, weight_decay=0.0, foreach=False)
+    for _ in range(20):
+        g = torch.randn(32, 16) * 1e-9
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    assert (b.detach() - start).abs().max().item() > 1e-4  # it moved (about lr * g / (|g| + eps) a step)
+    assert (b.detach() - a.detach()).abs().max().item() < 1e-7  # without eps, or inside the sqrt, ~1e-2 apart
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_an_optimizer_the_user_built_must_keep_the_recipes_storage(bf16_dir, tmp_path):
+    """A StorageAdamW keeping another master, passed as Trainer(optimizers=...) or optimizer_cls_and_kwargs, is
+    refused: the recipe's remainders would otherwise be dropped."""
+    recipe = _recipe(master="bf16_remainder")
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    args = recipe.training_args(output_dir=str(tmp_path), max_steps=1, report_to=[], disable_tqdm=True)
+    data = Bytes(n=8, seq_len=32)
+    wrong = StorageAdamW(model.parameters(), master="none")
+    with pytest.raises(StorageRefusal, match="passed in"):
+        Trainer(model=model, args=args, train_dataset=data, optimizers=(wrong, None), callbacks=recipe.callbacks())
+    with pytest.raises(StorageRefusal, match="optimizer_cls_and_kwargs"):
+        Trainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            optimizer_cls_and_kwargs=(StorageAdamW, {"lr": 1e-4}),
+            callbacks=recipe.callbacks(),
+        )
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    right = StorageAdamW(model.parameters(), master="bf16_remainder")
+    tr = Trainer(model=model, args=args, train_dataset=data, optimizers=(right, None), callbacks=recipe.callbacks())
+    tr.train()
+    assert tr.optimizer.optimizer is right and "remainder" in next(iter(right.state.values()))
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_refused_trainer_keeps_its_model_forward_and_registry(bf16_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    forward = model.forward
+    recipe = _recipe(master="bf16_remainder")
+    args = recipe.training_args(output_dir=str(tmp_path), max_steps=1, report_to=[], optim="sgd")
+    with pytest.raises(StorageRefusal, match="needs AdamW"):
+        Trainer(model=model, args=args, train_dataset=Bytes(n=8, seq_len=32), callbacks=recipe.callbacks())
+    assert model.forward == forward and runtime_of(model) is None
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("order", ["optimizer-first", "separate"])
+def test_the_plugin_keeps_the_storage_whatever_the_order_of_prepare(bf16_dir, order):
+    from hf_mixedprec.integrations.accelerate_plugin import make_accelerator
+
+    acc = make_accelerator(_recipe(master="bf16_remainder"), cpu=True)
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if order == "optimizer-first":
+        opt, model = acc.prepare(opt, model)
+        assert type(opt.optimizer) is StorageAdamW
+    else:
+        with pytest.raises(StorageRefusal, match="prepared before its model"):
+            acc.prepare(opt)
+
+
+def test_fsdp2_with_a_bf16_master_is_refused_when_the_recipe_is_read():
+    from hf_mixedprec.core.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=r"not supported with distributed\.strategy fsdp2"):
+        resolve_recipe(
+            {
+                "name": "x",
+                "extends": "a100-bf16",
+                "storage": {"master": "bf16_remainder"},
+                "distributed": {"strategy": "fsdp2"},
+            }
+        )
+
+
+def test_deepspeed_config_of_the_users_must_say_what_storage_says():
+    """Through the Trainer a DeepSpeed JSON of the user's is checked against the recipe, never silently followed."""
+    from types import SimpleNamespace
+
+    from hf_mixedprec.integrations.deepspeed import deepspeed_config
+    from hf_mixedprec.integrations.trainer_storage import check_deepspeed_storage
+
+    def trainer_with(config):
+        plugin = SimpleNamespace(deepspeed_config=config)
+        state = SimpleNamespace(deepspeed_plugin=plugin)
+        return SimpleNamespace(accelerator=SimpleNamespace(state=state), model=tiny_llama(0))  # module rules read it
+
+    low = _recipe(master="none", optimizer_states="bf16")
+    ds_low = {
+        "zero_optimization": {"stage": 1},
+        **deepspeed_config(
+            resolve_recipe({**low.to_dict(), "distributed": {"strategy": "deepspeed", "zero_stage": 1}})
+        )[0],
+    }
+    check_deepspeed_storage(trainer_with(ds_low), low)  # the config hf_mixedprec writes agrees
+    plain = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
+    with pytest.raises(StorageRefusal, match=r"bf16\.bf16_master_weights_and_grads=False"):
+        check_deepspeed_storage(trainer_with(plain), low)
+    with pytest.raises(StorageRefusal, match="has no DeepSpeed equivalent"):
+        check_deepspeed_storage(trainer_with(plain), _recipe(master="bf16_remainder"))
+    check_deepspeed_storage(trainer_with(plain), load_recipe("a100-bf16", rehearse=True))
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_the_plan_reports_no_adamw_states_for_a_trainer_running_sgd(bf16_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    tr = _train(load_recipe("a100-bf16", rehearse=True), model, tmp_path, steps=1, optim="sgd")
+    tr.train()
+    plan = runtime_of(tr).plan
+    assert {p.states for p in plan.params} == {None}
+    assert set(plan.bytes_by_component()) == {"weights", "gradients"}  # Trainer's SGD keeps no momentum

@@ -1,0 +1,58 @@
+"""finetune's run control pieces on their own: the progress bar on a terminal, lines in a log, run folders."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from types import SimpleNamespace
+
+import pytest
+
+from hf_mixedprec.core.errors import UsageError
+from hf_mixedprec.training.run_control import Progress, check_run_folder, clear_previous_run, latest_checkpoint
+
+
+def _drive(progress: Progress, steps: int, log_at: int) -> str:
+    buf = io.StringIO()
+    state = SimpleNamespace(global_step=0, is_world_process_zero=True)
+    with contextlib.redirect_stderr(buf):
+        progress.on_train_begin(None, state, None)
+        for step in range(1, steps + 1):
+            state.global_step = step
+            progress.on_step_end(None, state, None)
+            if step % log_at == 0:
+                progress.on_log(None, state, None, logs={"loss": 2.5, "learning_rate": 1e-3})
+        progress.on_train_end(None, state, None)
+    return buf.getvalue()
+
+
+def test_a_terminal_gets_a_bar_redrawn_in_place_and_the_log_lines_replace_it():
+    out = _drive(Progress(6, 128, bar=True), steps=6, log_at=3)
+    assert out.count("\r[") == 6 and "[###############...............] 3/6" in out
+    lines = out.split("\n")
+    assert "\r\x1b[Kfinetune: step 3/6  loss 2.5000  lr 1.00e-03  elapsed " in lines[0]
+    assert "\r\x1b[Kfinetune: step 6/6" in out and out.endswith("\n")
+    assert " eta " in lines[0] and " tok/s" in lines[0]
+
+
+def test_a_log_file_gets_lines_only():
+    out = _drive(Progress(6, 128, bar=False), steps=6, log_at=3)
+    assert "\r" not in out and out.count("\n") == 2
+    assert out.startswith("finetune: step 3/6  loss 2.5000") and "elapsed 0:00  eta 0:00" in out
+
+
+def test_run_folders(tmp_path):
+    out = tmp_path / "run"
+    check_run_folder(out, overwrite=False, resume=None)  # a new folder is fine
+    (out / "checkpoint-4").mkdir(parents=True)
+    (out / "checkpoint-4" / "trainer_state.json").write_text("{}")
+    (out / "checkpoint-12").mkdir()
+    (out / "checkpoint-12" / "trainer_state.json").write_text("{}")
+    (out / "summary.json").write_text("{}")
+    (out / "mine.txt").write_text("keep")
+    with pytest.raises(UsageError, match="already holds a run"):
+        check_run_folder(out, overwrite=False, resume=None)
+    check_run_folder(out, overwrite=False, resume=str(out / "checkpoint-4"))  # continuing it is fine
+    assert latest_checkpoint(out).name == "checkpoint-12"  # by step number, not by name order
+    assert sorted(clear_previous_run(out)) == ["checkpoint-12", "checkpoint-4", "summary.json"]
+    assert [p.name for p in out.iterdir()] == ["mine.txt"]
