@@ -77,6 +77,7 @@ def test_each_documented_import_works_without_a_warning(module):
     assert old not in MOVED, f"the docs show {module}, an old name; it lives at hf_mixedprec.{MOVED.get(old)}"
 
 
+@pytest.mark.slow
 def test_every_old_module_name_is_the_moved_module_with_one_warning():
     """In a fresh interpreter, so that each old name is imported for the first time."""
     code = """

@@ -149,6 +149,7 @@ def test_schema_is_json(capsys):
     assert schema["title"] == "Recipe"
 
 
+@pytest.mark.slow
 def test_help_everywhere():
     for sub in ("recipes", "show", "validate", "schema", "detect", "launch"):
         r = run(sub, "--help")
@@ -162,6 +163,7 @@ def test_version():
     assert r.returncode == 0 and r.stdout == f"hf-mixedprec {hf_mixedprec.__version__}\n", (r.stdout, r.stderr)
 
 
+@pytest.mark.slow
 def test_python_dash_m_hf_mixedprec(tmp_path):
     """`python -m hf_mixedprec` is the same command, exit codes included."""
     import hf_mixedprec
@@ -244,6 +246,7 @@ def test_report_on_a_malformed_health_json_is_one_line(tmp_path, capsys, doc, ex
     _one_line_exit_2(["report", str(tmp_path)], capsys, expected)
 
 
+@pytest.mark.slow
 def test_launch_never_writes_over_a_users_file_and_cleans_its_temp_folder(tmp_path):
     script = tmp_path / "ok.py"
     script.write_text("import sys\nsys.exit(0)\n")

@@ -228,6 +228,7 @@ Trainer(model=tiny_llama(0), args=args, train_dataset=Bytes(n=8, seq_len=32), ca
     assert "Setting accelerator to CPU" not in r.stdout and "'loss'" in r.stdout  # Trainer's own log rows stay
 
 
+@pytest.mark.slow
 def test_the_example_scripts_start_without_backend_noise():
     """The scripts a user copies import hf_mixedprec before transformers, so torchao's kernel-load lines and torch's
     Enum notes (printed when transformers imports torchao) are quieted as for `import hf_mixedprec`."""

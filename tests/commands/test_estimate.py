@@ -241,6 +241,7 @@ def _llama_params(h=4096, i=14336, layers=32, heads=32, kv=8, vocab=128256) -> i
     return 2 * vocab * h + layers * (attn + 3 * h * i + 2 * h) + h
 
 
+@pytest.mark.slow
 def test_cli_estimates_an_8b_config_in_seconds_without_its_weights(tmp_path):
     model = _llama8b(tmp_path)
     code = (

@@ -193,6 +193,7 @@ def test_gpt2_conv1d_runs_native_as_emulated():
     assert abs(losses["native"] - losses["emulated"]) <= 1e-4 * losses["emulated"]
 
 
+@pytest.mark.slow
 def test_compiled_native_delayed_trains_as_eager_with_no_graph_breaks():
     """Under torch.compile the native layers' quantizers, FP8 GEMMs and delayed-scaling state trace into the graph
     (no graph break) and the compiled run equals the eager one: losses and every amax history."""

@@ -172,6 +172,7 @@ def _late_rank(rank: int, port: int, out: str) -> None:
     leave_group()
 
 
+@pytest.mark.slow
 def test_an_fp8_callback_added_after_deepspeed_took_the_model_is_refused_before_a_step(tmp_path):
     """``trainer.add_callback(...)`` after construction: the callback sets up at ``on_train_begin``, once the
     DeepSpeed engine holds the model, too late to convert layers; it says so before any step, and no layer moved."""

@@ -98,6 +98,7 @@ def test_estimate_prepares_the_plans_model_module_by_module_and_counts_its_bytes
     assert est.memory.optimizer == b["exp_avg"] + b["exp_avg_sq"] + b["optimizer_step"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["a100-bf16", "h100-fp8-current", "examples/recipes/storage-bf16_remainder.yaml"])
 def test_plan_command_prints_what_the_model_holds_after_attach(tmp_path, recipe):
     """``hf-mixedprec plan --model DIR`` (the config only, on the meta device) lists, per module, the dtypes and the

@@ -327,6 +327,7 @@ def test_validate_refuses_bad_rules_in_one_line_with_exit_2(tmp_path, rule, exte
     assert expected in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_plan_refuses_a_rule_matching_nothing_with_exit_2(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text(
@@ -416,6 +417,7 @@ def test_hostile_modules_sections_are_one_line_problems(tmp_path, modules, expec
     assert expected in r.stderr
 
 
+@pytest.mark.slow
 def test_plan_prints_what_rows_cannot_show_and_the_tied_lm_head(tmp_path):
     path = tmp_path / "r.yaml"
     rules = [{"name": "norms_fp32", "select": "norms", "compute": "fp32", "required": False}]

@@ -181,6 +181,7 @@ def _steps(
         assert all(any(m.measured) for _, m in fp8_layers(model))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", builtin_recipe_names())
 def test_no_host_traffic_on_a_step_that_does_not_log(name, traffic):
     _steps(name, traffic)
