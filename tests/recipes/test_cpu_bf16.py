@@ -240,3 +240,24 @@ def test_finetune_says_it_once_and_the_summary_repeats_it(tmp_path, monkeypatch,
     assert logged == [f"hf_mixedprec: {line}"]
     health = json.loads((out / "health.json").read_text())
     assert health["notes"].count(line) == 1
+
+
+@pytest.mark.parametrize(("value", "count"), [("emulated", 1), ("native", 0)])
+def test_simulate_says_it_too_on_such_a_cpu(capsys, monkeypatch, value, count):
+    """simulate trains the FP8 recipe and its BF16 twin: on a CPU that emulates BF16 it says so, once."""
+    monkeypatch.setenv(CPU_BF16_ENV, value)
+    argv = [
+        "simulate",
+        "--recipe",
+        "h100-fp8-delayed",
+        "--steps",
+        "2",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "1",
+        "--json",
+    ]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("SLOW ON THIS CPU: recipe 'h100-fp8-delayed' computes in BF16") == count, err[-2000:]
