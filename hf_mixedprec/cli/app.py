@@ -129,11 +129,12 @@ def cmd_detect(args: argparse.Namespace) -> int:
     info = detect()
     name, notes = resolve_auto(info)
     sup = support_for(info.device_type, info.capability, info.cuda_version)
+    as_dict = info.to_dict()
     out = {
         "device": info.device_type,
         "device_name": info.device_name,
         "generation": info.generation,
-        "capability": info.to_dict()["capability"],
+        "capability": as_dict["capability"],
         "cuda_version": info.cuda_version,
         "torch_version": info.torch_version,
         "transformer_engine_version": info.te_version,
@@ -141,7 +142,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
         "precisions": list(sup.precisions),
         "fp8_scalings": list(sup.fp8_scalings),
         "cpu_capability": info.cpu_capability,
-        "cpu_bf16": info.to_dict()["cpu_bf16"],
+        "cpu_bf16": as_dict["cpu_bf16"],
         "recipe": name,
         "notes": notes,
     }

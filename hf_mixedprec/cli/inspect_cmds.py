@@ -12,28 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from hf_mixedprec.cli.common import PROG, _load
 from hf_mixedprec.core.errors import UsageError
-from hf_mixedprec.integrations.recipe import Recipe, builtin_recipe_names, load_recipe_file
+from hf_mixedprec.integrations.recipe import builtin_recipe_names, load_recipe_file
 
 __all__ = ["MAX_HEALTH_BYTES", "cmd_estimate", "cmd_plan", "cmd_report", "cmd_simulate"]
 
 
 # -- simulate --------------------------------------------------------------------------------------
-
-
-def _say_if_slow_here(recipe: Recipe) -> None:
-    """On a CPU that emulates BF16: the one line saying so (simulate trains the recipe's BF16 twin too)."""
-    import torch
-
-    from hf_mixedprec.recipes.hardware import cpu_speed_note
-
-    if not torch.cuda.is_available() and (note := cpu_speed_note(recipe)) is not None:
-        print(f"{PROG}: {note}", file=sys.stderr)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -59,7 +48,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from hf_mixedprec.core.model_dir import check_model_dir
 
         check_model_dir(args.model)
-    _say_if_slow_here(recipe)
     result = simulate(
         recipe,
         model_dir=args.model,

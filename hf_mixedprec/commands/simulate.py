@@ -14,6 +14,7 @@ the result says so (:data:`NOTHING_CHECKED`) and never calls the recipe safe.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -25,9 +26,12 @@ import torch
 from hf_mixedprec.core.formats import COMPUTE_FORMATS
 from hf_mixedprec.fp8 import ConversionReport, convert, converted_types, fp8_layers, fp8_step
 from hf_mixedprec.precision.plan import PrecisionPlan, build_plan
+from hf_mixedprec.recipes.hardware import cpu_speed_note
 from hf_mixedprec.recipes.schema import RecipeSpec
 from hf_mixedprec.scaling.stats import ROLES
 from hf_mixedprec.training.health import LayerBreach, layer_breaches
+
+log = logging.getLogger("hf_mixedprec")
 
 __all__ = ["NOTHING_CHECKED", "LayerNumerics", "SimulationResult", "default_simulation_model", "simulate"]
 
@@ -255,6 +259,10 @@ def simulate(
         raise ValueError(f"recipe {recipe.name!r} has precision {recipe.precision!r}; simulate rehearses fp8 recipes")
     start = time.perf_counter()
     notes = []
+    # simulate trains on the CPU, the FP8 layers and the BF16 twin both inside BF16 autocast: said once, and kept
+    if (slow := cpu_speed_note(recipe)) is not None:
+        notes.append(slow)
+        log.warning("hf_mixedprec: %s", slow)
     if recipe.fp8.backend != "emulated":
         notes.append(f"fp8.backend {recipe.fp8.backend!r} replaced by 'emulated' for the rehearsal (same numerics)")
     model, model_name = _load_model(model_dir)

@@ -27,6 +27,7 @@ import torch
 from hf_mixedprec.core._optional import available
 from hf_mixedprec.core._private import cpu_native_16bit, has_scaled_mm, mkldnn_fp16_supported
 from hf_mixedprec.core.errors import EnvValueError, HardwareRefusal
+from hf_mixedprec.core.formats import COMPUTE_FORMATS
 from hf_mixedprec.recipes.schema import RecipeSpec
 
 __all__ = [
@@ -182,14 +183,11 @@ def cpu_gemm_speed(dtype: str = "bf16") -> CpuGemmSpeed:
 
 
 def _compute_dtypes(recipe: RecipeSpec) -> list[str]:
-    """The 16-bit dtypes ``recipe`` (every phase) computes its GEMMs in on a CPU: bf16 for bf16 and for fp8 (the
-    layers that are not FP8 run inside BF16 autocast), fp16 for fp16."""
-    out: list[str] = []
-    for spec in recipe.phase_specs():
-        dtype = {"bf16": "bf16", "fp8": "bf16", "fp16": "fp16"}.get(spec.precision)
-        if dtype is not None and dtype not in out:
-            out.append(dtype)
-    return out
+    """The 16-bit formats ``recipe`` (every phase) computes its GEMMs in, as its autocast does
+    (:data:`~hf_mixedprec.core.formats.COMPUTE_FORMATS`: bf16 for bf16 and for fp8, whose other layers run inside BF16
+    autocast; fp16 for fp16)."""
+    names = (COMPUTE_FORMATS[s.precision].name for s in recipe.phase_specs() if s.precision in COMPUTE_FORMATS)
+    return list(dict.fromkeys(names))
 
 
 def cpu_speed_note(recipe: RecipeSpec, *, speed: Callable[[str], CpuGemmSpeed] | None = None) -> str | None:
