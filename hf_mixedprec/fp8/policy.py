@@ -6,7 +6,8 @@ are checked (the first that matches gives the reason): LoRA adapters (PEFT keeps
 frozen base layer is converted), a parameter the model declares must stay in FP32
 (``_keep_in_fp32_modules_strict``), the recipe's ``modules:`` rule governing the layer (``fp8: off`` or a
 ``compute`` other than fp8; :mod:`hf_mixedprec.recipes.module_rules` says which rule that is), a kind the backend cannot
-convert (``Conv1D`` under torchao or Transformer Engine), and dimensions not divisible by ``align`` (FP8 GEMMs in TE
+convert (``Conv1D`` under torchao or Transformer Engine), a subclass with its own ``forward`` (an FP8 layer in its
+place would lose it), and dimensions not divisible by ``align`` (FP8 GEMMs in TE
 and torchao want multiples of 16; MXFP8 needs whole 32-element blocks). Embeddings are lookups, not GEMMs, and are
 listed as kept. Every layer gets a decision: planning never stops at the first layer it cannot convert, and never
 skips one silently. A layer that is already an FP8 module is listed as FP8 with ``already_fp8`` set: the backends
@@ -113,7 +114,17 @@ class _Context:
     kinds: tuple[str, ...]
 
 
-def _keep_reason(name: str, kind: str, in_f: int, out_f: int, ctx: _Context) -> str | None:
+def own_forward(mod: nn.Module, conv1d: type | None = None) -> str | None:
+    """The class of a Linear / Conv1D subclass that defines its own ``forward`` (Phi-3.5-MoE's and Llama-4's routers),
+    else None. An FP8 layer put in its place would run a plain GEMM and lose that forward, so such a layer is never
+    swapped."""
+    for base in (nn.Linear, conv1d):
+        if base is not None and isinstance(mod, base) and type(mod).forward is not base.forward:
+            return type(mod).__name__
+    return None
+
+
+def _keep_reason(name: str, mod: nn.Module, kind: str, in_f: int, out_f: int, ctx: _Context) -> str | None:
     """Why this GEMM layer stays in high precision (the first rule that matches), or None to convert it."""
     cfg = ctx.cfg
     if _is_lora(name):
@@ -124,6 +135,8 @@ def _keep_reason(name: str, kind: str, in_f: int, out_f: int, ctx: _Context) -> 
     if rule is not None and rule.keeps_out_of_fp8():
         i = ctx.rules.owner[name]
         return f"rule {rule.label(i)} ({rule.describe()})"
+    if (cls := own_forward(mod, conv1d_class())) is not None:
+        return f"its class {cls} defines its own forward, which an FP8 {kind} would lose"
     if kind not in ctx.kinds:
         return f"{kind}: backend {ctx.backend} converts only nn.Linear"
     if in_f % cfg.align or out_f % cfg.align:
@@ -169,6 +182,6 @@ def plan_conversion(
         if gemm is None:
             continue
         kind, in_f, out_f = gemm
-        reason = _keep_reason(name, kind, in_f, out_f, ctx)
+        reason = _keep_reason(name, mod, kind, in_f, out_f, ctx)
         decisions.append(LayerDecision(name, kind, in_f, out_f, reason is None, reason or "converted"))
     return decisions

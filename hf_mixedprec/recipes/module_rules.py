@@ -76,12 +76,48 @@ def _is_norm(mod: nn.Module) -> bool:
     return type(mod).__name__.lower().endswith("norm")
 
 
+def experts_count(mod: nn.Module) -> int | None:
+    """How many experts ``mod`` holds if it is an MoE experts module, else None: transformers 5's experts classes
+    (``use_experts_implementation``, 3-D ``gate_up_proj`` / ``down_proj``), JetMoE's ``JetMoeParallelExperts``
+    (``num_experts``) and experts kept as a ``ModuleList`` named ``experts``."""
+    n = getattr(mod, "num_experts", None)
+    if isinstance(n, int) and n > 0 and not isinstance(mod, nn.Linear):
+        return n
+    three_d = [p for p in mod.parameters(recurse=False) if p.dim() == 3]
+    return int(three_d[0].shape[0]) if three_d else None
+
+
+def _experts_beside(parent: nn.Module | None) -> int | None:
+    """The number of experts of the MoE block ``parent`` (a child ``experts``, or a child holding experts)."""
+    if parent is None:
+        return None
+    experts = getattr(parent, "experts", None)
+    if isinstance(experts, nn.ModuleList) and len(experts) > 0:
+        return len(experts)
+    if isinstance(experts, nn.Module) and (n := experts_count(experts)) is not None:
+        return n
+    for child in parent.children():
+        if (n := experts_count(child)) is not None:
+            return n
+    return None
+
+
 def _is_router(name: str, mod: nn.Module, parent: nn.Module | None) -> bool:
-    """An MoE router: a class named ``*Router*`` (transformers 5's ``MixtralTopKRouter``, ``Qwen3MoeTopKRouter``,
-    ``DeepseekV3TopkRouter``, ``GptOssTopKRouter``), or a module named ``gate`` / ``router`` beside ``experts``."""
-    if "router" in type(mod).__name__.lower():
+    """An MoE router, found by its name or by what it does: a class named ``*Router*`` or ``*Gating*``
+    (transformers 5's ``MixtralTopKRouter``, ``DeepseekV3TopkRouter``, JetMoE's ``JetMoeTopKGating``), a module
+    named ``gate`` / ``router`` beside the block's experts, or a module beside the experts whose output has one score
+    per expert (a Linear with ``out_features`` equal to the number of experts, or a module holding one: its output
+    picks the experts)."""
+    cls = type(mod).__name__.lower()
+    if "router" in cls or "gating" in cls:
         return True
-    return name.split(".")[-1] in ("gate", "router") and parent is not None and hasattr(parent, "experts")
+    n_experts = _experts_beside(parent)
+    if n_experts is None or experts_count(mod) is not None:
+        return False
+    if name.split(".")[-1] in ("gate", "router"):
+        return True
+    linears = [mod] if isinstance(mod, nn.Linear) else [m for m in mod.children() if isinstance(m, nn.Linear)]
+    return len(linears) == 1 and linears[0].out_features == n_experts
 
 
 @dataclass(frozen=True)
