@@ -1,0 +1,340 @@
+"""FP8 for MoE experts: the grouped GEMMs of transformers 5's experts modules, quantized per expert.
+
+transformers 5 keeps an MoE layer's experts as 3-D parameters in one module (``gate_up_proj`` ``[experts, 2 *
+intermediate, hidden]``, ``down_proj`` ``[experts, hidden, intermediate]``, or the transposes when the class says
+``is_transposed``) and runs them through its experts interface (``transformers/integrations/moe.py``:
+``use_experts_implementation``, ``ALL_EXPERTS_FUNCTIONS``, chosen by ``config._experts_implementation``). There is no
+``nn.Linear`` to swap, so this module registers an experts implementation of its own, :data:`IMPLEMENTATION`, that
+runs the experts of every module holding an :class:`ExpertsFP8` (put there by :func:`convert_experts`) through FP8
+grouped GEMMs, and every other experts module through the implementation the model had before.
+
+Each expert is quantized exactly as the dense emulated path (:mod:`hf_mixedprec.fp8.emulated`) quantizes a Linear
+holding that expert's weight and fed that expert's token rows: *current* scaling gives each expert's weight and each
+expert's group of rows its own per-tensor scale (their amax now); *blockwise* uses 1x128 tiles along each GEMM's
+contraction dim for rows and gradients and 128x128 tiles per expert weight (TE's ``Float8BlockScaling``); *mxfp8*
+gives every 32 elements along the contraction dim an E8M0 scale (OCP MX v1.0). The weight-gradient GEMM contracts over
+each expert's tokens, so its tiles and blocks start at each group's first row: a group whose size is not a multiple
+of the tile is padded with zeros, as the dense path pads a Linear's input. Empty groups give zero rows and a zero
+weight gradient. The GEMMs run in float32 with ``torch.nn.functional.grouped_mm`` on the dequantized operands, one
+grouped GEMM per operand pair whatever the number of experts, and nothing reads the device on the host.
+
+Delayed scaling (an amax history per expert weight) is not implemented for experts yet: the precision plan keeps
+experts in high precision under it and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hf_mixedprec.core.formats import NumberFormat, get_format
+from hf_mixedprec.fp8.emulated import EmulationSpec
+from hf_mixedprec.scaling import (
+    current_scale,
+    dequantize_blockwise,
+    dequantize_fp8,
+    dequantize_mxfp8,
+    quantize_blockwise,
+    quantize_fp8,
+    quantize_mxfp8,
+)
+
+__all__ = [
+    "EXPERTS_SCALINGS",
+    "IMPLEMENTATION",
+    "ExpertsFP8",
+    "convert_experts",
+    "fp8_experts_forward",
+    "is_experts_module",
+    "restore_experts",
+]
+
+#: The name this package's experts implementation has in transformers' ``ALL_EXPERTS_FUNCTIONS``.
+IMPLEMENTATION = "hf_mixedprec_fp8"
+
+#: The FP8 scalings the experts path implements.
+EXPERTS_SCALINGS: tuple[str, ...] = ("current", "blockwise", "mxfp8")
+
+#: Where a converted experts module keeps its :class:`ExpertsFP8`.
+_ATTR = "_hf_mixedprec_fp8"
+
+
+def is_experts_module(mod: nn.Module) -> bool:
+    """Whether ``mod`` is an experts module run through transformers' experts interface (its class was decorated with
+    ``use_experts_implementation``: it has ``has_gate`` / ``is_transposed`` and 3-D ``down_proj``)."""
+    down = getattr(mod, "down_proj", None)
+    return (
+        hasattr(mod, "is_transposed")
+        and hasattr(mod, "has_gate")
+        and isinstance(down, Tensor)
+        and down.dim() == 3
+        and hasattr(mod, "config")
+    )
+
+
+def experts_shape(mod: nn.Module) -> tuple[int, int, int]:
+    """``(experts, hidden, intermediate)`` of an experts module (from ``down_proj``)."""
+    e, a, b = mod.down_proj.shape  # [E, hidden, inter] or, transposed, [E, inter, hidden]
+    return (int(e), int(b), int(a)) if mod.is_transposed else (int(e), int(a), int(b))
+
+
+@dataclass(frozen=True)
+class ExpertsFP8:
+    """How one experts module's GEMMs are quantized: the scaling and its options (as the dense path's
+    :class:`~hf_mixedprec.fp8.emulated.EmulationSpec`), and the implementation the model ran before."""
+
+    scaling: str
+    fwd_format: str = "e4m3"
+    bwd_format: str = "e5m2"
+    epsilon: float = 0.0
+    power_2_scales: bool = False
+    mx_rounding: str = "rceil"
+    block_size: int = 32
+    previous: str | None = None
+
+    @classmethod
+    def from_spec(cls, spec: EmulationSpec, previous: str | None = None) -> ExpertsFP8:
+        """The experts' numerics for a recipe's :class:`~hf_mixedprec.fp8.emulated.EmulationSpec`."""
+        return cls(
+            scaling=spec.scaling, fwd_format=spec.fwd_format, bwd_format=spec.bwd_format, epsilon=spec.epsilon,
+            power_2_scales=spec.power_2_scales, mx_rounding=spec.mx_rounding, block_size=spec.block_size,
+            previous=previous,
+        )  # fmt: skip
+
+    def fmt(self, role: int) -> NumberFormat:
+        return get_format(self.bwd_format if role == 2 else self.fwd_format)
+
+
+# -- quantization -----------------------------------------------------------------------------------------------------
+def _group_of_rows(offsets: Tensor, rows: int) -> Tensor:
+    """The expert of each of ``rows`` sorted rows, from the cumulative ends ``offsets`` (int32 ``[E]``)."""
+    idx = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
+    return torch.searchsorted(offsets, idx, right=True).clamp_(max=offsets.numel() - 1)
+
+
+def _per_group_amax(rows: Tensor, gid: Tensor, n_groups: int) -> Tensor:
+    """The amax of each group's rows (0 for an empty group), NaN-propagating as ``amax`` is."""
+    row_amax = rows.abs().amax(dim=-1) if rows.numel() else rows.new_zeros(rows.shape[0])
+    out = torch.zeros(n_groups, dtype=rows.dtype, device=rows.device)
+    return out.scatter_reduce(0, gid, row_amax, reduce="amax", include_self=True)
+
+
+def _pad_groups(rows: Tensor, offsets: Tensor, gid: Tensor, multiple: int) -> tuple[Tensor, Tensor]:
+    """``rows`` copied into a zero buffer where each group starts at a multiple of ``multiple`` rows; the buffer and
+    each row's position in it. The buffer's size is a static bound (rows + groups * (multiple - 1)): no host read."""
+    n_groups = offsets.numel()
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    padded = (counts + multiple - 1) // multiple * multiple
+    starts = torch.cumsum(padded, 0) - padded  # each group's first row in the buffer
+    first = offsets - counts  # each group's first row in `rows`
+    pos = starts[gid] + torch.arange(rows.shape[0], device=rows.device, dtype=offsets.dtype) - first[gid]
+    buf = rows.new_zeros(rows.shape[0] + n_groups * (multiple - 1), rows.shape[1])
+    return buf.index_copy(0, pos.long(), rows), pos.long()
+
+
+def quantize_rows(
+    spec: ExpertsFP8, rows: Tensor, offsets: Tensor, role: int, *, along_tokens: bool, src_dtype: torch.dtype
+) -> Tensor:
+    """Quantize-dequantize the sorted token rows ``rows`` ``[S, K]`` (float32) of the groups ``offsets`` for one GEMM:
+    along the feature dim (forward, input gradient) or, with ``along_tokens``, along each group's tokens (the weight
+    gradient). Role 0 is the input, 2 the output gradient."""
+    fmt = spec.fmt(role)
+    if spec.scaling == "current":  # a per-tensor scale per group serves both orientations
+        gid = _group_of_rows(offsets, rows.shape[0])
+        amax = _per_group_amax(rows, gid, offsets.numel())
+        scale = current_scale(amax, fmt=fmt, epsilon=spec.epsilon, power_2=spec.power_2_scales)[gid].unsqueeze(-1)
+        return dequantize_fp8(quantize_fp8(rows, scale, fmt), scale)
+    tile = spec.block_size if spec.scaling == "mxfp8" else 128
+    if not along_tokens:  # tiles within a row: the groups do not matter
+        return _blocked_rows(spec, rows, fmt, tile, src_dtype)
+    gid = _group_of_rows(offsets, rows.shape[0])
+    buf, pos = _pad_groups(rows, offsets, gid, tile)
+    deq = _blocked_rows(spec, buf.t(), fmt, tile, src_dtype)  # [K, padded S]: tiles along the tokens of a group
+    return deq.t()[pos]
+
+
+def _blocked_rows(spec: ExpertsFP8, t: Tensor, fmt: NumberFormat, tile: int, src_dtype: torch.dtype) -> Tensor:
+    """Quantize-dequantize a 2-D tensor in 1 x ``tile`` blocks along its last dim (MXFP8 or 1x128 tiles)."""
+    cols = t.shape[-1]
+    pad = (-cols) % tile
+    if spec.scaling == "mxfp8":
+        padded = torch.nn.functional.pad(t, (0, pad)) if pad else t
+        data, codes = quantize_mxfp8(padded, fmt=fmt.name, block_size=tile, rounding=spec.mx_rounding, dim=-1)
+        return dequantize_mxfp8(data, codes, block_size=tile, dim=-1)[..., :cols]
+    data, scales = quantize_blockwise(
+        t, tile=(1, 128), fmt=fmt.name, power_2=spec.power_2_scales, input_dtype=src_dtype
+    )
+    return dequantize_blockwise(data, scales, tile=(1, 128))
+
+
+def quantize_weights(spec: ExpertsFP8, w: Tensor, *, for_dgrad: bool, src_dtype: torch.dtype) -> Tensor:
+    """Quantize-dequantize the experts' GEMM weights ``W`` ``[E, out, in]`` (float32), each expert as the dense path
+    quantizes a Linear's weight: per expert tensor (current), 128x128 tiles per expert (blockwise), MX blocks along
+    ``in`` for the forward and along ``out`` for the input gradient (``for_dgrad``)."""
+    fmt = spec.fmt(1)
+    if spec.scaling == "current":
+        amax = w.abs().amax(dim=(1, 2)) if w.numel() else w.new_zeros(w.shape[0])
+        scale = current_scale(amax, fmt=fmt, epsilon=spec.epsilon, power_2=spec.power_2_scales)[:, None, None]
+        return dequantize_fp8(quantize_fp8(w, scale, fmt), scale)
+    if spec.scaling == "blockwise":  # orientation-free 128x128 tiles over each expert's last two dims
+        data, scales = quantize_blockwise(
+            w, tile=(128, 128), fmt=fmt.name, power_2=spec.power_2_scales, input_dtype=src_dtype
+        )
+        return dequantize_blockwise(data, scales, tile=(128, 128))
+    e, out_f, in_f = w.shape
+    if for_dgrad:
+        flat = w.transpose(1, 2).reshape(e * in_f, out_f)
+        return _blocked_rows(spec, flat, fmt, spec.block_size, src_dtype).view(e, in_f, out_f).transpose(1, 2)
+    return _blocked_rows(spec, w.reshape(e * out_f, in_f), fmt, spec.block_size, src_dtype).view(e, out_f, in_f)
+
+
+# -- the grouped GEMM ----------------------------------------------------------------------------------------------
+class _FP8GroupedLinear(torch.autograd.Function):
+    """``y[rows of expert e] = x[rows of e] @ W[e].T`` with FP8 operands in all three GEMMs (forward, input gradient,
+    weight gradient), float32 accumulation."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, offsets: Tensor, spec: ExpertsFP8, transposed: bool, out_dtype: torch.dtype
+    ) -> Tensor:
+        w = (weight.transpose(1, 2) if transposed else weight).float()  # [E, out, in]
+        x32 = x.float()
+        xq = quantize_rows(spec, x32, offsets, 0, along_tokens=False, src_dtype=x.dtype)
+        wq = quantize_weights(spec, w, for_dgrad=False, src_dtype=weight.dtype)
+        y = torch.nn.functional.grouped_mm(xq, wq.transpose(1, 2), offs=offsets)
+        if spec.scaling == "current":
+            x_w, w_d = xq, wq
+        else:
+            x_w = quantize_rows(spec, x32, offsets, 0, along_tokens=True, src_dtype=x.dtype)
+            w_d = (
+                wq if spec.scaling == "blockwise" else quantize_weights(spec, w, for_dgrad=True, src_dtype=weight.dtype)
+            )
+        ctx.save_for_backward(x_w, w_d, offsets)
+        ctx.spec, ctx.transposed, ctx.dtypes = spec, transposed, (x.dtype, weight.dtype)
+        return y.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
+        x_w, w_d, offsets = ctx.saved_tensors
+        spec: ExpertsFP8 = ctx.spec
+        x_dtype, w_dtype = ctx.dtypes
+        g32 = gy.float()
+        g_d = quantize_rows(spec, g32, offsets, 2, along_tokens=False, src_dtype=gy.dtype)
+        gx = torch.nn.functional.grouped_mm(g_d, w_d, offs=offsets).to(x_dtype) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:  # frozen experts need no weight-gradient GEMM
+            g_w = (
+                g_d
+                if spec.scaling == "current"
+                else quantize_rows(spec, g32, offsets, 2, along_tokens=True, src_dtype=gy.dtype)
+            )
+            dw = torch.nn.functional.grouped_mm(g_w.t(), x_w, offs=offsets)  # [E, out, in]
+            gw = (dw.transpose(1, 2) if ctx.transposed else dw).to(w_dtype)
+        return gx, gw, None, None, None, None
+
+
+def fp8_grouped_linear(
+    x: Tensor, weight: Tensor, offsets: Tensor, spec: ExpertsFP8, *, transposed: bool, out_dtype: torch.dtype
+) -> Tensor:
+    """The experts' grouped GEMM ``x @ W[e].T`` per group of sorted rows, in FP8 (see :class:`_FP8GroupedLinear`)."""
+    return _FP8GroupedLinear.apply(x, weight, offsets, spec, transposed, out_dtype)
+
+
+def _out_dtype(x: Tensor) -> torch.dtype:
+    dev = x.device.type
+    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+def fp8_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """transformers' experts call (``hidden_states`` ``[tokens, hidden]``, each token's top-k experts and weights) with
+    the experts' GEMMs in FP8 where this module holds an :class:`ExpertsFP8`, else through its previous
+    implementation. Rows are sorted by expert, both projections run as grouped GEMMs, and each token's outputs are
+    summed in float32 over its k experts (as transformers' ``grouped_mm`` implementation does)."""
+    spec: ExpertsFP8 | None = getattr(self, _ATTR, None)
+    if spec is None or getattr(self, "_is_expert_parallel", False):
+        return _previous(self, spec)(self, hidden_states, top_k_index, top_k_weights)
+    n_tokens, hidden = hidden_states.shape
+    k = top_k_index.shape[-1]
+    flat_ids = top_k_index.reshape(-1)
+    ids_sorted, order = torch.sort(flat_ids, stable=True)
+    rows = hidden_states[order // k]
+    # histc, not bincount: bincount sizes its output from the largest id, a host read on a GPU
+    dev = hidden_states.device.type
+    hist_in = ids_sorted.float() if dev in ("cpu", "mps") else ids_sorted.int()
+    counts = torch.histc(hist_in, bins=self.num_experts, min=0, max=self.num_experts - 1)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    out_dtype = _out_dtype(hidden_states)
+    with torch.autocast(hidden_states.device.type, enabled=False):
+        up_w = self.gate_up_proj if self.has_gate else self.up_proj
+        h = fp8_grouped_linear(rows, up_w, offsets, spec, transposed=self.is_transposed, out_dtype=out_dtype)
+        if self.has_bias:
+            h = h + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[ids_sorted]
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    with torch.autocast(hidden_states.device.type, enabled=False):
+        out = fp8_grouped_linear(h, self.down_proj, offsets, spec, transposed=self.is_transposed, out_dtype=out_dtype)
+        if self.has_bias:
+            out = out + self.down_proj_bias[ids_sorted]
+    if getattr(self, "has_post_expert_norm", False):
+        out = self.post_expert_norm(out)
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+    unsorted = torch.empty_like(out).index_copy_(0, order, out)
+    return unsorted.view(n_tokens, k, hidden).float().sum(dim=1).to(hidden_states.dtype)
+
+
+def _previous(mod: nn.Module, spec: ExpertsFP8 | None) -> Any:
+    """The experts function the model ran before :data:`IMPLEMENTATION` was set (its eager forward for "eager")."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    name = spec.previous if spec is not None else getattr(mod, "_hf_mixedprec_previous", None)
+    if name not in (None, "eager", IMPLEMENTATION) and name in ALL_EXPERTS_FUNCTIONS:
+        return ALL_EXPERTS_FUNCTIONS[name]
+    eager = getattr(type(mod).forward, "__wrapped__", None)  # the class's own forward, kept by functools.wraps
+    return eager if eager is not None else ALL_EXPERTS_FUNCTIONS["grouped_mm"]
+
+
+def register() -> None:
+    """Register :data:`IMPLEMENTATION` with transformers' experts interface (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, fp8_experts_forward)
+
+
+def convert_experts(model: nn.Module, names: list[str], spec: ExpertsFP8) -> None:
+    """Run the experts modules ``names`` of ``model`` in FP8 as ``spec`` says: each gets its :class:`ExpertsFP8`, and
+    every config those modules read switches to :data:`IMPLEMENTATION` (experts not named keep running through the
+    implementation their config had). Parameters, their names and the state_dict are unchanged."""
+    register()
+    for name in names:
+        mod = model.get_submodule(name)
+        cfg = mod.config
+        before = cfg._experts_implementation
+        previous = getattr(cfg, "_hf_mixedprec_previous_experts", before)
+        setattr(mod, _ATTR, ExpertsFP8(**{**spec.__dict__, "previous": previous}))
+        if before != IMPLEMENTATION:
+            cfg._hf_mixedprec_previous_experts = before
+            cfg._experts_implementation_internal = IMPLEMENTATION
+    for mod in model.modules():  # experts sharing a switched config but not converted keep their implementation
+        if is_experts_module(mod) and not hasattr(mod, _ATTR):
+            mod._hf_mixedprec_previous = getattr(mod.config, "_hf_mixedprec_previous_experts", None)
+
+
+def restore_experts(model: nn.Module) -> list[str]:
+    """Undo :func:`convert_experts`: the experts compute in high precision through the implementation their config
+    had before; returns the names of the modules restored."""
+    restored = []
+    for name, mod in model.named_modules():
+        spec = getattr(mod, _ATTR, None)
+        if spec is None:
+            continue
+        delattr(mod, _ATTR)
+        cfg = mod.config
+        if cfg._experts_implementation == IMPLEMENTATION:
+            cfg._experts_implementation_internal = spec.previous
+        restored.append(name)
+    return restored
