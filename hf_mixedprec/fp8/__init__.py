@@ -24,7 +24,7 @@ from torch import nn
 from hf_mixedprec.fp8.conversion import ConversionReport
 from hf_mixedprec.fp8.emulated import EmulatedFP8Conv1D, EmulatedFP8GEMM, EmulatedFP8Linear, EmulationSpec
 from hf_mixedprec.fp8.layers import FP8Layer, fp8_layers, fp8_step, invalidate_layer_cache, model_parameters
-from hf_mixedprec.fp8.policy import BACKEND_GEMM_KINDS, GEMM_KINDS, LayerDecision, plan_conversion
+from hf_mixedprec.fp8.policy import BACKEND_GEMM_KINDS, EXPERTS_KIND, GEMM_KINDS, LayerDecision, plan_conversion
 from hf_mixedprec.fp8.probe import probe_of
 from hf_mixedprec.fp8.swap import replace_module
 from hf_mixedprec.recipes.hardware import fp8_backend_for
@@ -212,10 +212,15 @@ def convert(
     notes += _unsupported_kind_notes(decisions, backend)
     if backend == "emulated":
         spec = EmulationSpec.from_config(recipe.fp8)
+        experts = [d.name for d in decisions if d.to_swap and d.kind == EXPERTS_KIND]
         for d in decisions:
-            if d.to_swap:
+            if d.to_swap and d.kind != EXPERTS_KIND:
                 cls = EmulatedFP8Conv1D if d.kind == "Conv1D" else EmulatedFP8Linear
                 replace_module(model, d.name, cls(model.get_submodule(d.name), spec))
+        if experts:
+            from hf_mixedprec.fp8.experts import ExpertsFP8, convert_experts
+
+            convert_experts(model, experts, ExpertsFP8.from_spec(spec))
     elif backend == "native":
         from hf_mixedprec.fp8.native import native_available, native_layer
 

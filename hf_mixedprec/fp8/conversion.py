@@ -11,7 +11,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_mixedprec.fp8.policy import GEMM_KINDS, LORA_ADAPTER, LayerDecision
+from hf_mixedprec.fp8.policy import EXPERTS_KIND, GEMM_KINDS, LORA_ADAPTER, LayerDecision
+
+#: What the report counts as GEMM layers: Linear, Conv1D and MoE experts modules (grouped GEMMs).
+_COUNTED = (*GEMM_KINDS, EXPERTS_KIND)
 
 __all__ = ["ConversionReport"]
 
@@ -37,8 +40,8 @@ class ConversionReport:
 
     @property
     def gemm_layers(self) -> list[LayerDecision]:
-        """The GEMM layers found (Linear, Conv1D), converted or not."""
-        return [d for d in self.layers if d.kind in GEMM_KINDS]
+        """The GEMM layers found (Linear, Conv1D, MoE experts modules), converted or not."""
+        return [d for d in self.layers if d.kind in _COUNTED]
 
     @property
     def nothing_converted(self) -> bool:
@@ -104,7 +107,7 @@ class ConversionReport:
     def _kinds(self) -> str:
         """The GEMM kinds this model has, as "Linear", "Conv1D" or "Linear/Conv1D" (both when it has none)."""
         found = {d.kind for d in self.gemm_layers}
-        return "/".join(k for k in GEMM_KINDS if k in found or not found)
+        return "/".join(k for k in _COUNTED if k in found or (not found and k in GEMM_KINDS))
 
     def summary(self) -> str:
         """One line for the console: how many GEMM layers went FP8, and which stayed in high precision and why;

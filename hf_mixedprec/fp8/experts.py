@@ -47,6 +47,7 @@ __all__ = [
     "IMPLEMENTATION",
     "ExpertsFP8",
     "convert_experts",
+    "converted_experts",
     "fp8_experts_forward",
     "is_experts_module",
     "restore_experts",
@@ -322,6 +323,11 @@ def convert_experts(model: nn.Module, names: list[str], spec: ExpertsFP8) -> Non
     for mod in model.modules():  # experts sharing a switched config but not converted keep their implementation
         if is_experts_module(mod) and not hasattr(mod, _ATTR):
             mod._hf_mixedprec_previous = getattr(mod.config, "_hf_mixedprec_previous_experts", None)
+
+
+def converted_experts(model: nn.Module) -> list[str]:
+    """The names of ``model``'s experts modules that run in FP8 (:func:`convert_experts`)."""
+    return [n for n, m in model.named_modules() if getattr(m, _ATTR, None) is not None]
 
 
 def restore_experts(model: nn.Module) -> list[str]:

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
+from hf_mixedprec.fp8.experts import experts_shape, is_experts_module
 from hf_mixedprec.recipes.module_rules import RuleAssignment, assign_rules, find_block_list
 from hf_mixedprec.recipes.modules_config import DEFAULT_RULES, ModuleRule
 from hf_mixedprec.recipes.schema import FP8Config, MXFP8Config
@@ -29,6 +30,7 @@ from hf_mixedprec.recipes.schema import FP8Config, MXFP8Config
 __all__ = [
     "ALREADY_FP8",
     "BACKEND_GEMM_KINDS",
+    "EXPERTS_KIND",
     "GEMM_KINDS",
     "LORA_ADAPTER",
     "LayerDecision",
@@ -46,6 +48,13 @@ LORA_ADAPTER = "LoRA adapter (trainable, kept in high precision)"
 #: The GEMM layer kinds the policy finds: ``nn.Linear`` and transformers' ``Conv1D`` (GPT-2, ``pytorch_utils.py``).
 GEMM_KINDS: tuple[str, ...] = ("Linear", "Conv1D")
 
+#: The kind of an MoE experts module run through transformers' experts interface (3-D expert weights, grouped GEMMs:
+#: :mod:`hf_mixedprec.fp8.experts`). ``in_features`` / ``out_features`` of its decision are hidden / intermediate.
+EXPERTS_KIND = "Experts"
+
+#: The backends that run experts in FP8 (the emulated grouped GEMMs of :mod:`hf_mixedprec.fp8.experts`).
+EXPERTS_BACKENDS: tuple[str, ...] = ("emulated",)
+
 #: The GEMM kinds each backend can convert. torchao's ``convert_to_float8_training`` swaps only ``nn.Linear``
 #: (``torchao/float8/float8_linear_utils.py``), and ``te.Linear`` takes a [out, in] weight of its own, which would
 #: change a ``Conv1D``'s parameters and checkpoint: both leave ``Conv1D`` in high precision, saying so.
@@ -62,7 +71,7 @@ class LayerDecision:
     """The decision for one layer."""
 
     name: str
-    kind: str  # "Linear", "Conv1D" or "Embedding"
+    kind: str  # "Linear", "Conv1D", "Experts" or "Embedding"
     in_features: int
     out_features: int
     fp8: bool
@@ -146,6 +155,33 @@ def _keep_reason(name: str, mod: nn.Module, kind: str, in_f: int, out_f: int, ct
     return None
 
 
+def _experts_keep_reason(name: str, hidden: int, inter: int, ctx: _Context) -> str | None:
+    """Why this experts module stays in high precision, or None to run its grouped GEMMs in FP8."""
+    from hf_mixedprec.fp8.experts import EXPERTS_SCALINGS
+
+    cfg = ctx.cfg
+    if any(p.startswith(name + ".") and "." not in p[len(name) + 1 :] for p in ctx.rules.fp32_params):
+        return "the model keeps it in FP32 (_keep_in_fp32_modules)"
+    rule = ctx.rules.rule_of(name)
+    if rule is not None and rule.keeps_out_of_fp8():
+        return f"rule {rule.label(ctx.rules.owner[name])} ({rule.describe()})"
+    if cfg.scaling not in EXPERTS_SCALINGS:
+        return (
+            f"experts: {cfg.scaling} scaling has no per-expert amax history yet (fp8.scaling "
+            f"{', '.join(EXPERTS_SCALINGS)} run the experts in FP8)"
+        )
+    if ctx.backend != "any" and ctx.backend not in EXPERTS_BACKENDS:
+        return (
+            f"experts: backend {ctx.backend} has no FP8 grouped GEMM here (fp8.backend emulated runs them: exact FP8 "
+            "numerics, no speed-up)"
+        )
+    if hidden % cfg.align or inter % cfg.align:
+        return f"hidden/intermediate {hidden}x{inter} not divisible by align={cfg.align}"
+    if isinstance(cfg, MXFP8Config) and cfg.block_size and (hidden % cfg.block_size or inter % cfg.block_size):
+        return f"hidden/intermediate {hidden}x{inter} not divisible by the MX block size {cfg.block_size}"
+    return None
+
+
 def plan_conversion(
     model: nn.Module,
     cfg: FP8Config,
@@ -177,6 +213,14 @@ def plan_conversion(
             in_f, out_f = getattr(mod, "in_features", 0), getattr(mod, "out_features", 0)
             kind = getattr(mod, "kind", "Linear")
             decisions.append(LayerDecision(name, kind, in_f, out_f, True, ALREADY_FP8, already_fp8=True))
+            continue
+        if is_experts_module(mod):
+            _, hidden, inter = experts_shape(mod)
+            if getattr(mod, "_hf_mixedprec_fp8", None) is not None:
+                decisions.append(LayerDecision(name, EXPERTS_KIND, hidden, inter, True, ALREADY_FP8, already_fp8=True))
+                continue
+            reason = _experts_keep_reason(name, hidden, inter, ctx)
+            decisions.append(LayerDecision(name, EXPERTS_KIND, hidden, inter, reason is None, reason or "converted"))
             continue
         gemm = _gemm_kind(mod, conv1d)
         if gemm is None:

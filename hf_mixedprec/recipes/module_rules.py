@@ -77,12 +77,9 @@ def _is_norm(mod: nn.Module) -> bool:
 
 
 def experts_count(mod: nn.Module) -> int | None:
-    """How many experts ``mod`` holds if it is an MoE experts module, else None: transformers 5's experts classes
-    (``use_experts_implementation``, 3-D ``gate_up_proj`` / ``down_proj``), JetMoE's ``JetMoeParallelExperts``
-    (``num_experts``) and experts kept as a ``ModuleList`` named ``experts``."""
-    n = getattr(mod, "num_experts", None)
-    if isinstance(n, int) and n > 0 and not isinstance(mod, nn.Linear):
-        return n
+    """How many experts ``mod`` holds if it is an MoE experts module (one holding 3-D expert weights itself: transformers
+    5's experts classes, ``gate_up_proj`` / ``down_proj`` ``[experts, ...]``, JetMoE's ``JetMoeParallelExperts``),
+    else None. A model or block that only records ``num_experts`` is no experts module."""
     three_d = [p for p in mod.parameters(recurse=False) if p.dim() == 3]
     return int(three_d[0].shape[0]) if three_d else None
 
@@ -147,6 +144,8 @@ def _matches(rule: ModuleRule, name: str, mod: nn.Module, parent: nn.Module | No
     if rule.select == "norms" and not _is_norm(mod):
         return False
     if rule.select == "moe_routers" and not _is_router(name, mod, parent):
+        return False
+    if rule.select == "experts" and experts_count(mod) is None:
         return False
     if rule.first_blocks or rule.last_blocks:
         idx = _block_index(name, m)

@@ -9,6 +9,7 @@ Accelerate's FP8 path (first and last Linear kept out). A rule here names module
 * ``match``: fnmatch globs on the qualified module name (``model.layers.*.mlp.down_proj``),
 * ``class``: module class names (the class or any base class, e.g. ``LlamaRMSNorm``, ``Linear``),
 * ``select``: a shorthand: ``lm_head`` (the output projection), ``embeddings``, ``norms``, ``moe_routers``,
+  ``experts`` (MoE experts modules),
 * ``first_blocks`` / ``last_blocks`` / ``first_last_blocks``: the first / last N transformer blocks,
 
 (several of them in one rule must all hold) and sets any of ``compute`` (``fp32``: outside autocast with FP32
@@ -37,9 +38,9 @@ __all__ = [
 ]
 
 Compute = Literal["fp32", "bf16", "fp16", "fp8"]
-Select = Literal["lm_head", "embeddings", "norms", "moe_routers"]
+Select = Literal["lm_head", "embeddings", "norms", "moe_routers", "experts"]
 COMPUTE_CHOICES: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
-SELECT_CHOICES: tuple[str, ...] = ("lm_head", "embeddings", "norms", "moe_routers")
+SELECT_CHOICES: tuple[str, ...] = ("lm_head", "embeddings", "norms", "moe_routers", "experts")
 #: The FP8 keep-list keys of recipes written before ``modules:`` (still read: each becomes a rule, with a note).
 LEGACY_FP8_KEYS: tuple[str, ...] = ("keep_in_bf16", "keep_first_last_blocks", "keep_lm_head", "keep_embeddings")
 
@@ -87,7 +88,9 @@ class ModuleRule(BaseModel):
         (), alias="class", description="Module class names (the class or a base class); any one may match."
     )
     select: Select | None = Field(
-        None, description="A shorthand: lm_head (output projection) | embeddings | norms | moe_routers."
+        None,
+        description="A shorthand: lm_head (output projection) | embeddings | norms | moe_routers | experts (MoE "
+        "experts modules: 3-D expert weights run through transformers' experts interface).",
     )
     first_blocks: int | None = Field(None, ge=1, description="The first N transformer blocks (and what they hold).")
     last_blocks: int | None = Field(None, ge=1, description="The last N transformer blocks (and what they hold).")

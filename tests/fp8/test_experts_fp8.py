@@ -15,6 +15,7 @@ from hf_mixedprec.fp8.experts import (
     IMPLEMENTATION,
     ExpertsFP8,
     convert_experts,
+    converted_experts,
     fp8_grouped_linear,
     is_experts_module,
     quantize_rows,
@@ -105,7 +106,7 @@ def test_the_grouped_fp8_gemms_equal_a_loop_of_dense_fp8_linears(scaling, transp
 def _qwen3_moe(seed: int = 0) -> nn.Module:
     cfg = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
-                         num_experts_per_tok=2, vocab_size=128)  # fmt: skip
+                         num_experts_per_tok=2, vocab_size=256)  # fmt: skip
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(cfg)
 
@@ -141,3 +142,77 @@ def test_a_qwen3_moe_runs_its_experts_in_fp8_through_the_experts_interface_and_b
     assert model.config._experts_implementation == "grouped_mm"
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, before)
+
+
+# -- the plan decides it ------------------------------------------------------------------------------------------
+def _expert_share(model: nn.Module, converted: set[str]) -> float:
+    """The share of non-embedding, non-head parameters held by FP8 layers (Linears by their weight, experts whole)."""
+    skip = {"model.embed_tokens.weight", "lm_head.weight"}
+    total = sum(p.numel() for n, p in model.named_parameters() if n not in skip)
+    fp8 = sum(p.numel() for n, p in model.named_parameters() if n.rsplit(".", 1)[0] in converted and n not in skip)
+    return fp8 / total
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("recipe_name", ["h100-fp8-current", "h100-fp8-blockwise", "b200-mxfp8"])
+def test_a_trainer_run_converts_the_experts_the_plan_gives_fp8(recipe_name, tmp_path):
+    """The precision plan lists each experts module as FP8 with the recipe's scaling, a Trainer run converts exactly
+    what the plan says (experts through the experts interface, Linears swapped), the router still computes in FP32,
+    and FP8 layers hold >= 90% of the non-embedding, non-head parameters (attention Linears and experts)."""
+    from transformers import Trainer
+
+    import hf_mixedprec
+    from hf_mixedprec.fp8 import fp8_layers
+    from hf_mixedprec.precision.plan import build_plan
+    from hf_mixedprec.precision.plan_map import map_rows
+    from tests.integrations.test_integration import Bytes
+
+    model = _qwen3_moe()
+    recipe = hf_mixedprec.load_recipe(recipe_name, rehearse=True)
+    plan = build_plan(recipe, model, fp8_backend="emulated")
+    fp8_plan = {d.name for d in plan.fp8_layers if d.fp8}
+    experts = {d.name for d in plan.fp8_layers if d.kind == "Experts"}
+    assert experts == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"} <= fp8_plan
+    rows = {r.name: r for r in map_rows(plan)}
+    assert rows["model.layers.[0-1].mlp.experts"].compute.startswith("fp8 (emulated, ")
+    assert rows["model.layers.[0-1].mlp.experts"].rule == "converted"
+    assert rows["model.layers.[0-1].mlp.gate"].compute == "fp32 (outside autocast)"
+
+    seen = {}
+    model.model.layers[0].mlp.gate.register_forward_hook(lambda m, i, o: seen.update(router=o[0].dtype))
+    args = recipe.training_args(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2,
+                                learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
+                                disable_tqdm=True)  # fmt: skip
+    before = model.model.layers[0].mlp.experts.down_proj.detach().clone()
+    tr = Trainer(model=model, args=args, train_dataset=Bytes(n=16, seq_len=32), callbacks=recipe.callbacks())
+    tr.train()
+    losses = [r["loss"] for r in tr.state.log_history if "loss" in r]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    m = tr.model
+    converted = {n for n, _ in fp8_layers(m, fresh=True)} | set(converted_experts(m))
+    assert converted == fp8_plan
+    assert m.config._experts_implementation == IMPLEMENTATION
+    assert seen["router"] == torch.float32
+    assert not torch.equal(m.model.layers[0].mlp.experts.down_proj.detach(), before)  # the experts trained
+    assert _expert_share(m, converted) >= 0.9
+
+
+def test_experts_stay_high_precision_where_the_recipe_or_a_rule_says_so_and_the_plan_says_why():
+    import hf_mixedprec
+    from hf_mixedprec.fp8.policy import plan_conversion
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+
+    model = _qwen3_moe()
+    delayed = hf_mixedprec.load_recipe("h100-fp8-delayed", rehearse=True)
+    by = {d.name: d for d in plan_conversion(model, delayed.fp8, rules=delayed.modules, backend="emulated")}
+    d = by["model.layers.0.mlp.experts"]
+    assert not d.fp8 and d.reason.startswith("experts: delayed scaling has no per-expert amax history yet")
+    off = resolve_recipe({"name": "experts-off", "extends": "h100-fp8-current",
+                          "modules": [{"select": "experts", "fp8": "off"}]})  # fmt: skip
+    by = {d.name: d for d in plan_conversion(model, off.fp8, rules=off.modules, backend="emulated")}
+    assert not by["model.layers.1.mlp.experts"].fp8
+    assert by["model.layers.1.mlp.experts"].reason == "rule modules[0] (select experts: fp8 off)"
+    assert by["model.layers.1.self_attn.q_proj"].fp8
+    current = hf_mixedprec.load_recipe("h100-fp8-current", rehearse=True)
+    by = {d.name: d for d in plan_conversion(model, current.fp8, rules=current.modules, backend="torchao")}
+    assert by["model.layers.0.mlp.experts"].reason.startswith("experts: backend torchao has no FP8 grouped GEMM here")

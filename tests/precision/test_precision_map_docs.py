@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Trainer
 import hf_mixedprec
 from hf_mixedprec.cli.app import main
 from hf_mixedprec.fp8 import fp8_layers
+from hf_mixedprec.fp8.experts import converted_experts
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "h100-fp8-current"
@@ -109,7 +110,7 @@ def test_map_claims_hold_after_attaching(model_name, tmp_path, capsys):
     trainer = Trainer(model=model, args=args, train_dataset=TinyTokens(), callbacks=recipe.callbacks())
     trainer.train()
 
-    held = {name for name, _ in fp8_layers(trainer.model, fresh=True)}
+    held = {name for name, _ in fp8_layers(trainer.model, fresh=True)} | set(converted_experts(trainer.model))
     assert held == planned_fp8
     for name in fp32_rows:
         assert outputs[name] and set(outputs[name]) == {torch.float32}, (name, outputs[name])
