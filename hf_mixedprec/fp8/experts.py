@@ -18,8 +18,12 @@ of the tile is padded with zeros, as the dense path pads a Linear's input. Empty
 weight gradient. The GEMMs run in float32 with ``torch.nn.functional.grouped_mm`` on the dequantized operands, one
 grouped GEMM per operand pair whatever the number of experts, and nothing reads the device on the host.
 
-Delayed scaling (an amax history per expert weight) is not implemented for experts yet: the precision plan keeps
-experts in high precision under it and says so.
+*Delayed* scaling keeps, per experts module, an amax history and a scale for each expert and each operand (the
+expert's input rows, its weight, its output gradient: ``fp8_amax_history`` ``[L, experts, 3]``, ``fp8_scale``
+``[experts, 3]``) in an :class:`ExpertsDelayedState` child module; the amaxes each expert sees during a step are kept
+pending and :func:`~hf_mixedprec.fp8.fp8_step` updates every history at once after the optimizer step (reduced with
+MAX over ranks, as for Linears), so each expert is scaled exactly as a dense delayed-scaling Linear holding it. The
+state travels in checkpoints as the Linears' does and is kept out of a saved model.
 """
 
 from __future__ import annotations
@@ -28,12 +32,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from hf_mixedprec.core._device import several_ranks
 from hf_mixedprec.core.formats import NumberFormat, get_format
 from hf_mixedprec.fp8.emulated import EmulationSpec
 from hf_mixedprec.scaling import (
     current_scale,
+    delayed_update,
     dequantize_blockwise,
     dequantize_fp8,
     dequantize_mxfp8,
@@ -41,13 +48,16 @@ from hf_mixedprec.scaling import (
     quantize_fp8,
     quantize_mxfp8,
 )
+from hf_mixedprec.scaling.fp8 import delayed_scaled_max
 
 __all__ = [
     "EXPERTS_SCALINGS",
     "IMPLEMENTATION",
+    "ExpertsDelayedState",
     "ExpertsFP8",
     "convert_experts",
     "converted_experts",
+    "experts_states",
     "fp8_experts_forward",
     "is_experts_module",
     "restore_experts",
@@ -57,10 +67,12 @@ __all__ = [
 IMPLEMENTATION = "hf_mixedprec_fp8"
 
 #: The FP8 scalings the experts path implements.
-EXPERTS_SCALINGS: tuple[str, ...] = ("current", "blockwise", "mxfp8")
+EXPERTS_SCALINGS: tuple[str, ...] = ("delayed", "current", "blockwise", "mxfp8")
 
 #: Where a converted experts module keeps its :class:`ExpertsFP8`.
 _ATTR = "_hf_mixedprec_fp8"
+#: The name of a delayed-scaling experts module's :class:`ExpertsDelayedState` child.
+STATE_NAME = "hf_mixedprec_fp8_state"
 
 
 def is_experts_module(mod: nn.Module) -> bool:
@@ -94,6 +106,9 @@ class ExpertsFP8:
     power_2_scales: bool = False
     mx_rounding: str = "rceil"
     block_size: int = 32
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
     previous: str | None = None
 
     @classmethod
@@ -102,11 +117,66 @@ class ExpertsFP8:
         return cls(
             scaling=spec.scaling, fwd_format=spec.fwd_format, bwd_format=spec.bwd_format, epsilon=spec.epsilon,
             power_2_scales=spec.power_2_scales, mx_rounding=spec.mx_rounding, block_size=spec.block_size,
+            amax_history_len=spec.amax_history_len, amax_compute_algo=spec.amax_compute_algo, margin=spec.margin,
             previous=previous,
         )  # fmt: skip
 
     def fmt(self, role: int) -> NumberFormat:
         return get_format(self.bwd_format if role == 2 else self.fwd_format)
+
+
+class ExpertsDelayedState(nn.Module):
+    """Delayed scaling's state for one experts module: per projection (0: gate/up, 1: down), expert and operand (input,
+    weight, output gradient) an amax history ``[L, 2 * experts, 3]`` (newest last; row ``p * experts + e``) and a
+    scale ``[2 * experts, 3]``, both saved in checkpoints, and the step's amaxes (``fp8_amax_pending``, not saved)."""
+
+    def __init__(self, n_experts: int, spec: ExpertsFP8, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        self.algo = spec.amax_compute_algo
+        n = 2 * n_experts
+        self.register_buffer("fp8_amax_history", torch.zeros(spec.amax_history_len, n, 3, device=device))
+        self.register_buffer("fp8_scale", torch.ones(n, 3, device=device))
+        self.register_buffer("fp8_amax_pending", torch.zeros(n, 3, device=device), persistent=False)
+        fmts = (spec.fwd_format, spec.fwd_format, spec.bwd_format)  # input, weight, output gradient
+        scaled_max = delayed_scaled_max(fmts, margin=spec.margin, device=device)
+        self.register_buffer("fp8_scaled_max", scaled_max, persistent=False)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One delayed-scaling update of every expert's histories and scales from the step's pending amaxes (MAX over
+        ranks first), then the pending amaxes start again from zero: a fixed number of tensor ops, no host read."""
+        pending = self.fp8_amax_pending
+        if several_ranks():
+            dist.all_reduce(pending, op=dist.ReduceOp.MAX)
+        hist, scale = delayed_update(
+            self.fp8_amax_history, self.fp8_scale, pending, scaled_max=self.fp8_scaled_max, algo=self.algo
+        )
+        self.fp8_amax_history.copy_(hist)
+        self.fp8_scale.copy_(scale)
+        pending.zero_()
+
+    def _rows(self, proj: int) -> slice:
+        return slice(proj * self.n_experts, (proj + 1) * self.n_experts)
+
+    def note_amax(self, proj: int, role: int, amax: Tensor) -> None:
+        """Keep ``amax`` (``[experts]``) as the step's pending amax of operand ``role`` of projection ``proj`` (the
+        max over the step's calls: gradient accumulation and recomputation call the GEMMs more than once)."""
+        pending = self.fp8_amax_pending[self._rows(proj), role]
+        pending.copy_(torch.maximum(pending, amax.to(pending.dtype)))
+
+    def scale(self, proj: int, role: int) -> Tensor:
+        """The experts' scales (``[experts]``) for operand ``role`` of projection ``proj``."""
+        return self.fp8_scale[self._rows(proj), role]
+
+
+def experts_states(model: nn.Module) -> list[tuple[str, ExpertsDelayedState]]:
+    """Every :class:`ExpertsDelayedState` of ``model`` with its dotted name."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, ExpertsDelayedState)]
+
+
+#: Delayed scaling's state as the quantizers take it: the module's state and the projection (0: gate/up, 1: down).
+_Delayed = tuple[ExpertsDelayedState, int]
 
 
 # -- quantization -----------------------------------------------------------------------------------------------------
@@ -136,17 +206,36 @@ def _pad_groups(rows: Tensor, offsets: Tensor, gid: Tensor, multiple: int) -> tu
     return buf.index_copy(0, pos.long(), rows), pos.long()
 
 
+def _per_tensor_scale(spec: ExpertsFP8, amax: Tensor, role: int, state: _Delayed | None, record: bool) -> Tensor:
+    """Each expert's per-tensor scale for operand ``role`` from its amax now (current) or its history (delayed, which
+    keeps the amax pending when ``record``)."""
+    if spec.scaling == "delayed":
+        assert state is not None, "delayed scaling needs the experts module's ExpertsDelayedState"
+        if record:
+            state[0].note_amax(state[1], role, amax)
+        return state[0].scale(state[1], role)
+    return current_scale(amax, fmt=spec.fmt(role), epsilon=spec.epsilon, power_2=spec.power_2_scales)
+
+
 def quantize_rows(
-    spec: ExpertsFP8, rows: Tensor, offsets: Tensor, role: int, *, along_tokens: bool, src_dtype: torch.dtype
+    spec: ExpertsFP8,
+    rows: Tensor,
+    offsets: Tensor,
+    role: int,
+    *,
+    along_tokens: bool,
+    src_dtype: torch.dtype,
+    state: _Delayed | None = None,
+    record: bool = False,
 ) -> Tensor:
     """Quantize-dequantize the sorted token rows ``rows`` ``[S, K]`` (float32) of the groups ``offsets`` for one GEMM:
     along the feature dim (forward, input gradient) or, with ``along_tokens``, along each group's tokens (the weight
-    gradient). Role 0 is the input, 2 the output gradient."""
+    gradient). Role 0 is the input, 2 the output gradient. ``state`` and ``record``: delayed scaling's."""
     fmt = spec.fmt(role)
-    if spec.scaling == "current":  # a per-tensor scale per group serves both orientations
+    if spec.scaling in ("current", "delayed"):  # a per-tensor scale per group serves both orientations
         gid = _group_of_rows(offsets, rows.shape[0])
         amax = _per_group_amax(rows, gid, offsets.numel())
-        scale = current_scale(amax, fmt=fmt, epsilon=spec.epsilon, power_2=spec.power_2_scales)[gid].unsqueeze(-1)
+        scale = _per_tensor_scale(spec, amax, role, state, record)[gid].unsqueeze(-1)
         return dequantize_fp8(quantize_fp8(rows, scale, fmt), scale)
     tile = spec.block_size if spec.scaling == "mxfp8" else 128
     if not along_tokens:  # tiles within a row: the groups do not matter
@@ -171,14 +260,22 @@ def _blocked_rows(spec: ExpertsFP8, t: Tensor, fmt: NumberFormat, tile: int, src
     return dequantize_blockwise(data, scales, tile=(1, 128))
 
 
-def quantize_weights(spec: ExpertsFP8, w: Tensor, *, for_dgrad: bool, src_dtype: torch.dtype) -> Tensor:
+def quantize_weights(
+    spec: ExpertsFP8,
+    w: Tensor,
+    *,
+    for_dgrad: bool,
+    src_dtype: torch.dtype,
+    state: _Delayed | None = None,
+    record: bool = False,
+) -> Tensor:
     """Quantize-dequantize the experts' GEMM weights ``W`` ``[E, out, in]`` (float32), each expert as the dense path
     quantizes a Linear's weight: per expert tensor (current), 128x128 tiles per expert (blockwise), MX blocks along
     ``in`` for the forward and along ``out`` for the input gradient (``for_dgrad``)."""
     fmt = spec.fmt(1)
-    if spec.scaling == "current":
+    if spec.scaling in ("current", "delayed"):
         amax = w.abs().amax(dim=(1, 2)) if w.numel() else w.new_zeros(w.shape[0])
-        scale = current_scale(amax, fmt=fmt, epsilon=spec.epsilon, power_2=spec.power_2_scales)[:, None, None]
+        scale = _per_tensor_scale(spec, amax, 1, state, record)[:, None, None]
         return dequantize_fp8(quantize_fp8(w, scale, fmt), scale)
     if spec.scaling == "blockwise":  # orientation-free 128x128 tiles over each expert's last two dims
         data, scales = quantize_blockwise(
@@ -199,14 +296,22 @@ class _FP8GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, weight: Tensor, offsets: Tensor, spec: ExpertsFP8, transposed: bool, out_dtype: torch.dtype
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        offsets: Tensor,
+        spec: ExpertsFP8,
+        transposed: bool,
+        out_dtype: torch.dtype,
+        state: _Delayed | None,
     ) -> Tensor:
+        record = state is not None and state[0].training
         w = (weight.transpose(1, 2) if transposed else weight).float()  # [E, out, in]
         x32 = x.float()
-        xq = quantize_rows(spec, x32, offsets, 0, along_tokens=False, src_dtype=x.dtype)
-        wq = quantize_weights(spec, w, for_dgrad=False, src_dtype=weight.dtype)
+        xq = quantize_rows(spec, x32, offsets, 0, along_tokens=False, src_dtype=x.dtype, state=state, record=record)
+        wq = quantize_weights(spec, w, for_dgrad=False, src_dtype=weight.dtype, state=state, record=record)
         y = torch.nn.functional.grouped_mm(xq, wq.transpose(1, 2), offs=offsets)
-        if spec.scaling == "current":
+        if spec.scaling in ("current", "delayed"):
             x_w, w_d = xq, wq
         else:
             x_w = quantize_rows(spec, x32, offsets, 0, along_tokens=True, src_dtype=x.dtype)
@@ -214,7 +319,13 @@ class _FP8GroupedLinear(torch.autograd.Function):
                 wq if spec.scaling == "blockwise" else quantize_weights(spec, w, for_dgrad=True, src_dtype=weight.dtype)
             )
         ctx.save_for_backward(x_w, w_d, offsets)
-        ctx.spec, ctx.transposed, ctx.dtypes = spec, transposed, (x.dtype, weight.dtype)
+        ctx.spec, ctx.transposed, ctx.dtypes, ctx.state, ctx.record = (
+            spec,
+            transposed,
+            (x.dtype, weight.dtype),
+            state,
+            record,
+        )
         return y.to(out_dtype)
 
     @staticmethod
@@ -223,25 +334,35 @@ class _FP8GroupedLinear(torch.autograd.Function):
         spec: ExpertsFP8 = ctx.spec
         x_dtype, w_dtype = ctx.dtypes
         g32 = gy.float()
-        g_d = quantize_rows(spec, g32, offsets, 2, along_tokens=False, src_dtype=gy.dtype)
+        g_d = quantize_rows(
+            spec, g32, offsets, 2, along_tokens=False, src_dtype=gy.dtype, state=ctx.state, record=ctx.record
+        )
         gx = torch.nn.functional.grouped_mm(g_d, w_d, offs=offsets).to(x_dtype) if ctx.needs_input_grad[0] else None
         gw = None
         if ctx.needs_input_grad[1]:  # frozen experts need no weight-gradient GEMM
             g_w = (
                 g_d
-                if spec.scaling == "current"
+                if spec.scaling in ("current", "delayed")
                 else quantize_rows(spec, g32, offsets, 2, along_tokens=True, src_dtype=gy.dtype)
             )
             dw = torch.nn.functional.grouped_mm(g_w.t(), x_w, offs=offsets)  # [E, out, in]
             gw = (dw.transpose(1, 2) if ctx.transposed else dw).to(w_dtype)
-        return gx, gw, None, None, None, None
+        return gx, gw, None, None, None, None, None
 
 
 def fp8_grouped_linear(
-    x: Tensor, weight: Tensor, offsets: Tensor, spec: ExpertsFP8, *, transposed: bool, out_dtype: torch.dtype
+    x: Tensor,
+    weight: Tensor,
+    offsets: Tensor,
+    spec: ExpertsFP8,
+    *,
+    transposed: bool,
+    out_dtype: torch.dtype,
+    state: _Delayed | None = None,
 ) -> Tensor:
-    """The experts' grouped GEMM ``x @ W[e].T`` per group of sorted rows, in FP8 (see :class:`_FP8GroupedLinear`)."""
-    return _FP8GroupedLinear.apply(x, weight, offsets, spec, transposed, out_dtype)
+    """The experts' grouped GEMM ``x @ W[e].T`` per group of sorted rows, in FP8 (see :class:`_FP8GroupedLinear`);
+    ``state``: the module's delayed-scaling state and the projection (delayed scaling only)."""
+    return _FP8GroupedLinear.apply(x, weight, offsets, spec, transposed, out_dtype, state)
 
 
 def _out_dtype(x: Tensor) -> torch.dtype:
@@ -272,12 +393,19 @@ def fp8_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
     out_dtype = _out_dtype(hidden_states)
     with torch.autocast(hidden_states.device.type, enabled=False):
         up_w = self.gate_up_proj if self.has_gate else self.up_proj
-        h = fp8_grouped_linear(rows, up_w, offsets, spec, transposed=self.is_transposed, out_dtype=out_dtype)
+        state = getattr(self, STATE_NAME, None)
+        h = fp8_grouped_linear(
+            rows, up_w, offsets, spec, transposed=self.is_transposed, out_dtype=out_dtype,
+            state=None if state is None else (state, 0),
+        )  # fmt: skip
         if self.has_bias:
             h = h + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[ids_sorted]
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
     with torch.autocast(hidden_states.device.type, enabled=False):
-        out = fp8_grouped_linear(h, self.down_proj, offsets, spec, transposed=self.is_transposed, out_dtype=out_dtype)
+        out = fp8_grouped_linear(
+            h, self.down_proj, offsets, spec, transposed=self.is_transposed, out_dtype=out_dtype,
+            state=None if state is None else (state, 1),
+        )  # fmt: skip
         if self.has_bias:
             out = out + self.down_proj_bias[ids_sorted]
     if getattr(self, "has_post_expert_norm", False):
@@ -317,6 +445,9 @@ def convert_experts(model: nn.Module, names: list[str], spec: ExpertsFP8) -> Non
         before = cfg._experts_implementation
         previous = getattr(cfg, "_hf_mixedprec_previous_experts", before)
         setattr(mod, _ATTR, ExpertsFP8(**{**spec.__dict__, "previous": previous}))
+        if spec.scaling == "delayed" and not isinstance(getattr(mod, STATE_NAME, None), ExpertsDelayedState):
+            n_experts = experts_shape(mod)[0]
+            mod.add_module(STATE_NAME, ExpertsDelayedState(n_experts, spec, mod.down_proj.device))
         if before != IMPLEMENTATION:
             cfg._hf_mixedprec_previous_experts = before
             cfg._experts_implementation_internal = IMPLEMENTATION
@@ -339,8 +470,14 @@ def restore_experts(model: nn.Module) -> list[str]:
         if spec is None:
             continue
         delattr(mod, _ATTR)
+        if hasattr(mod, STATE_NAME):
+            delattr(mod, STATE_NAME)
         cfg = mod.config
         if cfg._experts_implementation == IMPLEMENTATION:
             cfg._experts_implementation_internal = spec.previous
         restored.append(name)
+    if restored:
+        from hf_mixedprec.fp8.layers import invalidate_layer_cache
+
+        invalidate_layer_cache()  # its delayed-scaling states are gone
     return restored

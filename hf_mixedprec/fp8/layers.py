@@ -19,6 +19,7 @@ from torch import nn
 from hf_mixedprec.core._device import several_ranks
 from hf_mixedprec.core._private import foreach_copy_, foreach_zero_
 from hf_mixedprec.fp8.emulated import EmulatedFP8GEMM
+from hf_mixedprec.fp8.experts import experts_states
 from hf_mixedprec.fp8.probe import LayerProbe, probe_of
 from hf_mixedprec.scaling import delayed_update
 from hf_mixedprec.scaling.fp8 import delayed_scaled_max
@@ -89,6 +90,7 @@ class LayerCache:
                 key = (m.fp8_amax_history.shape, m.spec.margin, m.spec.amax_compute_algo, m.fwd_fmt, m.bwd_fmt)
                 groups.setdefault(key, []).append(m)
         self.delayed = [_DelayedGroup(mods) for mods in groups.values()]
+        self.experts = [st for _, st in experts_states(model)]  # MoE experts under delayed scaling
 
 
 _generation = 0
@@ -156,5 +158,8 @@ def fp8_step(model: nn.Module) -> None:
     or blockwise scaling have nothing to update. One batched update for all delayed layers that share their
     settings (usually all of them): a fixed number of tensor operations, however many layers. No host sync.
     """
-    for group in layer_cache(model).delayed:
+    cache = layer_cache(model)
+    for group in cache.delayed:
         group.step()
+    for state in cache.experts:
+        state.step()

@@ -17,6 +17,7 @@ from torch import nn
 
 from hf_mixedprec.core._private import add_keys_to_ignore_on_save
 from hf_mixedprec.core.checkpoints import atomic_write
+from hf_mixedprec.fp8.experts import experts_states
 from hf_mixedprec.fp8.layers import fp8_layers
 
 __all__ = [
@@ -135,9 +136,11 @@ def load_fp8_state(model: nn.Module, folder: str | os.PathLike[str] | None) -> s
 
 
 def fp8_state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The live (device) persistent buffers of every emulated FP8 layer in ``model``, by ``model.state_dict()`` key."""
+    """The live (device) persistent buffers of every emulated FP8 layer and every delayed-scaling experts state
+    (:class:`~hf_mixedprec.fp8.experts.ExpertsDelayedState`) in ``model``, by ``model.state_dict()`` key."""
     out: dict[str, torch.Tensor] = {}
-    for name, m in fp8_layers(model, emulated_only=True, fresh=True):
+    holders: list[tuple[str, nn.Module]] = [*fp8_layers(model, emulated_only=True, fresh=True), *experts_states(model)]
+    for name, m in holders:
         params = {n for n, _ in m.named_parameters()}
         for k, t in m.state_dict(keep_vars=True).items():
             if k not in params and isinstance(t, torch.Tensor):

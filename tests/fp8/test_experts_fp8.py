@@ -13,6 +13,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from hf_mixedprec.fp8.emulated import EmulatedFP8Linear, EmulationSpec
 from hf_mixedprec.fp8.experts import (
     IMPLEMENTATION,
+    ExpertsDelayedState,
     ExpertsFP8,
     convert_experts,
     converted_experts,
@@ -23,7 +24,7 @@ from hf_mixedprec.fp8.experts import (
     restore_experts,
 )
 
-SCALINGS = ["current", "blockwise", "mxfp8"]
+SCALINGS = ["delayed", "current", "blockwise", "mxfp8"]
 #: rows per expert: an empty group, a group of one token, sizes that are no multiple of 16, 32 or 128, one over 128
 COUNTS = [5, 0, 1, 37, 130, 16]
 IN_F, OUT_F = 64, 96
@@ -50,27 +51,43 @@ def _dense(spec: EmulationSpec, weight: torch.Tensor) -> EmulatedFP8Linear:
 
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_each_experts_operands_are_what_the_dense_fp8_path_makes_of_its_weight_and_rows(scaling):
+    """Delayed scaling: each expert's scales come from its own rows of the state (set here to distinct values), and
+    the amaxes it keeps pending are the ones a dense delayed Linear of that expert keeps."""
     spec = EmulationSpec(scaling=scaling)
     ex = ExpertsFP8.from_spec(spec)
     x, w, offsets = _groups()
     g = torch.randn(x.shape[0], OUT_F) * 1e-3  # an output gradient
-    fwd_x = quantize_rows(ex, x, offsets, 0, along_tokens=False, src_dtype=torch.float32)
-    wgrad_x = quantize_rows(ex, x, offsets, 0, along_tokens=True, src_dtype=torch.float32)
-    dgrad_g = quantize_rows(ex, g, offsets, 2, along_tokens=False, src_dtype=torch.float32)
-    wgrad_g = quantize_rows(ex, g, offsets, 2, along_tokens=True, src_dtype=torch.float32)
-    fwd_w = quantize_weights(ex, w, for_dgrad=False, src_dtype=torch.float32)
-    dgrad_w = quantize_weights(ex, w, for_dgrad=True, src_dtype=torch.float32)
+    state = None
+    if scaling == "delayed":
+        st = ExpertsDelayedState(len(COUNTS), ex)
+        st.fp8_scale.copy_(torch.logspace(-1, 3, st.fp8_scale.numel()).view_as(st.fp8_scale))
+        state = (st, 0)
+    q = {"state": state, "record": True, "src_dtype": torch.float32}
+    fwd_x = quantize_rows(ex, x, offsets, 0, along_tokens=False, **q)
+    wgrad_x = quantize_rows(ex, x, offsets, 0, along_tokens=True, **q)
+    dgrad_g = quantize_rows(ex, g, offsets, 2, along_tokens=False, **q)
+    wgrad_g = quantize_rows(ex, g, offsets, 2, along_tokens=True, **q)
+    fwd_w = quantize_weights(ex, w, for_dgrad=False, **q)
+    dgrad_w = quantize_weights(ex, w, for_dgrad=True, **q)
     for e, rows in enumerate(_slices()):
         dense = _dense(spec, w[e])
+        if state is not None:
+            dense.fp8_scale.copy_(state[0].fp8_scale[e])
         assert torch.equal(fwd_w[e], dense.quantize_for(w[e], 1, gemm="fprop").deq), (scaling, e)
         assert torch.equal(dgrad_w[e], dense.quantize_for(w[e], 1, gemm="dgrad").deq), (scaling, e)
-        if COUNTS[e] == 0:
-            continue  # no rows: nothing to quantize, and the GEMMs below check the group gives zeros
-        assert torch.equal(fwd_x[rows], dense.quantize_for(x[rows], 0, gemm="fprop").deq), (scaling, e)
-        assert torch.equal(wgrad_x[rows], dense.quantize_for(x[rows], 0, gemm="wgrad").deq), (scaling, e)
-        assert torch.equal(dgrad_g[rows], dense.quantize_for(g[rows], 2, gemm="dgrad").deq), (scaling, e)
-        assert torch.equal(wgrad_g[rows], dense.quantize_for(g[rows], 2, gemm="wgrad").deq), (scaling, e)
-    if scaling != "current":  # the orientations differ: a weight-gradient operand is not the forward one
+        if COUNTS[e] > 0:  # no rows: nothing to quantize (the GEMM test checks the group gives zeros)
+            assert torch.equal(fwd_x[rows], dense.quantize_for(x[rows], 0, gemm="fprop").deq), (scaling, e)
+            assert torch.equal(wgrad_x[rows], dense.quantize_for(x[rows], 0, gemm="wgrad").deq), (scaling, e)
+            assert torch.equal(dgrad_g[rows], dense.quantize_for(g[rows], 2, gemm="dgrad").deq), (scaling, e)
+            assert torch.equal(wgrad_g[rows], dense.quantize_for(g[rows], 2, gemm="wgrad").deq), (scaling, e)
+        if state is not None:
+            assert torch.equal(state[0].fp8_amax_pending[e], dense.fp8_amax_pending), e
+    if state is not None:
+        assert torch.count_nonzero(state[0].fp8_amax_pending[len(COUNTS) :]) == 0  # projection 1 untouched
+    if scaling not in (
+        "current",
+        "delayed",
+    ):  # the orientations differ: a weight-gradient operand is not the forward one
         assert not torch.equal(fwd_x, wgrad_x)
 
 
@@ -84,14 +101,21 @@ def test_the_grouped_fp8_gemms_equal_a_loop_of_dense_fp8_linears(scaling, transp
     stored = w.transpose(1, 2).contiguous() if transposed else w.clone()
     xg = x.clone().requires_grad_(True)
     weight = nn.Parameter(stored)
-    y = fp8_grouped_linear(xg, weight, offsets, ExpertsFP8.from_spec(spec), transposed=transposed,
-                           out_dtype=torch.float32)  # fmt: skip
+    ex = ExpertsFP8.from_spec(spec)
+    state = None
+    if scaling == "delayed":  # scales as a few steps would have left them: one per expert and operand
+        st = ExpertsDelayedState(len(COUNTS), ex)
+        st.fp8_scale.copy_(torch.logspace(0, 2, st.fp8_scale.numel()).view_as(st.fp8_scale))
+        state = (st, 1)  # the down projection's rows of the state
+    y = fp8_grouped_linear(xg, weight, offsets, ex, transposed=transposed, out_dtype=torch.float32, state=state)
     gy = torch.randn_like(y)
     y.backward(gy)
     for e, rows in enumerate(_slices()):
         if COUNTS[e] == 0:
             continue  # checked below (a dense Linear is never called on no rows)
         dense = _dense(spec, w[e])
+        if state is not None:
+            dense.fp8_scale.copy_(state[0].fp8_scale[len(COUNTS) + e])
         xe = x[rows].clone().requires_grad_(True)
         ye = dense(xe)
         ye.backward(gy[rows])
@@ -154,7 +178,7 @@ def _expert_share(model: nn.Module, converted: set[str]) -> float:
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
-@pytest.mark.parametrize("recipe_name", ["h100-fp8-current", "h100-fp8-blockwise", "b200-mxfp8"])
+@pytest.mark.parametrize("recipe_name", ["h100-fp8-delayed", "h100-fp8-current", "h100-fp8-blockwise", "b200-mxfp8"])
 def test_a_trainer_run_converts_the_experts_the_plan_gives_fp8(recipe_name, tmp_path):
     """The precision plan lists each experts module as FP8 with the recipe's scaling, a Trainer run converts exactly
     what the plan says (experts through the experts interface, Linears swapped), the router still computes in FP32,
@@ -203,10 +227,6 @@ def test_experts_stay_high_precision_where_the_recipe_or_a_rule_says_so_and_the_
     from hf_mixedprec.integrations.recipe import resolve_recipe
 
     model = _qwen3_moe()
-    delayed = hf_mixedprec.load_recipe("h100-fp8-delayed", rehearse=True)
-    by = {d.name: d for d in plan_conversion(model, delayed.fp8, rules=delayed.modules, backend="emulated")}
-    d = by["model.layers.0.mlp.experts"]
-    assert not d.fp8 and d.reason.startswith("experts: delayed scaling has no per-expert amax history yet")
     off = resolve_recipe({"name": "experts-off", "extends": "h100-fp8-current",
                           "modules": [{"select": "experts", "fp8": "off"}]})  # fmt: skip
     by = {d.name: d for d in plan_conversion(model, off.fp8, rules=off.modules, backend="emulated")}
@@ -216,3 +236,85 @@ def test_experts_stay_high_precision_where_the_recipe_or_a_rule_says_so_and_the_
     current = hf_mixedprec.load_recipe("h100-fp8-current", rehearse=True)
     by = {d.name: d for d in plan_conversion(model, current.fp8, rules=current.modules, backend="torchao")}
     assert by["model.layers.0.mlp.experts"].reason.startswith("experts: backend torchao has no FP8 grouped GEMM here")
+
+
+def test_delayed_experts_update_after_the_step_from_their_own_amaxes():
+    """``fp8_step`` turns each expert's pending amaxes into its scales (history empty before: scale = fmt.max / amax
+    for E4M3 inputs and weights, E5M2 output gradients), then starts the pending amaxes again from zero."""
+    from hf_mixedprec.fp8 import fp8_step
+    from hf_mixedprec.fp8.experts import experts_states
+
+    model = _qwen3_moe()
+    names = [n for n, m in model.named_modules() if is_experts_module(m)]
+    convert_experts(model, names, ExpertsFP8.from_spec(EmulationSpec(scaling="delayed")))
+    states = experts_states(model)
+    assert [n for n, _ in states] == [f"{n}.hf_mixedprec_fp8_state" for n in names]
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    st = states[0][1]
+    pending = st.fp8_amax_pending.clone()
+    assert (pending[:, 1] > 0).all()  # every expert's weights, both projections
+    routed = pending[:8, 0] > 0  # the experts layer 0 routed tokens to
+    assert routed.any() and torch.equal(routed, pending[:8, 2] > 0)
+    fp8_step(model)
+    fmax = torch.tensor([448.0, 448.0, 57344.0])
+    hit = pending > 0
+    assert torch.equal(st.fp8_scale[hit], (fmax.expand_as(pending) / pending)[hit])
+    assert torch.equal(st.fp8_scale[~hit], torch.ones_like(st.fp8_scale[~hit]))  # an expert without tokens keeps 1
+    assert torch.equal(st.fp8_amax_history[-1], pending) and torch.count_nonzero(st.fp8_amax_pending) == 0
+
+
+def test_delayed_experts_state_resumes_bit_for_bit_and_stays_out_of_a_saved_model(tmp_path):
+    """The experts' amax histories and scales are FP8 state like the Linears': saved beside a checkpoint
+    (:func:`save_fp8_state`), restored on resume (:func:`load_fp8_state`), kept out of ``save_pretrained``. A loop cut
+    after step 2 and resumed from the saved weights, optimizer and FP8 state ends bit for bit as the straight 4 steps.
+    (Through Trainer, transformers 5.23 writes MoE checkpoints in the split per-expert layout and reloads them with
+    ``load_state_dict(strict=False)``, leaving the fused experts as initialised: no MoE run resumes exactly there.)"""
+    from safetensors.torch import load_file
+
+    from hf_mixedprec.fp8 import fp8_step
+    from hf_mixedprec.fp8.experts import experts_states
+    from hf_mixedprec.fp8.state import exclude_fp8_state_from_saves, load_fp8_state, save_fp8_state
+
+    spec = ExpertsFP8.from_spec(EmulationSpec(scaling="delayed", amax_history_len=4))
+    batches = [torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+    def fresh():
+        model = _qwen3_moe()
+        convert_experts(model, [n for n, m in model.named_modules() if is_experts_module(m)], spec)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def train(model, opt, steps):
+        for ids in steps:
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            fp8_step(model)
+
+    straight, opt = fresh()
+    train(straight, opt, batches)
+    cut, opt = fresh()
+    train(cut, opt, batches[:2])
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    torch.save({"model": cut.state_dict(), "opt": opt.state_dict()}, ckpt / "train.pt")
+    assert save_fp8_state(cut, ckpt) is not None
+    saved = load_file(ckpt / "hf_mixedprec_fp8.safetensors")
+    key = "model.layers.0.mlp.experts.hf_mixedprec_fp8_state.fp8_amax_history"
+    assert saved[key].shape == (4, 16, 3) and torch.count_nonzero(saved[key]) > 0
+
+    resumed, opt = fresh()
+    blob = torch.load(ckpt / "train.pt")
+    resumed.load_state_dict(blob["model"])
+    opt.load_state_dict(blob["opt"])
+    _, st = experts_states(resumed)[0]
+    st.fp8_amax_history.zero_()  # what a model rebuilt from a plain checkpoint starts with
+    st.fp8_scale.fill_(1.0)
+    assert load_fp8_state(resumed, ckpt) is None  # every buffer restored
+    train(resumed, opt, batches[2:])
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+
+    exclude_fp8_state_from_saves(straight)
+    straight.save_pretrained(tmp_path / "saved")
+    assert not any("hf_mixedprec" in k for k in load_file(tmp_path / "saved" / "model.safetensors"))
