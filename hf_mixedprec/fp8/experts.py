@@ -15,12 +15,12 @@ contraction dim for rows and gradients and 128x128 tiles per expert weight (TE's
 gives every 32 elements along the contraction dim an E8M0 scale (OCP MX v1.0). The weight-gradient GEMM contracts over
 each expert's tokens, so its tiles and blocks start at each group's first row: a group whose size is not a multiple
 of the tile is padded with zeros, as the dense path pads a Linear's input. Empty groups give zero rows and a zero
-weight gradient. The GEMMs run in float32 with ``torch.nn.functional.grouped_mm`` on the dequantized operands, one
-grouped GEMM per operand pair whatever the number of experts, and nothing reads the device on the host.
+weight gradient. The GEMMs run in float32 on the dequantized operands (:func:`grouped_mm_f32`), one grouped GEMM per
+operand pair whatever the number of experts, and nothing reads the device on the host.
 
 *Delayed* scaling keeps, per experts module, an amax history and a scale for each expert and each operand (the
-expert's input rows, its weight, its output gradient: ``fp8_amax_history`` ``[L, experts, 3]``, ``fp8_scale``
-``[experts, 3]``) in an :class:`ExpertsDelayedState` child module; the amaxes each expert sees during a step are kept
+expert's input rows, its weight, its output gradient, for each of the two projections: ``fp8_amax_history``
+``[L, 2 * experts, 3]``, ``fp8_scale`` ``[2 * experts, 3]``) in an :class:`ExpertsDelayedState` child module; the amaxes each expert sees during a step are kept
 pending and :func:`~hf_mixedprec.fp8.fp8_step` updates every history at once after the optimizer step (reduced with
 MAX over ranks, as for Linears), so each expert is scaled exactly as a dense delayed-scaling Linear holding it. The
 state travels in checkpoints as the Linears' does and is kept out of a saved model.
@@ -28,6 +28,7 @@ state travels in checkpoints as the Linears' does and is kept out of a saved mod
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,14 +196,16 @@ def _per_group_amax(rows: Tensor, gid: Tensor, n_groups: int) -> Tensor:
 
 def _pad_groups(rows: Tensor, offsets: Tensor, gid: Tensor, multiple: int) -> tuple[Tensor, Tensor]:
     """``rows`` copied into a zero buffer where each group starts at a multiple of ``multiple`` rows; the buffer and
-    each row's position in it. The buffer's size is a static bound (rows + groups * (multiple - 1)): no host read."""
+        each row's position in it. The buffer's size is a static bound (rows + groups * (multiple - 1), rounded up to whole
+    tiles): no host read."""
     n_groups = offsets.numel()
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
     padded = (counts + multiple - 1) // multiple * multiple
     starts = torch.cumsum(padded, 0) - padded  # each group's first row in the buffer
     first = offsets - counts  # each group's first row in `rows`
     pos = starts[gid] + torch.arange(rows.shape[0], device=rows.device, dtype=offsets.dtype) - first[gid]
-    buf = rows.new_zeros(rows.shape[0] + n_groups * (multiple - 1), rows.shape[1])
+    bound = rows.shape[0] + n_groups * (multiple - 1)
+    buf = rows.new_zeros((bound + multiple - 1) // multiple * multiple, rows.shape[1])  # whole tiles
     return buf.index_copy(0, pos.long(), rows), pos.long()
 
 
@@ -289,6 +292,51 @@ def quantize_weights(
     return _blocked_rows(spec, w.reshape(e * out_f, in_f), fmt, spec.block_size, src_dtype).view(e, out_f, in_f)
 
 
+# -- float32 grouped GEMMs ------------------------------------------------------------------------------------------
+#: Rows per chunk of the chunked float32 grouped GEMM (devices whose grouped_mm takes BF16 only).
+_CHUNK = 128
+
+
+def grouped_mm_f32(a: Tensor, b: Tensor, offsets: Tensor, *, chunked: bool | None = None) -> Tensor:
+    """A float32 grouped GEMM over the groups ``offsets``: ``a`` ``[S, K]`` rows times ``b[e]`` ``[K, N]`` (``b`` 3-D),
+    or, with ``b`` 2-D, the per-group ``a[:, rows of e] @ b[rows of e]`` stacked ``[E, K', N]`` (the weight gradient).
+
+    On the CPU this is ``torch.nn.functional.grouped_mm``, which takes float32 there. On a GPU (and meta) it takes BF16
+    only, so the rows go in chunks of 128 that never straddle two groups (each group padded with zero rows) and the
+    chunks run as one float32 ``bmm`` against their expert's matrix: a fixed number of ops and no host read, at the cost
+    of gathering one ``[K, N]`` matrix per chunk (the emulated backend is a rehearsal, not a fast path)."""
+    if chunked is None:
+        chunked = a.device.type != "cpu"
+    if not chunked:
+        return torch.nn.functional.grouped_mm(a, b, offs=offsets)
+    n_groups = offsets.numel()
+    if b.dim() == 3:  # forward / input gradient: a [S, K] @ b[e] [K, N]
+        gid = _group_of_rows(offsets, a.shape[0])
+        buf, pos = _pad_groups(a, offsets, gid, _CHUNK)
+        chunks = buf.view(-1, _CHUNK, a.shape[1])
+        expert = _chunk_group(offsets, chunks.shape[0])
+        out = torch.bmm(chunks, b[expert]).view(-1, b.shape[2])
+        return out[pos]
+    # weight gradient: a is [K', S] (the transposed gradient), b is [S, N]
+    gid = _group_of_rows(offsets, b.shape[0])
+    left, _ = _pad_groups(a.t(), offsets, gid, _CHUNK)
+    right, _ = _pad_groups(b, offsets, gid, _CHUNK)
+    n_chunks = left.shape[0] // _CHUNK
+    expert = _chunk_group(offsets, n_chunks)
+    per_chunk = torch.bmm(left.view(n_chunks, _CHUNK, -1).transpose(1, 2), right.view(n_chunks, _CHUNK, -1))
+    out = per_chunk.new_zeros(n_groups, per_chunk.shape[1], per_chunk.shape[2])
+    return out.index_add(0, expert, per_chunk)
+
+
+def _chunk_group(offsets: Tensor, n_chunks: int) -> Tensor:
+    """The group of each chunk of the padded buffer :func:`_pad_groups` made with ``_CHUNK``-row tiles (a chunk past
+    every group's end is all zeros and goes to the last group, adding nothing)."""
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    ends = torch.cumsum((counts + _CHUNK - 1) // _CHUNK, 0)
+    idx = torch.arange(n_chunks, device=offsets.device, dtype=ends.dtype)
+    return torch.searchsorted(ends, idx, right=True).clamp_(max=offsets.numel() - 1)
+
+
 # -- the grouped GEMM ----------------------------------------------------------------------------------------------
 class _FP8GroupedLinear(torch.autograd.Function):
     """``y[rows of expert e] = x[rows of e] @ W[e].T`` with FP8 operands in all three GEMMs (forward, input gradient,
@@ -310,7 +358,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
         x32 = x.float()
         xq = quantize_rows(spec, x32, offsets, 0, along_tokens=False, src_dtype=x.dtype, state=state, record=record)
         wq = quantize_weights(spec, w, for_dgrad=False, src_dtype=weight.dtype, state=state, record=record)
-        y = torch.nn.functional.grouped_mm(xq, wq.transpose(1, 2), offs=offsets)
+        y = grouped_mm_f32(xq, wq.transpose(1, 2), offsets)
         if spec.scaling in ("current", "delayed"):
             x_w, w_d = xq, wq
         else:
@@ -337,7 +385,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
         g_d = quantize_rows(
             spec, g32, offsets, 2, along_tokens=False, src_dtype=gy.dtype, state=ctx.state, record=ctx.record
         )
-        gx = torch.nn.functional.grouped_mm(g_d, w_d, offs=offsets).to(x_dtype) if ctx.needs_input_grad[0] else None
+        gx = grouped_mm_f32(g_d, w_d, offsets).to(x_dtype) if ctx.needs_input_grad[0] else None
         gw = None
         if ctx.needs_input_grad[1]:  # frozen experts need no weight-gradient GEMM
             g_w = (
@@ -345,7 +393,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
                 if spec.scaling in ("current", "delayed")
                 else quantize_rows(spec, g32, offsets, 2, along_tokens=True, src_dtype=gy.dtype)
             )
-            dw = torch.nn.functional.grouped_mm(g_w.t(), x_w, offs=offsets)  # [E, out, in]
+            dw = grouped_mm_f32(g_w.t(), x_w, offsets)  # [E, out, in]
             gw = (dw.transpose(1, 2) if ctx.transposed else dw).to(w_dtype)
         return gx, gw, None, None, None, None, None
 
@@ -363,6 +411,13 @@ def fp8_grouped_linear(
     """The experts' grouped GEMM ``x @ W[e].T`` per group of sorted rows, in FP8 (see :class:`_FP8GroupedLinear`);
     ``state``: the module's delayed-scaling state and the projection (delayed scaling only)."""
     return _FP8GroupedLinear.apply(x, weight, offsets, spec, transposed, out_dtype, state)
+
+
+def _no_autocast(device_type: str) -> Any:
+    """A region outside autocast (nothing to leave on a device without autocast, e.g. meta)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _out_dtype(x: Tensor) -> torch.dtype:
@@ -391,7 +446,7 @@ def fp8_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
     counts = torch.histc(hist_in, bins=self.num_experts, min=0, max=self.num_experts - 1)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     out_dtype = _out_dtype(hidden_states)
-    with torch.autocast(hidden_states.device.type, enabled=False):
+    with _no_autocast(hidden_states.device.type):
         up_w = self.gate_up_proj if self.has_gate else self.up_proj
         state = getattr(self, STATE_NAME, None)
         h = fp8_grouped_linear(
@@ -401,7 +456,7 @@ def fp8_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
         if self.has_bias:
             h = h + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[ids_sorted]
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-    with torch.autocast(hidden_states.device.type, enabled=False):
+    with _no_autocast(hidden_states.device.type):
         out = fp8_grouped_linear(
             h, self.down_proj, offsets, spec, transposed=self.is_transposed, out_dtype=out_dtype,
             state=None if state is None else (state, 1),

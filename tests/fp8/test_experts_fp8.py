@@ -23,6 +23,7 @@ from hf_mixedprec.fp8.experts import (
     quantize_weights,
     restore_experts,
 )
+from tests.training.test_no_host_sync_device import traffic  # noqa: F401 (the guard fixture)
 
 SCALINGS = ["delayed", "current", "blockwise", "mxfp8"]
 #: rows per expert: an empty group, a group of one token, sizes that are no multiple of 16, 32 or 128, one over 128
@@ -318,3 +319,56 @@ def test_delayed_experts_state_resumes_bit_for_bit_and_stays_out_of_a_saved_mode
     exclude_fp8_state_from_saves(straight)
     straight.save_pretrained(tmp_path / "saved")
     assert not any("hf_mixedprec" in k for k in load_file(tmp_path / "saved" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["h100-fp8-delayed", "h100-fp8-current", "h100-fp8-blockwise", "b200-mxfp8"])
+def test_fp8_experts_add_no_host_traffic_on_a_step_that_does_not_log(name, traffic):  # noqa: F811
+    """The experts' path (routing, per-group scales, padded tiles, grouped GEMMs, the delayed update) on the meta
+    device, under tests/training/test_no_host_sync_device.py's guard: no host read or host-device copy from
+    hf_mixedprec on a step that does not log."""
+    from hf_mixedprec.fp8.experts import converted_experts
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+    from hf_mixedprec.training.runtime import MixedPrecisionRuntime
+    from tests.training.test_no_host_sync_device import DEVICE, DeviceSGD
+
+    recipe = resolve_recipe({"name": f"{name}-guarded", "extends": name}).rehearsed()
+    rt = MixedPrecisionRuntime(recipe, device=DEVICE)
+    rt.set_max_steps(4)
+    with torch.device(DEVICE):
+        model = _qwen3_moe().train()
+    opt = DeviceSGD(model.parameters(), lr=1e-3)
+    rt.convert_model(model, opt)
+    assert converted_experts(model) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    scaler = rt.make_grad_scaler() or rt.make_guard_scaler()
+    with traffic:
+        for step in range(1, 5):
+            traffic.on = step != 4  # step 4 logs
+            x = torch.zeros(2, 16, dtype=torch.long, device=DEVICE)
+            rt.begin_step(model)
+            loss = model(input_ids=x, labels=x).loss
+            rt.record_loss(loss)
+            scaler.scale(loss).backward()
+            rt.before_optimizer_step(model.parameters(), opt)
+            scaler.step(opt)
+            scaler.update()
+            rt.after_optimizer_step(model, opt)
+            opt.zero_grad(set_to_none=True)
+            traffic.on = False
+    assert traffic.hits == [], sorted(set(traffic.hits))
+
+
+def test_the_chunked_float32_grouped_gemm_equals_grouped_mm():
+    """Where grouped_mm takes BF16 only (CUDA, meta), the float32 grouped GEMM runs in 128-row chunks that never
+    straddle a group: checked on the CPU against torch's grouped_mm, forward and weight-gradient forms, with an empty
+    group, a group of one row and groups over 128 rows."""
+    from hf_mixedprec.fp8.experts import grouped_mm_f32
+
+    x, w, offsets = _groups(2)
+    b = w.transpose(1, 2).contiguous()  # [E, in, out]
+    ref = torch.nn.functional.grouped_mm(x, b, offs=offsets)
+    torch.testing.assert_close(grouped_mm_f32(x, b, offsets, chunked=True), ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn(x.shape[0], OUT_F)
+    ref_w = torch.nn.functional.grouped_mm(g.t(), x, offs=offsets)
+    got_w = grouped_mm_f32(g.t(), x, offsets, chunked=True)
+    torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-4)
+    assert torch.count_nonzero(got_w[COUNTS.index(0)]) == 0
