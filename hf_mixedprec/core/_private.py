@@ -45,6 +45,7 @@ __all__ = [
     "give_scaler",
     "grouped_mm_as_fallback",
     "has_scaled_mm",
+    "is_fake_tensor",
     "mkldnn_fp16_supported",
     "optimizer_state",
     "pin_scale",
@@ -119,6 +120,14 @@ def fake_tensor_mode(**kwargs: Any) -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(**kwargs)
+
+
+def is_fake_tensor(t: Any) -> bool:
+    """Whether ``t`` is one of ``FakeTensorMode``'s tensors (``torch/_subclasses/fake_tensor.py``), whose kernels
+    follow the meta device's rules (``estimate``'s step runs on them)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 def unset_fake_temporarily() -> Any:
@@ -512,6 +521,9 @@ PRIVATES: tuple[Private, ...] = (
     Private("torch:_foreach_zero_", "torch 2.13", "per-list zeroing (FP8 amax history updates)"),
     Private("torch:_scaled_mm", "torch 2.13", "the FP8 GEMM of fp8.backend native"),
     Private("torch._subclasses.fake_tensor:FakeTensorMode", "torch 2.13", "estimate's data-free training step"),
+    Private(
+        "torch._subclasses.fake_tensor:FakeTensor", "torch 2.13", "the FP8 experts' grouped GEMM on estimate's tensors"
+    ),
     Private("torch._subclasses.fake_tensor:unset_fake_temporarily", "torch 2.13", "real values inside fake mode"),
     Private("torch:ops.mkldnn._is_mkldnn_fp16_supported", "torch 2.13", "DeepSpeed's CPU FP16 question"),
     Private("torch.cpu:_is_avx512_bf16_supported", "torch 2.13", "auto's CPU BF16 question"),

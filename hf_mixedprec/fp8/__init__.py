@@ -24,7 +24,14 @@ from torch import nn
 from hf_mixedprec.fp8.conversion import ConversionReport
 from hf_mixedprec.fp8.emulated import EmulatedFP8Conv1D, EmulatedFP8GEMM, EmulatedFP8Linear, EmulationSpec
 from hf_mixedprec.fp8.layers import FP8Layer, fp8_layers, fp8_step, invalidate_layer_cache, model_parameters
-from hf_mixedprec.fp8.policy import BACKEND_GEMM_KINDS, EXPERTS_KIND, GEMM_KINDS, LayerDecision, plan_conversion
+from hf_mixedprec.fp8.policy import (
+    BACKEND_GEMM_KINDS,
+    EXPERTS_KIND,
+    GEMM_KINDS,
+    LayerDecision,
+    gemm_work,
+    plan_conversion,
+)
 from hf_mixedprec.fp8.probe import probe_of
 from hf_mixedprec.fp8.swap import replace_module
 from hf_mixedprec.recipes.hardware import fp8_backend_for
@@ -243,7 +250,8 @@ def convert(
 
         notes += convert_te(model, recipe, decisions, optimizer)
     invalidate_layer_cache()  # FP8 layers were swapped in: per-model layer lists are collected anew
-    report = ConversionReport(backend, recipe.fp8.scaling, recipe.fp8.format, decisions, notes)
+    work = gemm_work(model, decisions)
+    report = ConversionReport(backend, recipe.fp8.scaling, recipe.fp8.format, decisions, notes, work)
     for n in notes:
         log.warning("hf_mixedprec: %s", n)
     return report

@@ -29,6 +29,17 @@ class ConversionReport:
     layers: list[LayerDecision]
     notes: list[str] = field(default_factory=list)
     """Fallbacks and caveats, each also logged as a warning."""
+    work: dict[str, int] = field(default_factory=dict)
+    """Multiply-adds per token of each GEMM layer (:func:`~hf_mixedprec.fp8.policy.gemm_work`), when known."""
+
+    @property
+    def fp8_work_share(self) -> float | None:
+        """The share of the model's forward GEMM work per token that runs in FP8 (None when the work is not known):
+        an MoE model whose experts stay BF16 runs most of its GEMMs in BF16 however many Linears are FP8."""
+        total = sum(self.work.get(d.name, 0) for d in self.gemm_layers)
+        if not total:
+            return None
+        return sum(self.work.get(d.name, 0) for d in self.gemm_layers if d.fp8) / total
 
     @property
     def converted(self) -> list[str]:
@@ -96,6 +107,7 @@ class ConversionReport:
             "gemm_layers": len(self.gemm_layers),
             "nothing_converted": self.nothing_converted,
             "under_half_converted": self.under_half_converted,
+            "fp8_gemm_work_share": self.fp8_work_share,
             "warning": self.warning,
             "notes": list(self.notes),
             "layers": [d.to_dict() for d in self.layers],
@@ -116,6 +128,9 @@ class ConversionReport:
             f"FP8 conversion ({self.backend}, {self.scaling} scaling, {self.format}): "
             f"{sum(d.fp8 for d in self.gemm_layers)} of {len(self.gemm_layers)} {self._kinds()} layers in FP8"
         )
+        share = self.fp8_work_share
+        if share is not None and any(d.kind == EXPERTS_KIND for d in self.gemm_layers):
+            head += f" ({100 * share:.1f}% of the GEMM work per token, experts included)"
         if self.warning is not None:
             head = f"{self.warning}. {head}"
         by_reason: dict[str, list[str]] = {}

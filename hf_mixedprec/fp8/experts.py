@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hf_mixedprec.core._device import several_ranks
+from hf_mixedprec.core._private import is_fake_tensor
 from hf_mixedprec.core.formats import NumberFormat, get_format
 from hf_mixedprec.fp8.emulated import EmulationSpec
 from hf_mixedprec.scaling import (
@@ -93,6 +94,15 @@ def experts_shape(mod: nn.Module) -> tuple[int, int, int]:
     """``(experts, hidden, intermediate)`` of an experts module (from ``down_proj``)."""
     e, a, b = mod.down_proj.shape  # [E, hidden, inter] or, transposed, [E, inter, hidden]
     return (int(e), int(b), int(a)) if mod.is_transposed else (int(e), int(a), int(b))
+
+
+def experts_macs_per_token(mod: nn.Module) -> int:
+    """Multiply-adds one token costs in this experts module's forward GEMMs: its top-k experts (the config's
+    ``num_experts_per_tok``, 1 when it has none) each run the gate/up and the down projection."""
+    _, hidden, inter = experts_shape(mod)
+    k = int(getattr(mod.config, "num_experts_per_tok", None) or 1)
+    up = 2 * inter if mod.has_gate else inter
+    return k * (hidden * up + inter * hidden)
 
 
 @dataclass(frozen=True)
@@ -301,12 +311,12 @@ def grouped_mm_f32(a: Tensor, b: Tensor, offsets: Tensor, *, chunked: bool | Non
     """A float32 grouped GEMM over the groups ``offsets``: ``a`` ``[S, K]`` rows times ``b[e]`` ``[K, N]`` (``b`` 3-D),
     or, with ``b`` 2-D, the per-group ``a[:, rows of e] @ b[rows of e]`` stacked ``[E, K', N]`` (the weight gradient).
 
-    On the CPU this is ``torch.nn.functional.grouped_mm``, which takes float32 there. On a GPU (and meta) it takes BF16
-    only, so the rows go in chunks of 128 that never straddle two groups (each group padded with zero rows) and the
+    On the CPU this is ``torch.nn.functional.grouped_mm``, which takes float32 there. On a GPU (and meta, and the fake
+    tensors ``estimate`` runs) it takes BF16 only, so the rows go in chunks of 128 that never straddle two groups (each group padded with zero rows) and the
     chunks run as one float32 ``bmm`` against their expert's matrix: a fixed number of ops and no host read, at the cost
     of gathering one ``[K, N]`` matrix per chunk (the emulated backend is a rehearsal, not a fast path)."""
-    if chunked is None:
-        chunked = a.device.type != "cpu"
+    if chunked is None:  # fake tensors (estimate) follow grouped_mm's meta rule: BF16 only
+        chunked = a.device.type != "cpu" or is_fake_tensor(a)
     if not chunked:
         return torch.nn.functional.grouped_mm(a, b, offs=offsets)
     n_groups = offsets.numel()

@@ -36,6 +36,7 @@ __all__ = [
     "LayerDecision",
     "conv1d_class",
     "find_block_list",
+    "gemm_work",
     "plan_conversion",
 ]
 
@@ -180,6 +181,20 @@ def _experts_keep_reason(name: str, hidden: int, inter: int, ctx: _Context) -> s
     if isinstance(cfg, MXFP8Config) and cfg.block_size and (hidden % cfg.block_size or inter % cfg.block_size):
         return f"hidden/intermediate {hidden}x{inter} not divisible by the MX block size {cfg.block_size}"
     return None
+
+
+def gemm_work(model: nn.Module, decisions: Iterable[LayerDecision]) -> dict[str, int]:
+    """Multiply-adds per token of each GEMM layer decided (Linear, Conv1D: in x out; an experts module: its top-k
+    experts' two projections), by name: what "the share of the GEMM work in FP8" weighs layers by."""
+    from hf_mixedprec.fp8.experts import experts_macs_per_token
+
+    out: dict[str, int] = {}
+    for d in decisions:
+        if d.kind == EXPERTS_KIND:
+            out[d.name] = experts_macs_per_token(model.get_submodule(d.name))
+        elif d.kind in GEMM_KINDS:
+            out[d.name] = d.in_features * d.out_features
+    return out
 
 
 def plan_conversion(

@@ -104,9 +104,12 @@ class _Counts(TrainerCallback):
         self.grads = _distinct(p.grad for p in params if p.grad is not None)
         opt = getattr(optimizer, "optimizer", optimizer)
         self.optimizer = _distinct(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
-        layers = [m for m in model.modules() if isinstance(m, EmulatedFP8GEMM)]
+        from hf_mixedprec.fp8.experts import ExpertsDelayedState, converted_experts
+
+        layers = [m for m in model.modules() if isinstance(m, (EmulatedFP8GEMM, ExpertsDelayedState))]
         self.fp8 = _distinct(b for m in layers for b in m.buffers())
-        self.fp8_layers = len(layers)
+        # FP8 Linears and MoE experts modules in FP8 (a delayed-scaling experts state is no layer of its own)
+        self.fp8_layers = sum(isinstance(m, EmulatedFP8GEMM) for m in layers) + len(converted_experts(model))
 
 
 class _Ids(torch.utils.data.Dataset):

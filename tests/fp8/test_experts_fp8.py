@@ -372,3 +372,21 @@ def test_the_chunked_float32_grouped_gemm_equals_grouped_mm():
     got_w = grouped_mm_f32(g.t(), x, offsets, chunked=True)
     torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-4)
     assert torch.count_nonzero(got_w[COUNTS.index(0)]) == 0
+
+
+def test_the_conversion_report_says_how_much_of_the_gemm_work_runs_in_fp8():
+    """Work per token: attention 64x64 + 64x32 + 64x32 + 64x64 = 12,288 multiply-adds per layer, the experts
+    2 (top-k) x (64 x 64 + 32 x 64) = 12,288, the head 64 x 256 = 16,384 (kept in BF16): FP8 experts make it
+    49,152 / 65,536 = 75%; BF16 experts 24,576 / 65,536 = 37.5%, which the summary says."""
+    from hf_mixedprec.fp8 import convert
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+
+    on = resolve_recipe({"name": "on", "extends": "h100-fp8-current"})
+    report = convert(_qwen3_moe(), on, backend="emulated")
+    assert report.fp8_work_share == 0.75 and report.to_dict()["fp8_gemm_work_share"] == 0.75
+    assert "in FP8 (75.0% of the GEMM work per token, experts included)" in report.summary()
+    off = resolve_recipe({"name": "off", "extends": "h100-fp8-current",
+                          "modules": [{"select": "experts", "fp8": "off"}, {"select": "lm_head", "fp8": "off"}]})  # fmt: skip
+    report = convert(_qwen3_moe(), off, backend="emulated")
+    assert report.fp8_work_share == 0.375
+    assert "(37.5% of the GEMM work per token, experts included)" in report.summary()
