@@ -390,3 +390,47 @@ def test_the_conversion_report_says_how_much_of_the_gemm_work_runs_in_fp8():
     report = convert(_qwen3_moe(), off, backend="emulated")
     assert report.fp8_work_share == 0.375
     assert "(37.5% of the GEMM work per token, experts included)" in report.summary()
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_the_accelerate_plugin_and_peft_lora_run_frozen_experts_in_fp8():
+    """A loop of one's own on the Accelerate plugin, with PEFT LoRA on the attention: the frozen experts still run in
+    FP8 (their grouped GEMMs quantize the input gradient only: no weight gradient), the adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    import hf_mixedprec
+    from tests.integrations.test_integration import Bytes
+
+    recipe = hf_mixedprec.load_recipe("h100-fp8-current", rehearse=True)
+    model = get_peft_model(_qwen3_moe(), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    before = experts.gate_up_proj.detach().clone()
+    acc = recipe.accelerator()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    assert converted_experts(acc.unwrap_model(model)) == [
+        "base_model.model.model.layers.0.mlp.experts", "base_model.model.model.layers.1.mlp.experts",
+    ]  # fmt: skip
+    calls = []
+    from hf_mixedprec.fp8 import experts as mod
+
+    real = mod._FP8GroupedLinear.backward
+    mod._FP8GroupedLinear.backward = staticmethod(
+        lambda ctx, gy: calls.append(ctx.needs_input_grad[1]) or real(ctx, gy)
+    )
+    try:
+        data = Bytes(n=8, seq_len=32)
+        lora = [p for n, p in model.named_parameters() if "lora_B" in n]
+        start = [p.detach().clone() for p in lora]
+        for i in range(2):
+            batch = torch.stack([data[2 * i]["input_ids"], data[2 * i + 1]["input_ids"]])
+            loss = model(input_ids=batch, labels=batch).loss
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            assert torch.isfinite(loss)
+    finally:
+        mod._FP8GroupedLinear.backward = staticmethod(real)
+    assert calls and not any(calls)  # every experts backward ran, none needed a weight gradient
+    assert torch.equal(experts.gate_up_proj.detach(), before) and experts.gate_up_proj.grad is None
+    assert any(not torch.equal(p.detach(), s) for p, s in zip(lora, start, strict=True))  # the adapters trained
