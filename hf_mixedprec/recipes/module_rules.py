@@ -77,11 +77,17 @@ def _is_norm(mod: nn.Module) -> bool:
 
 
 def experts_count(mod: nn.Module) -> int | None:
-    """How many experts ``mod`` holds if it is an MoE experts module (one holding 3-D expert weights itself: transformers
-    5's experts classes, ``gate_up_proj`` / ``down_proj`` ``[experts, ...]``, JetMoE's ``JetMoeParallelExperts``),
-    else None. A model or block that only records ``num_experts`` is no experts module."""
+    """How many experts ``mod`` holds if it is an MoE experts module (one holding 3-D expert weights itself, with
+    "Expert" in its class name or a 3-D ``down_proj``: transformers 5's experts classes, ``gate_up_proj`` /
+    ``down_proj`` ``[experts, ...]``, JetMoE's ``JetMoeParallelExperts``), else None. A model or block that only
+    records ``num_experts`` is none, nor is a convolution (its weight is 3-D too: a linear-attention block's
+    ``Conv1d``)."""
+    if isinstance(mod, nn.modules.conv._ConvNd):
+        return None
     three_d = [p for p in mod.parameters(recurse=False) if p.dim() == 3]
-    return int(three_d[0].shape[0]) if three_d else None
+    down = getattr(mod, "down_proj", None)
+    named = "expert" in type(mod).__name__.lower() or (isinstance(down, torch.Tensor) and down.dim() == 3)
+    return int(three_d[0].shape[0]) if three_d and named else None
 
 
 def _experts_beside(parent: nn.Module | None) -> int | None:

@@ -111,13 +111,21 @@ def test_a_router_is_found_by_its_output_not_its_name():
             self.shared_expert_gate = nn.Linear(16, 1, bias=False)
             self.experts = Experts()
 
+    class LinearAttention(nn.Module):  # Qwen3.5-MoE's linear attention: a Conv1d (3-D weight) beside its in_proj
+        def __init__(self) -> None:
+            super().__init__()
+            self.in_proj_qkv = nn.Linear(16, 48, bias=False)
+            self.conv1d = nn.Conv1d(48, 48, 4, groups=48)
+
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.block = Block()
+            self.linear_attn = LinearAttention()
 
     model = Model()
     assert experts_count(model.block.experts) == 6 and experts_count(model.block.scorer) is None
+    assert experts_count(model.linear_attn.conv1d) is None  # a convolution holds no experts
     a = assign_rules(model, DEFAULT_RULES, "fp8")
     router_rule = next(i for i, r in enumerate(a.rules) if r.select == "moe_routers")
     assert a.matched[router_rule] == ("block.scorer",)
