@@ -16,6 +16,9 @@ HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # several workers share the cores: one torch thread each, not oversubscribed
+    # and so do the processes a test starts (a finetune subprocess with 2 threads beside the other worker trained
+    # 25x slower here): torch reads OMP_NUM_THREADS at start-up; a test that sets it itself keeps its own
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture

@@ -34,8 +34,14 @@ GPU_VARIANTS = {
 }
 
 
+def _env() -> dict[str, str]:
+    """The scripts compute on one thread, as a test worker does: on a CPU shared with other workers, torch's threads
+    mostly wait on each other (no figure is checked here, only what the scripts report)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+
 def _run(args: list[str], timeout: int = 240) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = _env()
     env.pop("HF_MIXEDPREC_RECIPE", None)
     env.pop("HF_MIXEDPREC_REHEARSE", None)
     proc = subprocess.run(
@@ -85,7 +91,7 @@ def test_gpu_acceptance_cpu_smoke(tmp_path):
             "sync,8b,compare",
         ],
         cwd=ROOT,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+        env=_env(),  # compare's own process inherits it
         capture_output=True,
         text=True,
         timeout=300,
@@ -128,7 +134,12 @@ def test_bench_gpu_without_gpu_refuses_full_run():
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is present: the full run would start")
     proc = subprocess.run(
-        [sys.executable, "scripts/bench_gpu.py", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "scripts/bench_gpu.py", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
     )
     assert proc.returncode == 2
     assert "--dry-run" in proc.stderr and proc.stdout == ""

@@ -1,4 +1,6 @@
-"""The `hf-mixedprec` command: run as a real subprocess where exit codes and stderr matter."""
+"""The `hf-mixedprec` command: in this process (``main``, what the entry points call) for what it prints and returns,
+as a real subprocess where the process is the point (`python -m hf_mixedprec`, exit codes and stderr of the
+executable)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,27 @@ from hf_mixedprec.cli.app import main
 from hf_mixedprec.integrations.recipe import builtin_recipe_names, builtin_recipe_path, load_recipe_file
 
 
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread, as a test worker computes
+
+
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The real executable (``python -m hf_mixedprec.cli``)."""
     return subprocess.run(
-        [sys.executable, "-m", "hf_mixedprec.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=120
-    )
+        [sys.executable, "-m", "hf_mixedprec.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=120,
+        env=_env(),
+    )  # fmt: skip
+
+
+def call(capsys, *args: str) -> tuple[int, str, str]:
+    """``hf-mixedprec ARGS`` in this process: exit code (argparse's exits included), stdout, stderr."""
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # --help, --version and argparse's errors exit from inside the parser
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def test_recipes_json_lists_all_eleven(capsys):
@@ -43,10 +62,10 @@ def test_show_prints_resolved_recipe(capsys):
     assert t4["loss_scale"]["init_scale"] == 65536.0 and "extends" not in t4
 
 
-def test_detect_json_here_is_cpu():
-    r = run("detect", "--json")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+def test_detect_json_here_is_cpu(capsys):
+    code, stdout, stderr = call(capsys, "detect", "--json")
+    assert code == 0, stderr
+    out = json.loads(stdout)
     assert out["device"] == "cpu" and out["generation"] == "cpu"
     # cpu-bf16 where the CPU computes BF16 natively, cpu-fp32 where it emulates it (tests/recipes/test_cpu_bf16.py)
     assert out["recipe"] == ("cpu-bf16" if out["cpu_bf16"]["native"] else "cpu-fp32")
@@ -90,7 +109,7 @@ BROKEN = {
 }
 
 
-def test_validate_reports_each_broken_file_in_one_line(tmp_path):
+def test_validate_reports_each_broken_file_in_one_line(tmp_path, capsys, monkeypatch):
     marker = tmp_path / "executed"
     paths = []
     for fname, (text, _) in BROKEN.items():
@@ -98,22 +117,24 @@ def test_validate_reports_each_broken_file_in_one_line(tmp_path):
         paths.append(fname)
     good = tmp_path / "good.yaml"
     good.write_text("name: good\nextends: cpu-bf16\n")
-    r = run("validate", *paths, "good.yaml", cwd=tmp_path)
-    assert r.returncode == 2
-    assert "Traceback" not in r.stderr
-    lines = r.stderr.strip().splitlines()
+    monkeypatch.chdir(tmp_path)
+    code, stdout, stderr = call(capsys, "validate", *paths, "good.yaml")
+    assert code == 2
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
     assert len(lines) == len(BROKEN), lines
     for fname, (_, expected) in BROKEN.items():
         (line,) = [ln for ln in lines if ln.startswith(f"{fname}: ")]
         assert expected in line, line
-    assert "good.yaml: ok (good, bf16)" in r.stdout
+    assert "good.yaml: ok (good, bf16)" in stdout
     assert not marker.exists(), "a YAML tag was executed"
 
 
-def test_validate_all_good_exits_zero(tmp_path):
+def test_validate_all_good_exits_zero(tmp_path, capsys, monkeypatch):
     (tmp_path / "mine.yaml").write_text("name: mine\nextends: h100-fp8-delayed\nfp8: {margin: 1}\n")
-    r = run("validate", "mine.yaml", cwd=tmp_path)
-    assert r.returncode == 0 and "mine.yaml: ok (mine, fp8)" in r.stdout
+    monkeypatch.chdir(tmp_path)
+    code, stdout, _ = call(capsys, "validate", "mine.yaml")
+    assert code == 0 and "mine.yaml: ok (mine, fp8)" in stdout
 
 
 @pytest.mark.parametrize(
@@ -134,13 +155,26 @@ def test_validate_all_good_exits_zero(tmp_path):
         (["launch", "--recipe", "h100-fp8-delayed", __file__], "recipe 'h100-fp8-delayed' needs FP8"),
     ],
 )
-def test_user_mistakes_exit_2_with_one_line(args, expected):
-    r = run(*args)
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr
-    lines = r.stderr.strip().splitlines()
+def test_user_mistakes_exit_2_with_one_line(args, expected, capsys):
+    code, stdout, stderr = call(capsys, *args)
+    assert code == 2, (stdout, stderr)
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert expected in lines[0]
+
+
+def test_the_executable_exits_2_with_one_line_for_a_parser_error_and_a_refusal():
+    """The same, from the real executable: a parser error (argparse exits from inside ``main``) and a refusal
+    ``main`` returns 2 for; nothing else on stderr (no import noise)."""
+    for args, expected in (
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["launch", "--recipe", "cpu-bf16", "missing_script.py"], "SCRIPT: 'missing_script.py' not found"),
+    ):
+        r = run(*args)
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0], lines
 
 
 def test_schema_is_json(capsys):
@@ -150,17 +184,17 @@ def test_schema_is_json(capsys):
 
 
 @pytest.mark.slow
-def test_help_everywhere():
+def test_help_everywhere(capsys):
     for sub in ("recipes", "show", "validate", "schema", "detect", "launch"):
-        r = run(sub, "--help")
-        assert r.returncode == 0 and "usage:" in r.stdout, sub
+        code, stdout, _ = call(capsys, sub, "--help")
+        assert code == 0 and "usage:" in stdout, sub
 
 
-def test_version():
+def test_version(capsys):
     import hf_mixedprec
 
-    r = run("--version")
-    assert r.returncode == 0 and r.stdout == f"hf-mixedprec {hf_mixedprec.__version__}\n", (r.stdout, r.stderr)
+    code, stdout, stderr = call(capsys, "--version")
+    assert code == 0 and stdout == f"hf-mixedprec {hf_mixedprec.__version__}\n", (stdout, stderr)
 
 
 @pytest.mark.slow
@@ -170,8 +204,9 @@ def test_python_dash_m_hf_mixedprec(tmp_path):
 
     def pym(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "hf_mixedprec", *args], capture_output=True, text=True, cwd=tmp_path, timeout=120
-        )
+            [sys.executable, "-m", "hf_mixedprec", *args], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+            env=_env(),
+        )  # fmt: skip
 
     r = pym("--help")
     assert r.returncode == 0 and r.stdout.startswith("usage: hf-mixedprec ") and "finetune" in r.stdout
@@ -247,18 +282,22 @@ def test_report_on_a_malformed_health_json_is_one_line(tmp_path, capsys, doc, ex
 
 
 @pytest.mark.slow
-def test_launch_never_writes_over_a_users_file_and_cleans_its_temp_folder(tmp_path):
+def test_launch_never_writes_over_a_users_file_and_cleans_its_temp_folder(tmp_path, capfd, monkeypatch):
+    import tempfile
+
     script = tmp_path / "ok.py"
     script.write_text("import sys\nsys.exit(0)\n")
     mine = tmp_path / "cfg" / "recipe.yaml"
     mine.parent.mkdir()
     mine.write_text("name: mine\n")
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    cmd = [sys.executable, "-m", "hf_mixedprec.cli", "launch", "--recipe", "cpu-bf16"]
-    r = subprocess.run([*cmd, "--config-dir", str(mine.parent), str(script)], capture_output=True, text=True, env=env)
-    assert r.returncode == 2 and "already has recipe.yaml, which hf-mixedprec launch did not write" in r.stderr
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # for the launched processes
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # for this one (tempfile read TMPDIR once, long ago)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cmd = ["launch", "--recipe", "cpu-bf16"]
+    code, _, stderr = call(capfd, *cmd, "--config-dir", str(mine.parent), str(script))
+    assert code == 2 and "already has recipe.yaml, which hf-mixedprec launch did not write" in stderr
     assert mine.read_text() == "name: mine\n"
-    r = subprocess.run([*cmd, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "hf-mixedprec-launch-cpu-bf16-" in r.stderr  # it did use a temporary folder ...
+    code, _, stderr = call(capfd, *cmd, str(script))  # the launcher and the script: real processes
+    assert code == 0, stderr[-2000:]
+    assert "hf-mixedprec-launch-cpu-bf16-" in stderr  # it did use a temporary folder ...
     assert not list(tmp_path.glob("hf-mixedprec-launch-*"))  # ... and removed it

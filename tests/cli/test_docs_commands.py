@@ -12,8 +12,6 @@ from __future__ import annotations
 import ast
 import re
 import shlex
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -36,7 +34,6 @@ DOCS = [
         "modules",
     )
 ]
-CLI = [sys.executable, "-m", "hf_mixedprec.cli"]
 FENCE = re.compile(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```", re.S | re.M)  # also fences indented in list items
 
 
@@ -86,8 +83,11 @@ def test_docs_have_commands():
     assert {"finetune", "report", "launch", "simulate", "validate"} <= used, used
 
 
-def test_every_hf_mixedprec_command_and_flag_exists():
-    top = subprocess.run([*CLI, "--help"], capture_output=True, text=True, check=True).stdout
+def test_every_hf_mixedprec_command_and_flag_exists(capsys):
+    with pytest.raises(SystemExit) as done:  # `hf-mixedprec --help`, in this process
+        main(["--help"])
+    assert done.value.code == 0
+    top = capsys.readouterr().out
     subs = _subparsers()
     for doc, tokens in _commands("hf-mixedprec"):
         sub = tokens[1]
@@ -144,13 +144,15 @@ def doc_yaml(tmp_path_factory) -> Path:
     return folder
 
 
-def test_doc_recipes_validate(doc_yaml):
+def test_doc_recipes_validate(doc_yaml, monkeypatch, capsys):
     files = sorted(p.name for p in doc_yaml.glob("*.yaml"))
     good = [f for f in files if not f.startswith("broken")]
     assert len(good) >= 5, files
-    r = subprocess.run([*CLI, "validate", *good], cwd=doc_yaml, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.count(": ok (") == len(good)
+    monkeypatch.chdir(doc_yaml)  # in this process, as the broken ones below
+    code = main(["validate", *good])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.count(": ok (") == len(good)
 
 
 def test_doc_broken_recipes_fail(doc_yaml, monkeypatch, capsys):

@@ -133,10 +133,12 @@ def test_finetune_without_matplotlib_says_so_first_and_finishes_without_plots(tm
 
     from hf_mixedprec.cli.app import main
 
+    tiny_llama(vocab_size=512).save_pretrained(tmp_path / "base")  # what is tested is the report, not the model
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     out = tmp_path / "run"
+    args = ["--model", str(tmp_path / "base"), "--max-steps", "2", "--seq-len", "32", "--batch-size", "2"]
     with caplog.at_level(logging.WARNING, logger="hf_mixedprec"):
-        code = main(["finetune", "--output-dir", str(out), "--max-steps", "2", "--seq-len", "32", "--batch-size", "2"])
+        code = main(["finetune", "--output-dir", str(out), *args])
     assert code == 0
     said = [r.getMessage() for r in caplog.records if "matplotlib is not installed" in r.getMessage()]
     assert len(said) == 2  # once before training, once when the report is written
@@ -198,12 +200,16 @@ def test_a_deepspeed_recipe_on_a_trainer_without_deepspeed_is_refused(tmp_path, 
 # -- library use is quiet ----------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_import_and_a_one_line_trainer_run_print_nothing_from_us_or_our_backends(tmp_path):
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, "-c", "import hf_mixedprec"], capture_output=True, text=True, cwd=tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread, as a test worker computes
+    r = subprocess.run(
+        [sys.executable, "-c", "import hf_mixedprec"], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
     assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
     script = f"""
 import hf_mixedprec
@@ -215,7 +221,7 @@ args = r.training_args(output_dir={str(tmp_path / "out")!r}, max_steps=2, report
                        disable_tqdm=True, logging_steps=1)
 Trainer(model=tiny_llama(0), args=args, train_dataset=Bytes(n=8, seq_len=32), callbacks=r.callbacks()).train()
 """
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     # no torchao kernel-load lines, no torch Enum notes, no hf_mixedprec notes; on a CPU that emulates BF16, the one
     # line saying that this explicitly named BF16 recipe is slow here
@@ -232,6 +238,7 @@ Trainer(model=tiny_llama(0), args=args, train_dataset=Bytes(n=8, seq_len=32), ca
 def test_the_example_scripts_start_without_backend_noise():
     """The scripts a user copies import hf_mixedprec before transformers, so torchao's kernel-load lines and torch's
     Enum notes (printed when transformers imports torchao) are quieted as for `import hf_mixedprec`."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -239,7 +246,7 @@ def test_the_example_scripts_start_without_backend_noise():
     root = Path(__file__).resolve().parents[2]
     procs = [
         subprocess.Popen([sys.executable, str(root / "scripts" / s), "--help"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, cwd=root)
+                         stderr=subprocess.PIPE, text=True, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
         for s in ("finetune_trainer.py", "finetune_accelerate.py")
     ]  # fmt: skip
     for proc in procs:

@@ -16,9 +16,18 @@ from hf_mixedprec.core.demo import builtin_text, byte_batches, tiny_llama
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 #: Shapes small enough that a BF16 or FP16 run stays quick on a CPU that emulates 16-bit GEMMs (tests check what
-#: compare does, not how fast): 4 blocks of 32 tokens a step instead of the default 8 of 128.
+#: compare does, not how fast): 4 blocks of 32 tokens a step instead of the default 8 of 128, on the tiny Llama.
 SMALL = {"seq_len": 32, "batch_size": 4}
 SMALL_ARGS = ["--seq-len", "32", "--batch-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The test suite's tiny Llama (FP32, 2 blocks), with room for the byte-level tokenizer compare trains."""
+    d = tmp_path_factory.mktemp("tiny-model")
+    tiny_llama(0, vocab_size=512).save_pretrained(d)
+    return str(d)
+
 
 BROKEN_FP16 = """\
 name: broken-fp16
@@ -28,10 +37,11 @@ loss_scale: {init_scale: 1.0e-6, min_scale: 1.0e-6, growth_interval: 1000000}
 
 
 @pytest.mark.slow
-def test_a_recipe_compared_with_itself_has_zero_gap_and_the_same_start_and_batches(tmp_path):
+def test_a_recipe_compared_with_itself_has_zero_gap_and_the_same_start_and_batches(tiny_dir, tmp_path):
     res = run_compare(
-        ["fp32", "cpu-bf16"], baseline="fp32", max_steps=4, output_dir=tmp_path, fidelity_points=2, **SMALL
-    )
+        ["fp32", "cpu-bf16"], baseline="fp32", model=tiny_dir, max_steps=4, output_dir=tmp_path, fidelity_points=2,
+        **SMALL,
+    )  # fmt: skip
     base, same, bf16 = res.baseline, res.runs[0], res.runs[1]
     # identical initial weights and the same batches in the same order, in every run
     assert base.init_digest == same.init_digest == bf16.init_digest
@@ -41,7 +51,7 @@ def test_a_recipe_compared_with_itself_has_zero_gap_and_the_same_start_and_batch
     assert same.loss_gap_abs == [0.0] * 4 and same.final_delta_pct == 0.0
     assert sorted(same.fidelity) == [1, 2, 4]
     for layers in same.fidelity.values():
-        assert len(layers) == 30  # 28 Linears, embeddings and lm_head of the small Llama
+        assert len(layers) == 16  # 14 Linears, embeddings and lm_head of the tiny Llama
         assert all(f.cosine == pytest.approx(1.0, abs=1e-12) and f.sqnr_db == math.inf for f in layers.values())
     # held-out loss at the sampled steps, the same for both FP32 runs; the last one is the final eval loss
     assert sorted(same.eval_curve) == [1, 2, 4] and same.eval_gap_abs == {1: 0.0, 2: 0.0, 4: 0.0}
@@ -62,8 +72,10 @@ def test_a_recipe_compared_with_itself_has_zero_gap_and_the_same_start_and_batch
 
 
 @pytest.mark.slow
-def test_cpu_bf16_compared_with_itself_as_baseline_has_zero_gap(tmp_path):
-    res = run_compare(["cpu-bf16"], baseline="cpu-bf16", max_steps=3, output_dir=tmp_path, fidelity_points=1, **SMALL)
+def test_cpu_bf16_compared_with_itself_as_baseline_has_zero_gap(tiny_dir, tmp_path):
+    res = run_compare(
+        ["cpu-bf16"], baseline="cpu-bf16", model=tiny_dir, max_steps=3, output_dir=tmp_path, fidelity_points=1, **SMALL
+    )
     assert res.runs[0].loss_gap_abs == [0.0] * 3 and res.runs[0].final_delta_pct == 0.0
 
 
@@ -93,20 +105,21 @@ def test_gradient_fidelity_matches_a_direct_computation():
 
 
 @pytest.mark.slow
-def test_exit_codes_pass_fail_and_bad_input(tmp_path, capsys):
+def test_exit_codes_pass_fail_and_bad_input(tiny_dir, tmp_path, capsys):
     from hf_mixedprec.recipes.loader import resolve_auto
 
     # exit codes, not BF16 numerics: the recipe auto picks (cpu-bf16 where the CPU computes BF16 natively, else fp32)
-    argv = ["compare", "--recipes", "auto", "--max-steps", "3", *SMALL_ARGS, "--output-dir", str(tmp_path / "a")]
+    small = ["--model", tiny_dir, *SMALL_ARGS]
+    argv = ["compare", "--recipes", "auto", "--max-steps", "3", *small, "--output-dir", str(tmp_path / "a")]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert f"| {resolve_auto()[0]} | native |" in out and "PASS" in out
 
     broken = tmp_path / "broken-fp16.yaml"
     broken.write_text(BROKEN_FP16)
-    code = main(
-        ["compare", "--recipes", str(broken), "--max-steps", "12", *SMALL_ARGS, "--output-dir", str(tmp_path / "b")]
-    )
+    # a learning rate at which the tiny Llama's baseline learns in 12 steps (the default for --model is 5e-5)
+    argv = ["compare", "--recipes", str(broken), "--max-steps", "12", *small, "--lr", "1e-2"]
+    code = main([*argv, "--output-dir", str(tmp_path / "b")])
     out = capsys.readouterr().out
     assert code == EXIT_FAILED
     assert "**broken-fp16: FAIL**" in out and "from the baseline's" in out

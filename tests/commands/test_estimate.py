@@ -7,6 +7,7 @@ peak of what autograd saves for backward, recorded here by the test's own hook) 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import weakref
@@ -254,7 +255,9 @@ def test_cli_estimates_an_8b_config_in_seconds_without_its_weights(tmp_path):
     )
     args = ["estimate", "--model", model, "--recipes", "a100-bf16,h100-fp8-delayed", "--batch-size", "1"]
     args += ["--seq-len", "4096", "--gpu", "h100-80gb", "--gpu", "h200-141gb", "--json"]
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    # a fresh process (its peak RSS is what is measured), on one thread as a test worker computes
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     elapsed, rss_kib = (float(x) for x in proc.stderr.rsplit("ELAPSED ", 1)[1].split(" RSS "))

@@ -1,33 +1,77 @@
-"""`hf-mixedprec finetune`: the embedded default, local models and data, and one-line errors for user mistakes."""
+"""`hf-mixedprec finetune`: the embedded default, local models and data, and one-line errors for user mistakes.
+
+The command runs in this process (``hf_mixedprec.cli.app.main``, what the entry point calls) except where the
+process is what is tested: Ctrl-C (SIGINT) and the printed resume commands, run as printed."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_accelerate_state")]
 
 FAST = ["--max-steps", "12", "--seq-len", "32", "--batch-size", "4", "--logging-steps", "3"]
 
 
+def _env() -> dict[str, str]:
+    """A spawned run computes on one thread, as a test worker does: on a CPU shared with other workers, torch's
+    threads mostly wait on each other (a tiny model's step then takes seconds)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def _finetune(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "hf_mixedprec.cli", "finetune", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd, env=_env())
+
+
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    """``hf-mixedprec finetune ARGS`` in this process: exit code, stdout, stderr."""
+    from hf_mixedprec.cli.app import main
+
+    capsys.readouterr()
+    code = main(["finetune", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory) -> Path:
+    """The embedded default (built-in data, a small Llama built from a config, the recipe auto picks), short."""
+    from accelerate.state import AcceleratorState
+
+    from hf_mixedprec.cli.app import main
+
     out = tmp_path_factory.mktemp("ft") / "default"
-    r = _finetune("--output-dir", str(out), "--json", *FAST)
-    assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads(r.stdout)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            # one checkpoint and one evaluation (at the end) instead of one every 3 steps
+            code = main(["finetune", "--output-dir", str(out), "--json", *FAST, "--save-steps", "12"])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert code == 0, stderr.getvalue()[-3000:]
+    summary = json.loads(stdout.getvalue())
     assert summary == json.loads((out / "summary.json").read_text())
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny Llama (FP32, no tokenizer: finetune trains one on the data) for runs whose model size is no matter."""
+    from hf_mixedprec.core.demo import tiny_llama
+
+    d = tmp_path_factory.mktemp("tiny") / "base"
+    tiny_llama(vocab_size=512).save_pretrained(d)
+    return d
 
 
 def test_default_run_learns_and_writes_the_report(default_run):
@@ -72,25 +116,25 @@ def test_report_rebuilds_the_plots(default_run, capsys):
     assert "is not a directory" in capsys.readouterr().err
 
 
-def test_local_model_and_jsonl_data(default_run, tmp_path):
+def test_local_model_and_jsonl_data(default_run, tmp_path, capsys):
     data = tmp_path / "train.jsonl"
     rows = [{"body": f"Example {i}: the quick brown fox jumps over the lazy dog, then rests. " * 3} for i in range(60)]
     rows += [{"body": ""}, {"body": None}, {"other": "x"}]  # skipped: not a non-empty string
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "run"
-    r = _finetune(
-        "--model", str(default_run), "--data", str(data), "--text-field", "body", "--lr", "1e-3",
+    code, stdout, stderr = _main(
+        capsys, "--model", str(default_run), "--data", str(data), "--text-field", "body", "--lr", "1e-3",
         "--output-dir", str(out), "--json", "--no-save", *FAST,
     )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    s = json.loads(r.stdout)
+    assert code == 0, stderr[-3000:]
+    s = json.loads(stdout)
     assert s["model"].startswith(str(default_run)) and s["tokenizer"].startswith(f"the tokenizer in {default_run}")
     assert s["examples"] == 60 and s["examples_skipped"] == 3
     assert s["loss_last"] < s["loss_first"]  # repetitive text: learnt quickly
     assert not (out / "model.safetensors").exists()
 
 
-def test_save_to_disk_and_text_file(tmp_path):
+def test_save_to_disk_and_text_file(tiny_dir, tmp_path, capsys):
     import datasets
 
     text = "\n\n".join(f"Paragraph {i}. " + "Sing, muse, of numbers small and large. " * 4 for i in range(80))
@@ -98,9 +142,12 @@ def test_save_to_disk_and_text_file(tmp_path):
     datasets.Dataset.from_dict({"text": text.split("\n\n")}).save_to_disk(str(tmp_path / "ds"))
     for data, n in ((tmp_path / "prose.txt", 80), (tmp_path / "ds", 80)):
         out = tmp_path / f"out-{data.name}"  # one run per folder (a folder with another run is refused)
-        r = _finetune("--data", str(data), "--output-dir", str(out), "--json", "--no-save", *FAST)
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert json.loads(r.stdout)["examples"] == n
+        args = ["--model", str(tiny_dir), "--max-steps", "2", "--seq-len", "32", "--batch-size", "4"]
+        code, stdout, stderr = _main(
+            capsys, "--data", str(data), "--output-dir", str(out), "--json", "--no-save", *args
+        )
+        assert code == 0, stderr[-3000:]
+        assert json.loads(stdout)["examples"] == n
 
 
 @pytest.mark.parametrize(
@@ -135,32 +182,32 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path, capsys, make, args, exp
     assert not (tmp_path / "out").exists()  # nothing written on a mistake
 
 
-def test_unknown_file_type_exits_2_without_traceback(tmp_path):
+def test_unknown_file_type_exits_2_without_traceback(tmp_path, capsys):
     (tmp_path / "x.xlsx").write_text("a")
-    r = _finetune("--data", str(tmp_path / "x.xlsx"), "--output-dir", str(tmp_path / "out"))
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines() == [
+    code, _, stderr = _main(capsys, "--data", str(tmp_path / "x.xlsx"), "--output-dir", str(tmp_path / "out"))
+    assert code == 2 and "Traceback" not in stderr
+    assert stderr.strip().splitlines() == [
         f"hf-mixedprec: error: --data: '{tmp_path}/x.xlsx' has an unknown file type '.xlsx' (allowed: a .txt, "
         ".jsonl, .json, .csv or .parquet file, or a datasets save_to_disk folder)"
     ]
 
 
-def test_fp16_collapse_falls_back_to_bf16_and_finishes(tmp_path):
+def test_fp16_collapse_falls_back_to_bf16_and_finishes(tiny_dir, tmp_path, capsys):
     # an init scale far above what FP16 can hold overflows every step: the scale backs off without
     # growing (a death spiral), the fallback reaction stops with a checkpoint, and finetune goes on from it
-    # under the BF16 recipe this machine has
+    # under the BF16 recipe this machine has (a tiny model: FP16 and BF16 are emulated on most CPUs)
     recipe = tmp_path / "hot.yaml"
     recipe.write_text(
         "name: hot-fp16\nextends: v100-fp16\nloss_scale: {init_scale: 1.0e+12}\n"
         "health: {detectors: {death_spiral: {threshold: 4, window: 10, reaction: fallback}}}\n"
     )
     out = tmp_path / "run"
-    r = _finetune(
-        "--recipe", str(recipe), "--rehearse", "--max-steps", "12", "--seq-len", "32", "--batch-size", "2",
-        "--logging-steps", "2", "--output-dir", str(out), "--no-save", "--json",
+    code, stdout, stderr = _main(
+        capsys, "--recipe", str(recipe), "--rehearse", "--model", str(tiny_dir), "--lr", "1e-2", "--max-steps", "12",
+        "--seq-len", "32", "--batch-size", "4", "--logging-steps", "2", "--output-dir", str(out), "--no-save", "--json",
     )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    s = json.loads(r.stdout)
+    assert code == 0, stderr[-3000:]
+    s = json.loads(stdout)
     # found at the step-6 check (checks run on logging steps), so the checkpoint is checkpoint-6
     assert s["fallback"] == {
         "from": "hot-fp16",
@@ -180,7 +227,7 @@ def test_fp16_collapse_falls_back_to_bf16_and_finishes(tmp_path):
     assert all(math.isnan(grad[k]) for k in (2, 4, 6)) and all(math.isfinite(grad[k]) for k in (8, 10, 12))
 
 
-def test_health_stop_exits_3_with_the_resume_command_that_works(tmp_path):
+def test_health_stop_exits_3_with_the_resume_command_that_works(tmp_path, capsys, monkeypatch):
     """A `stop` reaction: exit code 3, the checkpoint and the exact command to resume; that command resumes."""
     import shlex
 
@@ -193,16 +240,17 @@ def test_health_stop_exits_3_with_the_resume_command_that_works(tmp_path):
     )
     args = ["--recipe", "hot.yaml", "--rehearse", "--model", "base", "--lr", "1e-3", "--max-steps", "8"]
     args += ["--seq-len", "32", "--batch-size", "2", "--logging-steps", "2", "--output-dir", "run", "--no-save"]
-    r = _finetune(*args, "--json", cwd=tmp_path)
-    assert r.returncode == 3, r.stderr[-3000:]
-    s = json.loads(r.stdout)
+    monkeypatch.chdir(tmp_path)  # the paths given are relative, as the printed command's are
+    code, stdout, stderr = _main(capsys, *args, "--json")
+    assert code == 3, stderr[-3000:]
+    s = json.loads(stdout)
     assert s["steps"] == 6 and s["stopped"].startswith("health: step 5: death_spiral: ")
     assert (
         s["resume_from"] == "run/checkpoint-6" and (tmp_path / "run" / "checkpoint-6" / "trainer_state.json").is_file()
     )
     command = shlex.join(["hf-mixedprec", "finetune", *args, "--json", "--resume", "run/checkpoint-6"])
     assert s["resume_command"] == command
-    assert r.stderr.strip().splitlines()[-2:] == [
+    assert stderr.strip().splitlines()[-2:] == [
         "hf-mixedprec: STOPPED by a health reaction at step 6 (exit code 3); checkpoint run/checkpoint-6",
         f"hf-mixedprec: resume with: {command}",
     ]
@@ -213,10 +261,15 @@ def test_health_stop_exits_3_with_the_resume_command_that_works(tmp_path):
     # the printed command, run as printed (`python -m hf_mixedprec` stands for the hf-mixedprec script)
     tokens = shlex.split(command)
     again = subprocess.run(
-        [sys.executable, "-m", "hf_mixedprec", *tokens[1:]], capture_output=True, text=True, timeout=300, cwd=tmp_path
+        [sys.executable, "-m", "hf_mixedprec", *tokens[1:]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=_env(),
     )
     assert again.returncode == 0, again.stderr[-3000:]  # steps 7-8: too few for the fresh detector window
-    s2 = json.loads(again.stdout)
+    s2 = json.loads(again.stdout)  # the real process's stdout holds the JSON only
     assert s2["steps"] == 8 and s2["stopped"] is None and s2["resume_command"] is None
     assert "resumed after a health stop" in again.stderr
 
@@ -238,22 +291,24 @@ def test_deepspeed_recipe_without_a_deepspeed_launch_is_refused(tmp_path, capsys
     assert not out.exists()
 
 
-def test_sigint_saves_a_checkpoint_and_the_resumed_run_ends_bitwise_as_an_uninterrupted_one(tmp_path):
+def test_sigint_saves_a_checkpoint_and_the_resumed_run_ends_bitwise_as_an_uninterrupted_one(tiny_dir, tmp_path):
     """Ctrl-C (SIGINT) mid-run: exit 130, a checkpoint of the step it stopped at, the resume command printed;
-    that command finishes the run with the same weights, bit for bit, as a run that was never interrupted."""
+    that command finishes the run with the same weights, bit for bit, as a run that was never interrupted.
+    (Three real processes, a tiny model: the signal and the printed command are what is tested.)"""
     import os
     import shlex
     import signal
 
     from safetensors.torch import load_file
 
-    args = ["--max-steps", "40", "--seq-len", "32", "--batch-size", "4", "--logging-steps", "2", "--save-steps", "100"]
+    args = ["--model", str(tiny_dir), "--max-steps", "40", "--seq-len", "32", "--batch-size", "4"]
+    args += ["--logging-steps", "2", "--save-steps", "100"]
     straight = _finetune("--output-dir", str(tmp_path / "straight"), *args)
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     out = tmp_path / "cut"
     cmd = [sys.executable, "-m", "hf_mixedprec.cli", "finetune", "--output-dir", str(out), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     lines = []
     for line in proc.stderr:  # interrupt once training is under way
         lines.append(line)
@@ -270,7 +325,7 @@ def test_sigint_saves_a_checkpoint_and_the_resumed_run_ends_bitwise_as_an_uninte
     tokens = shlex.split(resume_line.split("resume with: ", 1)[1])
     assert tokens[:2] == ["hf-mixedprec", "finetune"]  # what a user types; run here through this interpreter
     resumed = subprocess.run(
-        [sys.executable, "-m", "hf_mixedprec.cli", *tokens[1:]], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "hf_mixedprec.cli", *tokens[1:]], capture_output=True, text=True, timeout=300, env=_env()
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a = load_file(str(tmp_path / "straight" / "model.safetensors"))
@@ -285,7 +340,9 @@ def torch_equal(x, y) -> bool:
     return bool(torch.equal(x, y))
 
 
-def test_an_output_folder_with_another_run_is_refused_unless_overwrite_or_resume(default_run, tmp_path, capsys):
+def test_an_output_folder_with_another_run_is_refused_unless_overwrite_or_resume(
+    default_run, tiny_dir, tmp_path, capsys
+):
     import shutil
 
     from hf_mixedprec.cli.app import main
@@ -301,11 +358,13 @@ def test_an_output_folder_with_another_run_is_refused_unless_overwrite_or_resume
         shutil.rmtree(ckpt)
     assert main(["finetune", "--output-dir", str(run), "--resume", "latest", *FAST]) == 2  # no checkpoint to take
     assert "has no checkpoint-N folder" in capsys.readouterr().err
-    r = _finetune("--output-dir", str(run), "--overwrite", *FAST)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "--overwrite: removed the previous run's summary.json" in r.stderr
+    # a run of 2 steps (the one removed had 12): the summary left is the new run's
+    args = ["--model", str(tiny_dir), "--max-steps", "2", "--seq-len", "32", "--batch-size", "4"]
+    code, _, stderr = _main(capsys, "--output-dir", str(run), "--overwrite", *args)
+    assert code == 0, stderr[-3000:]
+    assert "--overwrite: removed the previous run's summary.json" in stderr
     assert (run / "notes.txt").read_text() == "mine"  # only the run's own files are removed
-    assert json.loads((run / "summary.json").read_text())["steps"] == 12
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
 
 
 def test_report_prints_the_summary_finetune_printed(default_run, capsys):

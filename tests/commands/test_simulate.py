@@ -3,28 +3,33 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from hf_mixedprec.cli.app import main
 from hf_mixedprec.commands.simulate import simulate
 from hf_mixedprec.core.demo import tiny_llama
 from hf_mixedprec.integrations.recipe import load_recipe_file, resolve_recipe
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hf_mixedprec.cli", "simulate", *args], capture_output=True, text=True, timeout=300
-    )
+def run(capfd, *args: str) -> tuple[int, str, str]:
+    """``hf-mixedprec simulate ARGS`` in this process (what the entry point calls): exit code, stdout, stderr, read at
+    the file descriptors as a subprocess's would be."""
+    capfd.readouterr()
+    code = main(["simulate", *args])
+    out, err = capfd.readouterr()
+    return code, out, err
 
 
 @pytest.mark.slow
-def test_simulate_json_is_machine_readable_and_consistent():
-    r = run("--recipe", "b200-mxfp8", "--steps", "6", "--seq-len", "32", "--batch-size", "2", "--json")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+def test_simulate_json_is_machine_readable_and_consistent(tmp_path, capfd):
+    # a 4-block tiny Llama (the default model's 4 blocks of 7 Linears, narrower): JSON, not model size, is tested
+    tiny_llama(num_hidden_layers=4).save_pretrained(tmp_path / "m")
+    argv = ["--recipe", "b200-mxfp8", "--model", str(tmp_path / "m"), "--steps", "6", "--seq-len", "32"]
+    code, stdout, stderr = run(capfd, *argv, "--batch-size", "2", "--json")
+    assert code == 0, stderr
+    out = json.loads(stdout)
     assert out["recipe"] == "b200-mxfp8" and out["scaling"] == "mxfp8" and out["backend"] == "emulated"
     assert len(out["loss"]["fp8"]) == 6 and len(out["loss"]["bf16"]) == 6
     assert out["loss"]["fp8"][-1] < out["loss"]["fp8"][0]
@@ -42,15 +47,16 @@ def test_simulate_json_is_machine_readable_and_consistent():
 
 
 @pytest.mark.slow
-def test_simulate_table_and_outlier_is_recommended(tmp_path):
+def test_simulate_table_and_outlier_is_recommended(tmp_path, capfd):
     # a local save_pretrained model whose one layer sees a huge activation outlier
     model = tiny_llama(hidden_size=64, intermediate_size=128)
     with torch.no_grad():
         model.model.layers[1].post_attention_layernorm.weight[5] = 2000.0
     model.save_pretrained(tmp_path / "m")
-    r = run("--recipe", "h100-fp8-current", "--model", str(tmp_path / "m"), "--steps", "4", "--seq-len", "32")
-    assert r.returncode == 0, r.stderr
-    out = r.stdout
+    code, out, err = run(
+        capfd, "--recipe", "h100-fp8-current", "--model", str(tmp_path / "m"), "--steps", "4", "--seq-len", "32"
+    )
+    assert code == 0, err
     assert "simulate: recipe h100-fp8-current (scaling=current" in out
     assert "model.layers.1.mlp.up_proj" in out and "recommend keeping in BF16:" in out
     res = simulate(load_recipe_file("h100-fp8-current"), model_dir=str(tmp_path / "m"), steps=4, seq_len=32)
@@ -76,10 +82,10 @@ def test_simulate_table_and_outlier_is_recommended(tmp_path):
         (["--recipe", "nope"], "nope: no such recipe"),
     ],
 )
-def test_simulate_mistakes_exit_2(args, expected):
-    r = run(*args)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert expected in r.stderr.strip().splitlines()[-1]
+def test_simulate_mistakes_exit_2(args, expected, capfd):
+    code, _, err = run(capfd, *args)
+    assert code == 2 and "Traceback" not in err
+    assert expected in err.strip().splitlines()[-1]
 
 
 def test_simulate_refuses_non_fp8_in_python():

@@ -254,7 +254,7 @@ def test_zero3_with_two_gloo_ranks_saves_a_loadable_model(tmp_path):
     base = tmp_path / "base"
     tiny_llama(vocab_size=512).save_pretrained(base)  # no tokenizer: finetune trains a 512-token one
     recipe = tmp_path / "cpu-zero3.yaml"
-    recipe.write_text("name: cpu-zero3\nextends: cpu-bf16\ndistributed: {strategy: deepspeed, zero_stage: 3}\n")
+    recipe.write_text("name: cpu-zero3\nextends: cpu-fp32\ndistributed: {strategy: deepspeed, zero_stage: 3}\n")
     out, cfg = tmp_path / "run", tmp_path / "cfg"
     r = _cli(
         "--recipe", str(recipe), "--num-processes", "2", "--config-dir", str(cfg), str(REPO / "hf_mixedprec" / "cli" / "finetune.py"),

@@ -100,22 +100,22 @@ def test_estimate_prepares_the_plans_model_module_by_module_and_counts_its_bytes
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["a100-bf16", "h100-fp8-current", "examples/recipes/storage-bf16_remainder.yaml"])
-def test_plan_command_prints_what_the_model_holds_after_attach(tmp_path, recipe):
+def test_plan_command_prints_what_the_model_holds_after_attach(tmp_path, recipe, capfd):
     """``hf-mixedprec plan --model DIR`` (the config only, on the meta device) lists, per module, the dtypes and the
     FP8 layers a BF16 checkpoint of a tiny Llama really gets when the recipe is attached to it."""
     import json
-    import subprocess
-    import sys
 
     from transformers import AutoModelForCausalLM
 
+    from hf_mixedprec.cli.app import main
     from hf_mixedprec.core.demo import tiny_llama as build
 
     build(0).to(torch.bfloat16).save_pretrained(tmp_path)
-    cmd = [sys.executable, "-m", "hf_mixedprec", "plan", "--recipe", recipe, "--model", str(tmp_path), "--json"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout)  # stdout holds the JSON only
+    capfd.readouterr()
+    code = main(["plan", "--recipe", recipe, "--model", str(tmp_path), "--json"])  # in this process
+    stdout, stderr = capfd.readouterr()  # read at the file descriptors, as a subprocess's output would be
+    assert code == 0, stderr[-2000:]
+    out = json.loads(stdout)  # stdout holds the JSON only
     rows = {r["name"]: r for r in out["modules"]}
     assert "model.layers.[0-1].mlp.up_proj" in rows  # the two blocks collapse
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -142,12 +142,10 @@ def test_plan_command_prints_what_the_model_holds_after_attach(tmp_path, recipe)
         (["--recipe", "a100-bf16", "--config", "/nonexistent.json"], "--config: '/nonexistent.json' is not a file"),
     ],
 )
-def test_plan_command_refuses_bad_input_in_one_line(args, message):
-    import subprocess
-    import sys
+def test_plan_command_refuses_bad_input_in_one_line(args, message, capsys):
+    from hf_mixedprec.cli.app import main
 
-    r = subprocess.run(
-        [sys.executable, "-m", "hf_mixedprec", "plan", *args], capture_output=True, text=True, timeout=120
-    )
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert message in r.stderr and "Traceback" not in r.stderr
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert message in err and "Traceback" not in err

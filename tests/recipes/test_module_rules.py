@@ -7,9 +7,6 @@ the dtype each parameter is kept in and the dtype each module's output has under
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import yaml
@@ -26,7 +23,16 @@ from hf_mixedprec.recipes.module_rules import assign_rules
 from hf_mixedprec.recipes.modules_config import ModuleRule
 from tests.integrations.test_integration import Bytes
 
-CLI = [sys.executable, "-m", "hf_mixedprec.cli"]
+
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``hf-mixedprec ARGS`` in this process (``main``, what the entry point calls): exit code, stdout, stderr."""
+    from hf_mixedprec.cli.app import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
 
 #: One rule of every kind on a 4-block tiny Llama (first match wins, so the order is part of the test).
 RULES = [
@@ -319,23 +325,23 @@ def test_under_deepspeed_a_compute_rule_is_refused_or_left_out_loudly():
         ({"match": "*.mlp", "fp8": "off", "colour": 1}, "h100-fp8-current", "modules.0.colour"),
     ],
 )
-def test_validate_refuses_bad_rules_in_one_line_with_exit_2(tmp_path, rule, extends, expected):
+def test_validate_refuses_bad_rules_in_one_line_with_exit_2(tmp_path, capsys, rule, extends, expected):
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump({"name": "r", "extends": extends, "modules": [rule]}))
-    r = subprocess.run([*CLI, "validate", str(path)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert expected in r.stderr and "Traceback" not in r.stderr
+    code, out, err = _cli(capsys, "validate", str(path))
+    assert code == 2, out + err
+    assert expected in err and "Traceback" not in err
 
 
 @pytest.mark.slow
-def test_plan_refuses_a_rule_matching_nothing_with_exit_2(tmp_path):
+def test_plan_refuses_a_rule_matching_nothing_with_exit_2(tmp_path, capsys):
     path = tmp_path / "r.yaml"
     path.write_text(
         yaml.safe_dump({"name": "r", "extends": "h100-fp8-current", "modules": [{"match": "lm_haed", "fp8": "on"}]})
     )
-    r = subprocess.run([*CLI, "plan", "--recipe", str(path)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "modules.0.match" in r.stderr and "closest names: lm_head" in r.stderr
+    code, _, err = _cli(capsys, "plan", "--recipe", str(path))
+    assert code == 2 and "Traceback" not in err
+    assert "modules.0.match" in err and "closest names: lm_head" in err
 
 
 def test_old_keep_keys_still_load_as_rules_with_a_note():
@@ -409,29 +415,27 @@ def test_fp8_statistics_are_read_per_rule_group(tmp_path):
         ([{"match": f"x{i}", "fp8": "off"} for i in range(300)], "modules: 300 items (allowed: at most 256)"),
     ],
 )
-def test_hostile_modules_sections_are_one_line_problems(tmp_path, modules, expected):
+def test_hostile_modules_sections_are_one_line_problems(tmp_path, capsys, modules, expected):
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump({"name": "r", "extends": "a100-bf16", "modules": modules}))
-    r = subprocess.run([*CLI, "validate", str(path)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert expected in r.stderr
+    code, _, err = _cli(capsys, "validate", str(path))
+    assert code == 2 and "Traceback" not in err
+    assert expected in err
 
 
 @pytest.mark.slow
-def test_plan_prints_what_rows_cannot_show_and_the_tied_lm_head(tmp_path):
+def test_plan_prints_what_rows_cannot_show_and_the_tied_lm_head(tmp_path, capsys):
     path = tmp_path / "r.yaml"
     rules = [{"name": "norms_fp32", "select": "norms", "compute": "fp32", "required": False}]
     data = {"name": "r", "extends": "a100-bf16", "distributed": {"strategy": "fsdp2"}, "modules": rules}
     path.write_text(yaml.safe_dump(data))
     cfg = "examples/model_configs/tiny-gpt2/config.json"
-    r = subprocess.run(
-        [*CLI, "plan", "--recipe", str(path), "--config", cfg], capture_output=True, text=True, timeout=120
-    )
-    assert r.returncode == 0, r.stderr
-    assert "notes:\n  NOT APPLIED: modules rule norms_fp32 (select norms: compute fp32) matches 9 module(s)" in r.stdout
+    code, out, err = _cli(capsys, "plan", "--recipe", str(path), "--config", cfg)
+    assert code == 0, err
+    assert "notes:\n  NOT APPLIED: modules rule norms_fp32 (select norms: compute fp32) matches 9 module(s)" in out
     # the rule was left out: the norms compute as the recipe says; GPT-2's LM head (tied to wte) still has its row
-    assert "| transformer.ln_f | LayerNorm | 128 | bf16 | fp32 | fp32 weight | autocast op policy |" in r.stdout
-    assert "| lm_head | Linear | 0 | tied | tied | tied | bf16 (autocast) | precision bf16 |" in r.stdout
+    assert "| transformer.ln_f | LayerNorm | 128 | bf16 | fp32 | fp32 weight | autocast op policy |" in out
+    assert "| lm_head | Linear | 0 | tied | tied | tied | bf16 (autocast) | precision bf16 |" in out
 
 
 @pytest.mark.slow

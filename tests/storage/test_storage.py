@@ -3,9 +3,6 @@ point putting them into effect on a model loaded in BF16 (what transformers 5 do
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import yaml
@@ -198,15 +195,16 @@ def test_state_dict_round_trip_keeps_dtypes_and_the_rounding_generator():
         ({"seed": 1}, "storage.seed: only applies to master bf16_stochastic"),
     ],
 )
-def test_validate_names_the_key_the_value_and_what_is_allowed(tmp_path, storage, message):
+def test_validate_names_the_key_the_value_and_what_is_allowed(tmp_path, capsys, storage, message):
+    from hf_mixedprec.cli.app import main
+
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"name": "bad", "extends": "a100-bf16", "storage": storage}))
-    r = subprocess.run(
-        [sys.executable, "-m", "hf_mixedprec", "validate", str(path)], capture_output=True, text=True, timeout=120
-    )
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert message in r.stdout + r.stderr
-    assert "Traceback" not in r.stderr
+    code = main(["validate", str(path)])  # `hf-mixedprec validate`, in this process
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert message in out + err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize(
@@ -471,21 +469,26 @@ def test_an_optimizer_family_the_recipe_does_not_name_is_refused(bf16_dir, tmp_p
 
 
 @pytest.mark.slow
-def test_finetune_loads_a_bf16_checkpoint_as_saved_and_the_report_says_what_training_kept(tmp_path):
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_finetune_loads_a_bf16_checkpoint_as_saved_and_the_report_says_what_training_kept(
+    tmp_path, capsys, monkeypatch
+):
     """``finetune --model`` of a BF16 checkpoint: the FP32 master is made (and said) by the recipe's storage; the
     saved model and health.json agree on the dtypes."""
     import json
 
-    from tests.commands.test_finetune import _finetune
+    from hf_mixedprec.cli.app import main
 
     tiny_llama(vocab_size=512).to(torch.bfloat16).save_pretrained(tmp_path / "base")
+    monkeypatch.chdir(tmp_path)  # `hf-mixedprec finetune` in this process, from the folder holding the model
     for recipe, kept in (("a100-bf16", "fp32"),):
         out = f"run-{kept}"
         args = ["--recipe", recipe, "--rehearse", "--model", "base", "--lr", "1e-5", "--max-steps", "4"]
         args += ["--seq-len", "32", "--batch-size", "2", "--logging-steps", "2", "--output-dir", out]
-        r = _finetune(*args, cwd=tmp_path)
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert "(loaded in bfloat16)" in r.stderr
+        code = main(["finetune", *args])
+        err = capsys.readouterr().err
+        assert code == 0, err[-3000:]
+        assert "(loaded in bfloat16)" in err
         health = json.loads((tmp_path / out / "health.json").read_text())
         (group,) = health["storage"]["groups"]
         assert (group["loaded"], group["weight"]) == ("bf16", kept)

@@ -3,9 +3,6 @@ and the Accelerate plugin, with weights untouched by a switch and resume across 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import yaml
@@ -182,18 +179,19 @@ def test_an_invalid_phase_list_is_refused_with_its_key(text, message):
     assert message in str(err.value)
 
 
-def test_the_cli_refuses_an_invalid_phase_list_with_exit_2_and_one_line(tmp_path):
+def test_the_cli_refuses_an_invalid_phase_list_with_exit_2_and_one_line(tmp_path, capsys):
+    from hf_mixedprec.cli.app import main
+
     bad = tmp_path / "bad.yaml"
     bad.write_text(
         "name: bad\nextends: h100-fp8-delayed\n"
         "phases: [{start: 0, precision: bf16}, {start: 0.9, precision: fp8}, {start: 0.5, precision: bf16}]\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "hf_mixedprec", "validate", str(bad)], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert "phases.2.start: 0.5 is not after phases.1.start 0.9" in proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    code = main(["validate", str(bad)])  # `hf-mixedprec validate`, in this process
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "phases.2.start: 0.5 is not after phases.1.start 0.9" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 # -- the Trainer callback -------------------------------------------------------------------------------------------
