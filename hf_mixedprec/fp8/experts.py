@@ -528,7 +528,8 @@ def converted_experts(model: nn.Module) -> list[str]:
 
 def restore_experts(model: nn.Module) -> list[str]:
     """Undo :func:`convert_experts`: the experts compute in high precision through the implementation their config
-    had before; returns the names of the modules restored."""
+    had before; returns the names of the modules restored. Their delayed-scaling states go with them: the caller
+    calls :func:`~hf_mixedprec.fp8.invalidate_layer_cache` (this module sits below the layer lists)."""
     restored = []
     for name, mod in model.named_modules():
         spec = getattr(mod, _ATTR, None)
@@ -541,8 +542,4 @@ def restore_experts(model: nn.Module) -> list[str]:
         if cfg._experts_implementation == IMPLEMENTATION:
             cfg._experts_implementation_internal = spec.previous
         restored.append(name)
-    if restored:
-        from hf_mixedprec.fp8.layers import invalidate_layer_cache
-
-        invalidate_layer_cache()  # its delayed-scaling states are gone
     return restored

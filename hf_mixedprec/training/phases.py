@@ -114,11 +114,15 @@ def switch_layers(
     FP8) when ``new`` is. Parameters stay the same objects. Returns (layers moved back, layers converted)."""
     back = 0
     if old.precision == "fp8":
+        from hf_mixedprec.fp8 import invalidate_layer_cache
         from hf_mixedprec.fp8.experts import restore_experts
 
         with torch.no_grad():
             back = len(layers_to_bf16(model, [name for name, _ in fp8_layers(model, fresh=True)]))
-            back += len(restore_experts(model))  # MoE experts: back to the implementation their config had
+            restored = restore_experts(model)  # MoE experts: back to the implementation their config had
+            if restored:
+                invalidate_layer_cache()  # their delayed-scaling states are gone
+            back += len(restored)
     return back, convert(new) if new.precision == "fp8" else 0
 
 
