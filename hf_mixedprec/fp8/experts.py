@@ -29,6 +29,7 @@ state travels in checkpoints as the Linears' does and is kept out of a saved mod
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,31 +107,17 @@ def experts_macs_per_token(mod: nn.Module) -> int:
 
 
 @dataclass(frozen=True)
-class ExpertsFP8:
-    """How one experts module's GEMMs are quantized: the scaling and its options (as the dense path's
-    :class:`~hf_mixedprec.fp8.emulated.EmulationSpec`), and the implementation the model ran before."""
+class ExpertsFP8(EmulationSpec):
+    """How one experts module's GEMMs are quantized: the dense path's
+    :class:`~hf_mixedprec.fp8.emulated.EmulationSpec` (the same scaling, options and defaults), and the experts
+    implementation the model ran before (``previous``)."""
 
-    scaling: str
-    fwd_format: str = "e4m3"
-    bwd_format: str = "e5m2"
-    epsilon: float = 0.0
-    power_2_scales: bool = False
-    mx_rounding: str = "rceil"
-    block_size: int = 32
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
-    margin: int = 0
     previous: str | None = None
 
     @classmethod
     def from_spec(cls, spec: EmulationSpec, previous: str | None = None) -> ExpertsFP8:
         """The experts' numerics for a recipe's :class:`~hf_mixedprec.fp8.emulated.EmulationSpec`."""
-        return cls(
-            scaling=spec.scaling, fwd_format=spec.fwd_format, bwd_format=spec.bwd_format, epsilon=spec.epsilon,
-            power_2_scales=spec.power_2_scales, mx_rounding=spec.mx_rounding, block_size=spec.block_size,
-            amax_history_len=spec.amax_history_len, amax_compute_algo=spec.amax_compute_algo, margin=spec.margin,
-            previous=previous,
-        )  # fmt: skip
+        return cls(**{**dataclasses.asdict(spec), "previous": previous})
 
     def fmt(self, role: int) -> NumberFormat:
         return get_format(self.bwd_format if role == 2 else self.fwd_format)
@@ -509,7 +496,7 @@ def convert_experts(model: nn.Module, names: list[str], spec: ExpertsFP8) -> Non
         cfg = mod.config
         before = cfg._experts_implementation
         previous = getattr(cfg, "_hf_mixedprec_previous_experts", before)
-        setattr(mod, _ATTR, ExpertsFP8(**{**spec.__dict__, "previous": previous}))
+        setattr(mod, _ATTR, dataclasses.replace(spec, previous=previous))
         if spec.scaling == "delayed" and not isinstance(getattr(mod, STATE_NAME, None), ExpertsDelayedState):
             n_experts = experts_shape(mod)[0]
             mod.add_module(STATE_NAME, ExpertsDelayedState(n_experts, spec, mod.down_proj.device))

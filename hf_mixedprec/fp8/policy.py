@@ -134,17 +134,24 @@ def own_forward(mod: nn.Module, conv1d: type | None = None) -> str | None:
     return None
 
 
+def _declared_or_ruled(name: str, ctx: _Context) -> str | None:
+    """Why a GEMM layer or experts module stays out of FP8 by the model's FP32 declaration of one of its own parameters
+    or by the ``modules:`` rule governing it, else None."""
+    if any(p.startswith(name + ".") and "." not in p[len(name) + 1 :] for p in ctx.rules.fp32_params):
+        return "the model keeps it in FP32 (_keep_in_fp32_modules)"
+    rule = ctx.rules.rule_of(name)
+    if rule is not None and rule.keeps_out_of_fp8():
+        return f"rule {rule.label(ctx.rules.owner[name])} ({rule.describe()})"
+    return None
+
+
 def _keep_reason(name: str, mod: nn.Module, kind: str, in_f: int, out_f: int, ctx: _Context) -> str | None:
     """Why this GEMM layer stays in high precision (the first rule that matches), or None to convert it."""
     cfg = ctx.cfg
     if _is_lora(name):
         return LORA_ADAPTER
-    if any(p.startswith(name + ".") and "." not in p[len(name) + 1 :] for p in ctx.rules.fp32_params):
-        return "the model keeps it in FP32 (_keep_in_fp32_modules)"
-    rule = ctx.rules.rule_of(name)
-    if rule is not None and rule.keeps_out_of_fp8():
-        i = ctx.rules.owner[name]
-        return f"rule {rule.label(i)} ({rule.describe()})"
+    if (why := _declared_or_ruled(name, ctx)) is not None:
+        return why
     if (cls := own_forward(mod, conv1d_class())) is not None:
         return f"its class {cls} defines its own forward, which an FP8 {kind} would lose"
     if kind not in ctx.kinds:
@@ -161,11 +168,8 @@ def _experts_keep_reason(name: str, hidden: int, inter: int, ctx: _Context) -> s
     from hf_mixedprec.fp8.experts import EXPERTS_SCALINGS
 
     cfg = ctx.cfg
-    if any(p.startswith(name + ".") and "." not in p[len(name) + 1 :] for p in ctx.rules.fp32_params):
-        return "the model keeps it in FP32 (_keep_in_fp32_modules)"
-    rule = ctx.rules.rule_of(name)
-    if rule is not None and rule.keeps_out_of_fp8():
-        return f"rule {rule.label(ctx.rules.owner[name])} ({rule.describe()})"
+    if (why := _declared_or_ruled(name, ctx)) is not None:
+        return why
     if cfg.scaling not in EXPERTS_SCALINGS:
         return (
             f"experts: {cfg.scaling} scaling has no per-expert amax history yet (fp8.scaling "

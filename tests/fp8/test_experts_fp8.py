@@ -324,36 +324,17 @@ def test_delayed_experts_state_resumes_bit_for_bit_and_stays_out_of_a_saved_mode
 @pytest.mark.parametrize("name", ["h100-fp8-delayed", "h100-fp8-current", "h100-fp8-blockwise", "b200-mxfp8"])
 def test_fp8_experts_add_no_host_traffic_on_a_step_that_does_not_log(name, traffic):  # noqa: F811
     """The experts' path (routing, per-group scales, padded tiles, grouped GEMMs, the delayed update) on the meta
-    device, under tests/training/test_no_host_sync_device.py's guard: no host read or host-device copy from
-    hf_mixedprec on a step that does not log."""
+    device, under tests/training/test_no_host_sync_device.py's guard and steps: no host read or host-device copy from
+    hf_mixedprec on a step that does not log (FP8-sampled steps included)."""
     from hf_mixedprec.fp8.experts import converted_experts
-    from hf_mixedprec.integrations.recipe import resolve_recipe
-    from hf_mixedprec.training.runtime import MixedPrecisionRuntime
-    from tests.training.test_no_host_sync_device import DEVICE, DeviceSGD
+    from tests.training.test_no_host_sync_device import DEVICE, _steps
 
-    recipe = resolve_recipe({"name": f"{name}-guarded", "extends": name}).rehearsed()
-    rt = MixedPrecisionRuntime(recipe, device=DEVICE)
-    rt.set_max_steps(4)
-    with torch.device(DEVICE):
-        model = _qwen3_moe().train()
-    opt = DeviceSGD(model.parameters(), lr=1e-3)
-    rt.convert_model(model, opt)
+    def build() -> nn.Module:
+        with torch.device(DEVICE):
+            return _qwen3_moe().train()
+
+    model = _steps(name, traffic, build=build)
     assert converted_experts(model) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
-    scaler = rt.make_grad_scaler() or rt.make_guard_scaler()
-    with traffic:
-        for step in range(1, 5):
-            traffic.on = step != 4  # step 4 logs
-            x = torch.zeros(2, 16, dtype=torch.long, device=DEVICE)
-            rt.begin_step(model)
-            loss = model(input_ids=x, labels=x).loss
-            rt.record_loss(loss)
-            scaler.scale(loss).backward()
-            rt.before_optimizer_step(model.parameters(), opt)
-            scaler.step(opt)
-            scaler.update()
-            rt.after_optimizer_step(model, opt)
-            opt.zero_grad(set_to_none=True)
-            traffic.on = False
     assert traffic.hits == [], sorted(set(traffic.hits))
 
 

@@ -17,6 +17,7 @@ does) and :class:`~hf_mixedprec.core._device.AsyncRead` (a device-side copy that
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,8 +147,16 @@ def traffic(monkeypatch):
 
 
 def _steps(
-    recipe_name: str, traffic: HostTraffic, *, steps: int = 7, log_every: int = 5, backend: str | None = None
-) -> None:
+    recipe_name: str,
+    traffic: HostTraffic,
+    *,
+    steps: int = 7,
+    log_every: int = 5,
+    backend: str | None = None,
+    build: Callable[[], torch.nn.Module] | None = None,
+) -> torch.nn.Module:
+    """``steps`` training steps of ``build()`` (default: the tiny Llama on meta) under ``recipe_name``, guarded on
+    every step that does not log; returns the model."""
     # FP8 statistics sampled every 3rd step, so sampled steps (3, 6) are among the guarded ones too
     spec = {"name": f"{recipe_name}-guarded", "extends": recipe_name, "health": {"fp8_sample_every": 3}}
     if backend is not None:
@@ -155,7 +164,7 @@ def _steps(
     recipe = resolve_recipe(spec).rehearsed()
     rt = MixedPrecisionRuntime(recipe, device=DEVICE)
     rt.set_max_steps(steps)  # a phased recipe starts its phases at fractions of the run
-    model = _meta_model()
+    model = (build or _meta_model)()
     opt = DeviceSGD(model.parameters(), lr=1e-3)
     report = rt.convert_model(model, opt)
     assert backend is None or report.backend == backend
@@ -182,6 +191,7 @@ def _steps(
 
         layers = [m for _, m in fp8_layers(model)]
         assert layers and all(any(m.measured) for m in layers)
+    return model
 
 
 @pytest.mark.slow
