@@ -36,6 +36,10 @@ def _scenarios() -> dict[str, Any]:  # pragma: no cover - runs in the subprocess
     from tests.deepspeed_cpu import deepspeed_cpu_env, install_deepspeed_cpu_accelerator
 
     os.environ.update(deepspeed_cpu_env())
+    from deepspeed.accelerator import get_accelerator
+
+    # DeepSpeed's own CPU accelerator (DS_ACCELERATOR=cpu), asked before the test one below replaces it
+    fp16_supported = bool(get_accelerator().is_fp16_supported())
     install_deepspeed_cpu_accelerator()
 
     rows = [r for b in byte_batches(builtin_text(40_000), seq_len=64, batch_size=4, n_batches=12) for r in b]
@@ -146,7 +150,7 @@ def _scenarios() -> dict[str, Any]:  # pragma: no cover - runs in the subprocess
         }
 
     fp16_cfg, notes = deepspeed_config(load_recipe_file("v100-fp16"), zero_stage=1)
-    out: dict[str, Any] = {"config": fp16_cfg, "notes": notes}
+    out: dict[str, Any] = {"config": fp16_cfg, "notes": notes, "ds_cpu_fp16_supported": fp16_supported}
     out["clean"] = run(fp16_cfg, steps=12)
     out["overflow_h1"] = run(fp16_cfg, steps=8, inject={4})
     # the same run with the recipe's one-line callbacks: they must read DeepSpeed's scaler into the logs
@@ -515,15 +519,12 @@ def test_refusal_rule_per_precision_and_stage() -> None:
     assert deepspeed_refusal(ddp, "cpu", fp16_supported=False) is None  # not DeepSpeed: rehearsal handles it
 
 
-def test_fp16_rule_agrees_with_deepspeeds_own_accelerator() -> None:
-    """What we predict without importing DeepSpeed is what DeepSpeed's CPU accelerator answers on this machine."""
+def test_fp16_rule_agrees_with_deepspeeds_own_accelerator(runs: dict[str, Any]) -> None:
+    """What we predict without importing DeepSpeed is what DeepSpeed's CPU accelerator answers on this machine (asked
+    in the subprocess of the runs, before it installs the test accelerator)."""
     from hf_mixedprec.integrations.deepspeed import deepspeed_fp16_supported
 
-    code = "from deepspeed.accelerator import get_accelerator as g; print(bool(g().is_fp16_supported()))"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip().splitlines()[-1] == str(deepspeed_fp16_supported("cpu"))
+    assert runs["ds_cpu_fp16_supported"] is deepspeed_fp16_supported("cpu")
 
 
 def test_deepspeed_device_follows_ds_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,29 +5,25 @@ norm of the gradients DeepSpeed's torch optimizer finally steps with."""
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from tests.ranks import free_port, leave_group, run_ranks
+from tests.ranks import Scenario, free_port, leave_group, run_ranks, run_scenarios, scenario_results
 
 STEPS = 6
 SPIKE_AT = 4
 ZCLIP = {"method": "zclip", "warmup_steps": 2, "z_thresh": 1.5}
 
 
-def _ds_rank(
-    rank: int, world: int, port: int, stage: int, method: str, out: str, save_every: int = 0, resume: str | None = None
-) -> None:
+def _ds_run(
+    rank: int, world: int, stage: int, method: str, out: str, save_every: int = 0, resume: str | None = None
+) -> dict:
     """One of ``world`` DeepSpeed ranks training cpu-bf16 under ZeRO ``stage`` with the recipe's clipping, on
-    4 // world rows a step; rank 0 writes per step: DeepSpeed's global norm, the norm of the gradients its torch
-    optimizer stepped with, the callback's logged threshold and clip flag, the loss; and the run's notes."""
-    from tests.deepspeed_cpu import join_as_deepspeed_rank
-
-    join_as_deepspeed_rank(rank, world, port)
+    4 // world rows a step; per step: DeepSpeed's global norm, the norm of the gradients its torch optimizer stepped
+    with, the callback's logged threshold and clip flag, the loss; and the run's notes and the engine's ZeRO stage."""
     import torch.distributed as dist
     from transformers import Trainer, TrainerCallback
 
@@ -85,17 +81,27 @@ def _ds_rank(
     )
     trainer.train(resume_from_checkpoint=resume)
     rows = [h for h in trainer.state.log_history if "loss" in h]
-    if rank == 0:
-        seen = {
-            "ds_norm": [h["grad_norm"] for h in rows],
-            "stepped": stepped,
-            "threshold": [h.get("mp/clip_threshold") for h in rows],
-            "clipped": [h.get("mp/clipped") for h in rows],
-            "loss": [h["loss"] for h in rows],
-            "notes": [*config_notes, *runtime_of(trainer).notes],
-            "clipper": runtime_of(trainer).clipper is not None,
-        }
-        Path(out).write_text(json.dumps(seen))
+    return {
+        "ds_norm": [h["grad_norm"] for h in rows],
+        "stepped": stepped,
+        "threshold": [h.get("mp/clip_threshold") for h in rows],
+        "clipped": [h.get("mp/clipped") for h in rows],
+        "loss": [h["loss"] for h in rows],
+        "notes": [*config_notes, *runtime_of(trainer).notes],
+        "clipper": runtime_of(trainer).clipper is not None,
+        "zero_stage": int(trainer.model_wrapped.zero_optimization_stage()),
+        "world": int(trainer.model_wrapped.dp_world_size),
+    }
+
+
+def _runs(rank: int, world: int, port: int, out: str, runs: list[Scenario]) -> None:
+    """One of ``world`` DeepSpeed ranks running ``runs`` in turn (:func:`tests.ranks.run_scenarios`: they share the
+    process's imports; Accelerate's state is reset after each, so that the next Trainer takes its own DeepSpeed
+    config, and the tests check the engine's ZeRO stage)."""
+    from tests.deepspeed_cpu import join_as_deepspeed_rank
+
+    join_as_deepspeed_rank(rank, world, port)
+    run_scenarios(rank, out, runs)
     leave_group()
 
 
@@ -116,15 +122,37 @@ def _replay_zclip(norms: list[float]) -> tuple[list[float], list[bool], list[flo
 
 
 # ZeRO-1 runs the same optimizer class and clipping code as ZeRO-2 (deepspeed/runtime/zero/stage_1_and_2.py)
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda s: f"zero{s}")
-def zclip_runs(request, tmp_path_factory):
+STAGES = (2, 3)
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory) -> Callable[..., dict]:
+    """Every run once: ZClip at both stages on 2 ranks (one pair of processes), and in one process ZClip at both
+    stages and the run resumed from the ZeRO-2 one's step-3 checkpoint. ``ran(name)`` is what rank 0 wrote (see
+    :func:`tests.ranks.scenario_results` for how a test fails where its run did not get that far)."""
+    out = str(tmp_path_factory.mktemp("ds-clip"))
+    two = [(f"two-zero{stage}", _ds_run, (2, stage, "zclip", f"{out}/two-zero{stage}")) for stage in STAGES]
+    alone = [
+        # the ZeRO-2 one saves after step 3: the straight run of the resume test too (saving changes no figure)
+        *[(f"one-zero{s}", _ds_run, (1, s, "zclip", f"{out}/one-zero{s}", 3 if s == 2 else 0)) for s in STAGES],
+        ("resumed", _ds_run, (1, 2, "zclip", f"{out}/resumed", 3, f"{out}/one-zero2-run/checkpoint-3")),
+    ]
+    ports = [free_port(), free_port()]
+    return scenario_results(
+        out,
+        [
+            lambda: run_ranks(_runs, [(r, 2, ports[0], out, two) for r in (0, 1)]),
+            lambda: run_ranks(_runs, [(0, 1, ports[1], out, alone)]),
+        ],
+    )
+
+
+@pytest.fixture(params=STAGES, ids=lambda s: f"zero{s}")
+def zclip_runs(request, ran):
     stage = request.param
-    tmp = tmp_path_factory.mktemp(f"ds-clip-{stage}")
-    two, one = tmp / "two.json", tmp / "one.json"
-    port = free_port()
-    run_ranks(_ds_rank, [(r, 2, port, stage, "zclip", str(two)) for r in (0, 1)])
-    run_ranks(_ds_rank, [(0, 1, free_port(), stage, "zclip", str(one))])
-    return json.loads(two.read_text()), json.loads(one.read_text())
+    two, one = ran(f"two-zero{stage}"), ran(f"one-zero{stage}")
+    assert two["zero_stage"] == one["zero_stage"] == stage and (two["world"], one["world"]) == (2, 1)
+    return two, one
 
 
 @pytest.mark.slow
@@ -186,13 +214,13 @@ def test_the_deepspeed_config_decides_where_the_recipes_clipper_cannot_run(metho
 
 
 @pytest.mark.slow
-def test_a_deepspeed_run_resumed_from_a_checkpoint_clips_as_the_straight_run(tmp_path):
+def test_a_deepspeed_run_resumed_from_a_checkpoint_clips_as_the_straight_run(ran):
     """ZClip's statistics travel with the checkpoint under DeepSpeed too: resumed from step 3 (before the spike),
-    the run clips step 4 to the same threshold and logs the same thresholds and losses as the straight run."""
-    straight, resumed = tmp_path / "straight.json", tmp_path / "resumed.json"
-    run_ranks(_ds_rank, [(0, 1, free_port(), 2, "zclip", str(straight), 3)])
-    run_ranks(_ds_rank, [(0, 1, free_port(), 2, "zclip", str(resumed), 3, f"{straight}-run/checkpoint-3")])
-    a, b = json.loads(straight.read_text()), json.loads(resumed.read_text())
+    the run clips step 4 to the same threshold and logs the same thresholds and losses as the straight run. (The
+    resumed run comes after the ZeRO-3 run in the straight run's process: every Trainer builds its model, clipper
+    and engine afresh, and what is compared comes back from the checkpoint.)"""
+    a, b = ran("one-zero2"), ran("resumed")
+    assert a["zero_stage"] == b["zero_stage"] == 2
     assert a["clipped"][SPIKE_AT - 1] == 1.0
     assert b["threshold"][-3:] == a["threshold"][-3:] and b["clipped"][-3:] == a["clipped"][-3:]
     assert b["loss"][-3:] == a["loss"][-3:]

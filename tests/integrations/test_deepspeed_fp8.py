@@ -4,12 +4,11 @@ the FP8 layers' scaling state); the FP8 layers and the BF16 autocast are hf_mixe
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
-from tests.ranks import free_port, leave_group, run_ranks
+from tests.ranks import Scenario, free_port, leave_group, run_ranks, run_scenarios, scenario_results
 
 STEPS = 6
 #: kind -> (base recipe, extra recipe keys, ZeRO stage)
@@ -19,14 +18,9 @@ KINDS = {
 }
 
 
-def _fp8_rank(
-    rank: int, world: int, port: int, kind: str, out: str, save_every: int = 0, resume: str | None = None
-) -> None:
-    """One of ``world`` DeepSpeed ranks training an FP8 recipe (rehearsed) for 6 steps on 4 // world rows a step;
-    each rank writes its losses, norms, FP8 metrics, layer types and FP8 scaling state."""
-    from tests.deepspeed_cpu import join_as_deepspeed_rank
-
-    join_as_deepspeed_rank(rank, world, port)
+def _fp8_run(rank: int, world: int, kind: str, out: str, save_every: int = 0, resume: str | None = None) -> dict:
+    """One of ``world`` DeepSpeed ranks training an FP8 recipe (rehearsed) for 6 steps on 4 // world rows a step:
+    its losses, norms, FP8 metrics, layer types and FP8 scaling state."""
     from transformers import Trainer
 
     from hf_mixedprec.core.demo import tiny_llama
@@ -54,29 +48,59 @@ def _fp8_rank(
     state = {
         k: v.tolist() for k, v in trainer.model.state_dict().items() if k.endswith(("fp8_amax_history", "fp8_scale"))
     }
-    seen = {
+    return {
         "loss": [h["loss"] for h in rows],
         "norm": [h["grad_norm"] for h in rows],
         "amax": [{k: v for k, v in h.items() if k.endswith("/input_amax")} for h in rows],
         "types": sorted({type(m).__name__ for m in trainer.model.modules()}),
         "fp8_state": state,
         "engine_bf16": bool(trainer.model_wrapped.bfloat16_enabled()),
+        "zero_stage": int(trainer.model_wrapped.zero_optimization_stage()),
+        "world": int(trainer.model_wrapped.dp_world_size),
         "weight_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
         "notes": [*config_notes, *runtime_of(trainer).notes],
     }
-    Path(f"{out}-{rank}.json").write_text(json.dumps(seen))
+
+
+def _runs(rank: int, world: int, port: int, out: str, runs: list[Scenario]) -> None:
+    """One of ``world`` DeepSpeed ranks running ``runs`` in turn (:func:`tests.ranks.run_scenarios`: they share the
+    process's imports; Accelerate's state is reset after each, so that the next Trainer takes its own DeepSpeed
+    config, and the tests check the engine's ZeRO stage)."""
+    from tests.deepspeed_cpu import join_as_deepspeed_rank
+
+    join_as_deepspeed_rank(rank, world, port)
+    run_scenarios(rank, out, runs)
     leave_group()
 
 
-@pytest.fixture(scope="module", params=list(KINDS))
-def fp8_runs(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory) -> Callable[..., dict]:
+    """Every run once: both kinds on 2 ranks (one pair of processes), and in one process both kinds, the resumed
+    run and the late callback. ``ran(name, rank)`` is what that rank wrote (see :func:`tests.ranks.scenario_results`
+    for how a test fails where its run did not get that far)."""
+    out = str(tmp_path_factory.mktemp("ds-fp8"))
+    delayed = "emulated-delayed-zero1"
+    two = [(f"two-{kind}", _fp8_run, (2, kind, f"{out}/two-{kind}")) for kind in KINDS]
+    alone = [
+        # saves after step 3: the straight run of the resume test too (saving changes no figure)
+        *[(f"one-{kind}", _fp8_run, (1, kind, f"{out}/one-{kind}", 3 if kind == delayed else 0)) for kind in KINDS],
+        ("resumed", _fp8_run, (1, delayed, f"{out}/resumed", 3, f"{out}/one-{delayed}-run/checkpoint-3")),
+        ("late", _late_run, (f"{out}/late",)),
+    ]
+    ports = [free_port(), free_port()]
+    return scenario_results(
+        out,
+        [
+            lambda: run_ranks(_runs, [(r, 2, ports[0], out, two) for r in (0, 1)]),
+            lambda: run_ranks(_runs, [(0, 1, ports[1], out, alone)]),
+        ],
+    )
+
+
+@pytest.fixture(params=list(KINDS))
+def fp8_runs(request, ran):
     kind = request.param
-    tmp = tmp_path_factory.mktemp(f"ds-fp8-{kind}")
-    port = free_port()
-    run_ranks(_fp8_rank, [(r, 2, port, kind, str(tmp / "two")) for r in (0, 1)])
-    run_ranks(_fp8_rank, [(0, 1, free_port(), kind, str(tmp / "one"))])
-    two = [json.loads((tmp / f"two-{r}.json").read_text()) for r in (0, 1)]
-    return kind, two, json.loads((tmp / "one-0.json").read_text())
+    return kind, [ran(f"two-{kind}", r) for r in (0, 1)], ran(f"one-{kind}")
 
 
 @pytest.mark.slow
@@ -87,6 +111,7 @@ def test_fp8_under_deepspeed_trains_as_one_process_on_the_same_global_batches(fp
     1e-3 and gradient norms within 2% over 6 steps (measured: 2.1e-4 and 0.7% delayed, 5.2e-4 and 1.3% torchao; each
     rank quantizes its own half of the batch, and torchao's current scaling takes each half's own amax)."""
     kind, (two, other), one = fp8_runs
+    assert two["zero_stage"] == one["zero_stage"] == KINDS[kind][2] and (two["world"], one["world"]) == (2, 1)
     layer = "EmulatedFP8Linear" if kind.startswith("emulated") else "Float8Linear"
     assert layer in two["types"] and layer in one["types"]
     assert not two["engine_bf16"] and two["weight_dtypes"] == ["torch.float32"]
@@ -128,23 +153,19 @@ def test_fp8_under_deepspeed_is_refused_at_stages_0_and_3_naming_the_key():
 
 
 @pytest.mark.slow
-def test_an_fp8_deepspeed_run_resumes_to_the_straight_run(tmp_path):
+def test_an_fp8_deepspeed_run_resumes_to_the_straight_run(ran):
     """Delayed scaling's amax histories and scales come back with a DeepSpeed checkpoint (ZeRO-1, one process):
-    resumed from step 3, steps 4-6 give the straight run's losses and FP8 state bit for bit."""
-    kind = "emulated-delayed-zero1"
-    run_ranks(_fp8_rank, [(0, 1, free_port(), kind, str(tmp_path / "straight"), 3)])
-    ckpt = tmp_path / "straight-run" / "checkpoint-3"
-    run_ranks(_fp8_rank, [(0, 1, free_port(), kind, str(tmp_path / "resumed"), 3, str(ckpt))])
-    a = json.loads((tmp_path / "straight-0.json").read_text())
-    b = json.loads((tmp_path / "resumed-0.json").read_text())
+    resumed from step 3, steps 4-6 give the straight run's losses and FP8 state bit for bit. (The resumed run comes
+    after another kind's run in the straight run's process: every Trainer builds its model afresh, and what is
+    compared comes back from the checkpoint.)"""
+    a, b = ran("one-emulated-delayed-zero1"), ran("resumed")
+    assert b["zero_stage"] == 1
     assert b["loss"][-3:] == a["loss"][-3:]
     assert b["fp8_state"] == a["fp8_state"] and a["fp8_state"]
 
 
-def _late_rank(rank: int, port: int, out: str) -> None:
-    from tests.deepspeed_cpu import join_as_deepspeed_rank
-
-    join_as_deepspeed_rank(0, 1, port)
+def _late_run(rank: int, out: str) -> dict:
+    """One DeepSpeed process (ZeRO-1) whose FP8 callback is added after the Trainer was built: what train() said."""
     from transformers import Trainer
 
     from hf_mixedprec.core.demo import tiny_llama
@@ -168,17 +189,14 @@ def _late_rank(rank: int, port: int, out: str) -> None:
     except ValueError as exc:
         seen = str(exc)
     fp8 = any(isinstance(m, EmulatedFP8GEMM) for m in trainer.model.modules())
-    Path(out).write_text(json.dumps({"seen": seen, "fp8_layers": fp8, "step": trainer.state.global_step}))
-    leave_group()
+    return {"seen": seen, "fp8_layers": fp8, "step": trainer.state.global_step}
 
 
 @pytest.mark.slow
-def test_an_fp8_callback_added_after_deepspeed_took_the_model_is_refused_before_a_step(tmp_path):
+def test_an_fp8_callback_added_after_deepspeed_took_the_model_is_refused_before_a_step(ran):
     """``trainer.add_callback(...)`` after construction: the callback sets up at ``on_train_begin``, once the
     DeepSpeed engine holds the model, too late to convert layers; it says so before any step, and no layer moved."""
-    out = tmp_path / "late.json"
-    run_ranks(_late_rank, [(0, free_port(), str(out))])
-    seen = json.loads(out.read_text())
+    seen = ran("late")
     assert "the callback was added after the DeepSpeed engine took the model" in seen["seen"]
     assert seen["step"] == 0 and not seen["fp8_layers"]
 

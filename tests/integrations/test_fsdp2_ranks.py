@@ -1,24 +1,86 @@
-"""FSDP2 on 2 CPU ranks (gloo), each test its own pair of spawned ranks: an inf on one rank, FP8 statistics combined
-over the ranks, health fallbacks inside sharded blocks, a loop of one's own on the Accelerate plugin (against one
-process, and resumed from a sharded ``save_state``), the gather and reduce dtypes the recipe names, and what is refused.
-The runs of ``hf-mixedprec launch`` against one process are in tests/integrations/test_fsdp2.py."""
+"""FSDP2 on 2 CPU ranks (gloo): an inf on one rank, FP8 statistics combined over the ranks, health fallbacks inside
+sharded blocks, a loop of one's own on the Accelerate plugin (against one process, and resumed from a sharded
+``save_state``), the gather and reduce dtypes the recipe names, and what is refused. The runs of ``hf-mixedprec
+launch`` against one process are in tests/integrations/test_fsdp2.py.
+
+The scenarios share their processes (each spawned process costs seconds of imports): one pair of ranks runs every
+straight scenario one after the other (Accelerate's state reset between them), a fresh pair resumes from the
+checkpoints the first wrote (nothing of the straight runs is left in its memory), and one process runs what one
+process does on its own (tests/ranks.py ``run_scenarios``: each scenario writes what each rank saw, one that
+raises writes its traceback and ends its process at once, and the tests of the scenarios after it fail with it).
+"""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from tests.integrations.test_fsdp2 import BOUNDS
-from tests.ranks import free_port, join_as_rank, leave_group, run_ranks, run_two_ranks
+from tests.ranks import (
+    Scenario,
+    free_port,
+    join_as_rank,
+    leave_group,
+    run_ranks,
+    run_scenarios,
+    run_two_ranks,
+    scenario_results,
+)
 
 
-def _inf_on_one_rank(rank: int, port: int, out: str) -> None:
-    """One of 2 gloo ranks training v100-fp16 (rehearsed) under FSDP2 for 5 steps; on rank 1 alone the backward of
-    step 3 carries an inf. Each rank writes what it saw after every step."""
+def _pair(rank: int, port: int, out: str, scenarios: list[Scenario]) -> None:
+    """One of 2 gloo ranks running ``scenarios`` in turn (:func:`tests.ranks.run_scenarios`)."""
     join_as_rank(rank, 2, port)
+    run_scenarios(rank, out, scenarios)
+    leave_group()
+
+
+def _alone(out: str, scenarios: list[Scenario], last: Scenario) -> None:
+    """One process, no process group, running ``scenarios``, then ``last`` (which makes a group of its own)."""
+    torch.set_num_threads(1)  # as the ranks have
+    run_scenarios(0, out, [*scenarios, last])
+    leave_group()
+
+
+PLUGIN_BASES = ("cpu-bf16", "h100-fp8-delayed")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> Callable[..., Any]:
+    """Runs every scenario once; ``result(name, rank)`` is what that rank wrote for it (see
+    :func:`tests.ranks.scenario_results` for how a test fails where its scenario did not get that far)."""
+    out = str(tmp_path_factory.mktemp("fsdp2-ranks"))
+    alone = [(f"plugin-one-{base}", _plugin_loop, (1, base)) for base in PLUGIN_BASES]
+    straight = [
+        ("inf", _inf_on_one_rank, (f"{out}/inf",)),
+        ("raw", _reduce_raw, ()),  # needs the process group the Trainer above set up
+        ("fallback", _fallback_on_two_ranks, (f"{out}/fallback",)),
+        *[(f"plugin-two-{base}", _plugin_loop, (2, base)) for base in PLUGIN_BASES],
+        *[(f"policy-{p}-{r}", _policy_loop, (p, r)) for p, r in (("auto", "fp32"), ("bf16", "bf16"))],
+        ("plugin-resume", _plugin_resume, (f"{out}/ckpt", False)),
+    ]
+    resumed = [  # a fresh pair: what comes back, comes back from the checkpoints
+        ("fallback-resumed", _fallback_on_two_ranks, (f"{out}/fallback-again", f"{out}/fallback-run/checkpoint-3")),
+        ("plugin-resumed", _plugin_resume, (f"{out}/ckpt", True)),
+    ]
+    te = ("te", _te_into_sharded, (free_port(),))
+    ports = [free_port(), free_port()]
+    return scenario_results(
+        out,
+        [
+            lambda: run_ranks(_alone, [(out, alone, te)]),
+            lambda: run_two_ranks(_pair, [(r, ports[0], out, straight) for r in (0, 1)]),
+            lambda: run_two_ranks(_pair, [(r, ports[1], out, resumed) for r in (0, 1)]),
+        ],
+    )
+
+
+def _inf_on_one_rank(rank: int, out: str) -> list:
+    """One of 2 gloo ranks training v100-fp16 (rehearsed) under FSDP2 for 5 steps; on rank 1 alone the backward of
+    step 3 carries an inf. What the rank saw after every step."""
     from transformers import Trainer, TrainerCallback
 
     from hf_mixedprec.core.demo import tiny_llama
@@ -59,19 +121,15 @@ def _inf_on_one_rank(rank: int, port: int, out: str) -> None:
     )
     assert trainer.is_fsdp_enabled
     trainer.train()
-    Path(f"{out}-{rank}.json").write_text(json.dumps(probe.rows))
-    leave_group()
+    return probe.rows
 
 
 @pytest.mark.slow
-def test_an_inf_on_one_rank_makes_both_skip_the_same_step_with_equal_loss_scales(tmp_path):
+def test_an_inf_on_one_rank_makes_both_skip_the_same_step_with_equal_loss_scales(result):
     """FP16 under FSDP2: rank 1 alone back-propagates an inf at step 3. torch's GradScaler finds infs on the
     sharded gradients and reduces its found-inf over the ranks; both skip step 3 (their shards keep their
     values), both halve the scale, and both go on updating at steps 4 and 5."""
-    port = free_port()
-    out = tmp_path / "rank"
-    run_two_ranks(_inf_on_one_rank, [(r, port, str(out)) for r in (0, 1)])
-    ranks = [json.loads(Path(f"{out}-{r}.json").read_text()) for r in (0, 1)]
+    ranks = [result("inf", r) for r in (0, 1)]
     for rows in ranks:
         assert [r["skipped"] for r in rows] == [0, 0, 1, 1, 1]
         assert rows[2]["scale"] == rows[1]["scale"] / 2 and rows[3]["scale"] == rows[2]["scale"]
@@ -124,24 +182,20 @@ def _raw_rows(rank: int | None) -> list:
     return rows
 
 
-def _reduce_raw(rank: int, init: str, out: str) -> None:
-    import torch.distributed as dist
-
+def _reduce_raw(rank: int) -> list:
+    """This rank's raw statistics combined over the 2 ranks' process group."""
     from hf_mixedprec.fp8.stats import raw_over_ranks
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    got = raw_over_ranks(torch.stack(_raw_rows(rank)))
-    Path(f"{out}-{rank}.json").write_text(json.dumps(got.tolist()))
-    leave_group()
+    return raw_over_ranks(torch.stack(_raw_rows(rank))).tolist()
 
 
-def test_fp8_statistics_of_two_ranks_combine_into_the_global_batchs(tmp_path):
+@pytest.mark.slow
+def test_fp8_statistics_of_two_ranks_combine_into_the_global_batchs(result):
     """Every rank ends with the statistics one process measures on the whole batch: amax (the largest value is
     on rank 1 only), saturation, underflow and SQNR, equal on both ranks; one rank's own differ."""
     from hf_mixedprec.scaling.stats import finish_operand_stats
 
-    run_two_ranks(_reduce_raw, [(r, f"file://{tmp_path / 'init'}", str(tmp_path / "raw")) for r in (0, 1)])
-    got = [torch.tensor(json.loads((tmp_path / f"raw-{r}.json").read_text()), dtype=torch.float64) for r in (0, 1)]
+    got = [torch.tensor(result("raw", r), dtype=torch.float64) for r in (0, 1)]
     assert torch.allclose(got[0], got[1], rtol=0, atol=0, equal_nan=True)  # the same on both ranks
     whole = finish_operand_stats(torch.stack(_raw_rows(None)))
     combined = finish_operand_stats(got[0])
@@ -151,11 +205,10 @@ def test_fp8_statistics_of_two_ranks_combine_into_the_global_batchs(tmp_path):
     assert (alone[:, 0] < whole[:, 0]).all()  # rank 0 alone never saw the largest value
 
 
-def _fallback_on_two_ranks(rank: int, port: int, out: str, resume: str | None = None) -> None:
+def _fallback_on_two_ranks(rank: int, out: str, resume: str | None = None) -> dict:
     """One of 2 gloo ranks training h100-fp8-delayed (rehearsed) under FSDP2 with the Trainer callback for 6 steps
     (logging every 2, FP8 sampled every step, a checkpoint after step 3), whose FP8 saturation detector moves a layer
-    to BF16 (threshold 1e-4); or resuming from ``resume``. Each rank writes what it saw."""
-    join_as_rank(rank, 2, port)
+    to BF16 (threshold 1e-4); or resuming from ``resume``. What the rank saw."""
     from transformers import Trainer, TrainerCallback
 
     from hf_mixedprec.core.demo import tiny_llama
@@ -188,14 +241,11 @@ def _fallback_on_two_ranks(rank: int, port: int, out: str, resume: str | None = 
     )
     trainer.train(resume_from_checkpoint=resume)
     stop = runtime_of(trainer).reactions.stop_requested
-    Path(f"{out}-{rank}.json").write_text(
-        json.dumps({"rows": probe.rows, "steps": trainer.state.global_step, "stop": stop})
-    )
-    leave_group()
+    return {"rows": probe.rows, "steps": trainer.state.global_step, "stop": stop}
 
 
 @pytest.mark.slow
-def test_a_health_fallback_under_fsdp2_moves_the_same_layers_to_bf16_on_every_rank(tmp_path):
+def test_a_health_fallback_under_fsdp2_moves_the_same_layers_to_bf16_on_every_rank(result):
     """Under the Trainer callback every rank checks the combined FP8 statistics at the same steps, so a fallback
     moves the same layers to BF16 on both ranks, inside the sharded blocks, and the run goes on: the moved layers'
     shards keep being updated (FSDP2 now sets their gathered weights on the new BF16 module; before, the run died
@@ -204,15 +254,8 @@ def test_a_health_fallback_under_fsdp2_moves_the_same_layers_to_bf16_on_every_ra
     collective there hung). Resumed from it, the model gets the moved layers back before Distributed Checkpoint
     loads it (a model with every layer in FP8 has keys that checkpoint lacks) and ends on the straight run's shards
     bit for bit."""
-    port = free_port()
-    out = tmp_path / "rank"
-    run_two_ranks(_fallback_on_two_ranks, [(r, port, str(out)) for r in (0, 1)])
-    ranks = [json.loads(Path(f"{out}-{r}.json").read_text()) for r in (0, 1)]
-    again = tmp_path / "again"
-    ckpt = f"{out}-run/checkpoint-3"
-    port = free_port()
-    run_two_ranks(_fallback_on_two_ranks, [(r, port, str(again), ckpt) for r in (0, 1)])
-    resumed = [json.loads(Path(f"{again}-{r}.json").read_text()) for r in (0, 1)]
+    ranks = [result("fallback", r) for r in (0, 1)]
+    resumed = [result("fallback-resumed", r) for r in (0, 1)]
     for seen in ranks:
         assert seen["steps"] == 6 and seen["stop"] is None
     moved = ranks[0]["rows"][-1]["moved"]
@@ -257,13 +300,9 @@ def test_a_health_fallback_under_fsdp2_stops_where_the_ranks_may_decide_differen
     assert rt.reactions.moved_layers == [layer] and type(model.get_submodule(layer)) is not before
 
 
-def _plugin_loop(rank: int, world: int, port: int, base: str, out: str) -> None:
+def _plugin_loop(rank: int, world: int, base: str) -> dict:
     """A training loop of one's own on ``recipe.accelerator()``: 4 steps on the same global batches of 4 rows, in
     one process or split over 2 ranks (``world``), with the recipe's FSDP2 strategy."""
-    if world > 1:
-        join_as_rank(rank, world, port)
-    else:
-        torch.set_num_threads(1)  # as the ranks have
     from hf_mixedprec.core.demo import tiny_llama
     from hf_mixedprec.fp8.emulated import EmulatedFP8GEMM
     from hf_mixedprec.integrations.recipe import resolve_recipe
@@ -293,22 +332,16 @@ def _plugin_loop(rank: int, world: int, port: int, base: str, out: str) -> None:
         "notes": acc.mp.notes,
         "rows": rows,
     }
-    if rank == 0:
-        Path(out).write_text(json.dumps(seen))
-    leave_group()
+    return seen
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("base", ["cpu-bf16", "h100-fp8-delayed"])
-def test_a_loop_of_ones_own_on_the_accelerate_plugin_shards_with_fsdp2_as_the_trainer_does(base, tmp_path):
+@pytest.mark.parametrize("base", PLUGIN_BASES)
+def test_a_loop_of_ones_own_on_the_accelerate_plugin_shards_with_fsdp2_as_the_trainer_does(base, result):
     """``recipe.accelerator()`` under a recipe with strategy fsdp2 on 2 CPU ranks shards for real (Accelerate alone
     would train as DDP there), converts the FP8 layers before sharding, autocasts, and trains as one process does on
     the same global batches (bounds and their reasons: see the Trainer comparison above)."""
-    port = free_port()
-    one, two = tmp_path / "one.json", tmp_path / "two.json"
-    run_ranks(_plugin_loop, [(0, 1, port, base, str(one))])
-    run_two_ranks(_plugin_loop, [(r, 2, port, base, str(two)) for r in (0, 1)])
-    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    a, b = result(f"plugin-one-{base}"), result(f"plugin-two-{base}")
     assert b["distributed"] == "DistributedType.FSDP" and b["sharded"] and not a["sharded"]
     assert any(n.startswith("FSDP2 on 2 CPU processes (gloo)") for n in b["notes"])
     assert any("autocast installed by hf_mixedprec (FSDP2 on CPU)" in n for n in b["notes"])
@@ -323,7 +356,8 @@ def test_a_loop_of_ones_own_on_the_accelerate_plugin_shards_with_fsdp2_as_the_tr
         assert r2["mp/clipped"] == r1["mp/clipped"], step
 
 
-def _te_into_sharded(rank: int, port: int, out: str) -> None:
+def _te_into_sharded(rank: int, port: int) -> str:
+    """In a process group of one: what ``refuse_sharded`` says of a model ``fully_shard`` sharded."""
     join_as_rank(rank, 1, port)
     from torch.distributed.fsdp import fully_shard
 
@@ -337,39 +371,44 @@ def _te_into_sharded(rank: int, port: int, out: str) -> None:
     fully_shard(model)
     try:
         refuse_sharded(model)
-        Path(out).write_text("accepted")
+        return "accepted"
     except RuntimeError as exc:
-        Path(out).write_text(str(exc))
-    leave_group()
+        return str(exc)
 
 
-def test_transformer_engine_layers_are_refused_into_a_model_fsdp2_has_sharded(tmp_path):
+@pytest.mark.slow
+def test_transformer_engine_layers_are_refused_into_a_model_fsdp2_has_sharded(result):
     """A phase entering FP8 under fsdp2 whose ``fp8.backend: auto`` resolves to Transformer Engine (installed on that
     GPU) is refused in one sentence before any layer moves: TE layers own new parameters, which the sharded model and
     optimizer have never seen (an explicit transformer_engine phase is refused by the schema already)."""
-    out = tmp_path / "out.txt"
-    run_ranks(_te_into_sharded, [(0, free_port(), str(out))])
-    assert out.read_text().startswith("fp8.backend transformer_engine cannot convert a model FSDP2 has already sharded")
+    assert result("te").startswith("fp8.backend transformer_engine cannot convert a model FSDP2 has already sharded")
 
 
-def _policy_loop(rank: int, port: int, param_dtype: str, reduce_dtype: str, out: str) -> None:
-    """2 ranks of a cpu-bf16 loop on ``recipe.accelerator()`` under FSDP2 with the recipe's gather and reduce dtypes;
-    rank 0 writes the dtypes FSDP2's all-gathers and reduce-scatters carried, and the losses."""
-    join_as_rank(rank, 2, port)
+def _policy_loop(rank: int, param_dtype: str, reduce_dtype: str) -> dict:
+    """2 ranks of a cpu-bf16 loop on ``recipe.accelerator()`` under FSDP2 with the recipe's gather and reduce dtypes:
+    the dtypes FSDP2's all-gathers and reduce-scatters carried, and the losses."""
     import torch.distributed as dist
 
-    from hf_mixedprec.core.demo import tiny_llama
-    from hf_mixedprec.integrations.recipe import resolve_recipe
-
     carried: dict[str, set[str]] = {"all_gather": set(), "reduce_scatter": set()}
+    reals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
     for name, key in (("all_gather_single", "all_gather"), ("reduce_scatter_single", "reduce_scatter")):
-        real = getattr(dist, name)
 
-        def spy(output, input, *a, _real=real, _key=key, **k):
+        def spy(output, input, *a, _real=reals[name], _key=key, **k):
             carried[_key].add(str(input.dtype))
             return _real(output, input, *a, **k)
 
         setattr(dist, name, spy)
+    try:
+        return _policy_steps(rank, param_dtype, reduce_dtype, carried)
+    finally:
+        for name, real in reals.items():  # the next scenario in this process collects as usual
+            setattr(dist, name, real)
+
+
+def _policy_steps(rank: int, param_dtype: str, reduce_dtype: str, carried: dict[str, set[str]]) -> dict:
+    from hf_mixedprec.core.demo import tiny_llama
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+
     recipe = resolve_recipe(
         {"name": "bf16-fsdp2", "extends": "cpu-bf16",
          "distributed": {"strategy": "fsdp2", "param_dtype": param_dtype, "reduce_dtype": reduce_dtype}}
@@ -387,25 +426,17 @@ def _policy_loop(rank: int, port: int, param_dtype: str, reduce_dtype: str, out:
         opt.zero_grad()
         losses.append(float(acc.reduce(loss.detach(), "mean")))
     stored = sorted({str(p.dtype) for p in model.parameters()})
-    if rank == 0:
-        seen = {k: sorted(v) for k, v in carried.items()}
-        Path(out).write_text(json.dumps({"carried": seen, "losses": losses, "stored": stored, "notes": acc.mp.notes}))
-    leave_group()
+    seen = {k: sorted(v) for k, v in carried.items()}
+    return {"carried": seen, "losses": losses, "stored": stored, "notes": acc.mp.notes}
 
 
 @pytest.mark.slow
-def test_fsdp2_gathers_and_reduces_in_the_dtypes_the_recipe_names(tmp_path):
+def test_fsdp2_gathers_and_reduces_in_the_dtypes_the_recipe_names(result):
     """``distributed.param_dtype`` / ``reduce_dtype`` become FSDP2's MixedPrecisionPolicy: by default the FP32 shards
     are gathered as stored and gradients reduced in FP32 (the one-process math); with bf16/bf16 both collectives
     carry BF16 (half the bytes) while the shards, the master, stay FP32, and training stays close to the default
     (norm weights then enter the forward in BF16 too)."""
-    port = free_port()
-    runs = {}
-    for dtypes in (("auto", "fp32"), ("bf16", "bf16")):
-        out = tmp_path / f"{'-'.join(dtypes)}.json"
-        run_two_ranks(_policy_loop, [(r, port, *dtypes, str(out)) for r in (0, 1)])
-        runs[dtypes] = json.loads(out.read_text())
-    default, half = runs[("auto", "fp32")], runs[("bf16", "bf16")]
+    default, half = result("policy-auto-fp32"), result("policy-bf16-bf16")
     assert default["carried"] == {"all_gather": ["torch.float32"], "reduce_scatter": ["torch.float32"]}
     assert half["carried"] == {"all_gather": ["torch.bfloat16"], "reduce_scatter": ["torch.bfloat16"]}
     assert default["stored"] == half["stored"] == ["torch.float32"]
@@ -416,11 +447,10 @@ def test_fsdp2_gathers_and_reduces_in_the_dtypes_the_recipe_names(tmp_path):
     assert half["losses"] == pytest.approx(default["losses"], rel=2e-2)
 
 
-def _plugin_resume(rank: int, port: int, ckpt: str, out: str, resume: bool) -> None:
+def _plugin_resume(rank: int, ckpt: str, resume: bool) -> dict:
     """2 ranks of a loop of one's own on ``recipe.accelerator()`` under FSDP2 (v100-fp16 rehearsed, ZClip): 6 steps
-    straight with ``save_state`` after step 3, or ``load_state`` of that checkpoint then steps 4-6. Rank 0 writes the
-    losses and metrics of the steps it ran, and the sum of its shards at the end."""
-    join_as_rank(rank, 2, port)
+    straight with ``save_state`` after step 3, or ``load_state`` of that checkpoint then steps 4-6. The losses and
+    metrics of the steps it ran, and the sum of the rank's shards at the end."""
     from hf_mixedprec.core.demo import tiny_llama
     from hf_mixedprec.integrations.recipe import resolve_recipe
 
@@ -446,22 +476,16 @@ def _plugin_resume(rank: int, port: int, ckpt: str, out: str, resume: bool) -> N
         if i == 2 and not resume:
             acc.save_state(ckpt)
     local = sum(float(p.to_local().double().sum()) for p in model.parameters())
-    if rank == 0:
-        Path(out).write_text(json.dumps({"rows": rows, "shards": local}))
-    leave_group()
+    return {"rows": rows, "shards": local}
 
 
 @pytest.mark.slow
-def test_a_loop_of_ones_own_resumes_from_a_sharded_save_state_to_the_straight_run(tmp_path):
+def test_a_loop_of_ones_own_resumes_from_a_sharded_save_state_to_the_straight_run(result):
     """``accelerator.save_state`` under FSDP2 writes the sharded model and optimizer (Distributed Checkpoint) with
     our state beside them (loss scaler, clipper, detector windows); ``load_state`` in a fresh pair of ranks brings
     all of it back, and steps 4-6 equal the straight run's bit for bit (losses, norms, thresholds, loss scale, the
     shards)."""
-    ckpt, straight, resumed = tmp_path / "ckpt", tmp_path / "straight.json", tmp_path / "resumed.json"
-    for out, resume in ((straight, False), (resumed, True)):
-        port = free_port()
-        run_two_ranks(_plugin_resume, [(r, port, str(ckpt), str(out), resume) for r in (0, 1)])
-    a, b = json.loads(straight.read_text()), json.loads(resumed.read_text())
+    a, b = result("plugin-resume"), result("plugin-resumed")
     assert len(a["rows"]) == 6 and len(b["rows"]) == 3
     assert {"mp/loss_scale", "mp/clip_threshold", "mp/grad_norm"} <= set(a["rows"][-1]), sorted(a["rows"][-1])
     assert b["rows"] == a["rows"][3:]
