@@ -14,7 +14,10 @@ cut short keeps what it finished; ``--budget-s`` skips a section that would star
    (8 x 1024 tokens): plain BF16 (eager and compiled), hf_mixedprec's BF16 and FP8 recipes through the Accelerate
    plugin, torchao FP8 tensorwise by hand and Accelerate's ``AORecipeKwargs`` path, all compiled per decoder layer;
    each row with ``estimate``'s figure for it.
-4. ``compare``: ``hf-mixedprec compare`` of a100-bf16 and h100-fp8-current against the FP32 baseline.
+4. ``moe``: ``scripts/bench_moe.py``: one Qwen3-30B-A3B MoE layer's experts (128 experts of 768, top-8, 4 x 2048
+   tokens), forward + backward: BF16 ``grouped_mm``, hf_mixedprec's FP8 experts per scaling (emulated) and torchao's
+   ``moe_training`` FP8 rowwise / MXFP8 grouped GEMMs where the GPU runs them, each against BF16.
+5. ``compare``: ``hf-mixedprec compare`` of a100-bf16 and h100-fp8-current against the FP32 baseline.
 
     python scripts/gpu_acceptance.py --out runs/gpu_acceptance       # on one CUDA GPU, about 8 minutes
     python scripts/gpu_acceptance.py --cpu-smoke --out /tmp/smoke    # tiny shapes anywhere: checks the kit only
@@ -42,6 +45,7 @@ sys.path.insert(0, str(HERE))
 
 import bench_gpu  # noqa: E402
 import bench_harness as bh  # noqa: E402
+import bench_moe  # noqa: E402
 import gpu_sync_check  # noqa: E402
 
 #: Llama-3-8B's layer shapes (the layer count is set per run: as many as the time and memory allow)
@@ -106,7 +110,8 @@ ESTIMATE_RECIPE = {
 #: what the kit keeps of each ``compare`` run
 COMPARE_KEYS = ("recipe", "verdict", "final_loss", "final_delta_pct", "skip_rate", "tokens_per_s", "peak_memory_bytes")
 #: the top-level fields of the JSON (the test suite checks them on the CPU smoke run)
-FIELDS = ("kit", "cpu_smoke", "machine", "sync", "throughput", "compare", "verdict", "skipped_sections")
+FIELDS = ("kit", "cpu_smoke", "machine", "sync", "throughput", "moe", "compare", "verdict", "skipped_sections")
+SECTIONS = ("sync", "8b", "moe", "compare", "1b")
 
 
 def machine() -> dict[str, Any]:
@@ -256,6 +261,8 @@ def verdict(doc: dict[str, Any]) -> dict[str, Any]:
         if r.get("status") == "error"
     ]
     errors += [f"sync {r.get('recipe')}: {r.get('reason')}" for r in doc["sync"] if r.get("status") == "error"]
+    moe_rows = (doc.get("moe") or {}).get("rows", [])
+    errors += [f"moe {r['key']}: {r.get('reason')}" for r in moe_rows if r.get("status") == "error"]
     c = doc.get("compare") or {}
     if c and (c.get("error") or c.get("exit_code") not in (0, 4)):  # 4: a recipe failed its criteria (a finding)
         errors.append(f"compare: exit {c.get('exit_code')}: {c.get('error', '')}")
@@ -328,6 +335,8 @@ def markdown(doc: dict[str, Any]) -> str:
             "",
         ]
         lines += [f"- {k}: {_fmt(v, '.3f')}" for k, v in s["ratios"].items()]
+    if doc.get("moe"):
+        lines += ["", bench_moe.markdown(doc["moe"]), ""]
     c = doc.get("compare") or {}
     if c:
         lines += ["", f"compare (`{c.get('command')}`): exit {c.get('exit_code')}, {c.get('wall_s', 0):.0f} s"]
@@ -358,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0, help="start no section past this many seconds")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per throughput row (default 8)")
     ap.add_argument("--layers-8b", type=int, default=4, help="decoder layers at Llama-3-8B shapes (default 4)")
-    ap.add_argument("--sections", default="sync,8b,compare,1b", help="which sections, comma-separated")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help="which sections, comma-separated (default all)")
     ap.add_argument(
         "--variants", default="", help="only these throughput rows (bench_gpu.py keys, comma-separated; default all)"
     )
@@ -378,9 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_acceptance: no CUDA GPU here; use --cpu-smoke to check the kit on tiny shapes", file=sys.stderr)
         return 2
     sections = [s.strip() for s in o.sections.split(",") if s.strip()]
-    unknown = sorted(set(sections) - {"sync", "8b", "1b", "compare"})
+    unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
-        print(f"gpu_acceptance: --sections: unknown {unknown}; allowed: sync, 8b, 1b, compare", file=sys.stderr)
+        print(f"gpu_acceptance: --sections: unknown {unknown}; allowed: {', '.join(SECTIONS)}", file=sys.stderr)
         return 2
     out = Path(o.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -392,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "sync": [],
         "throughput": [],
+        "moe": {},
         "compare": {},
         "skipped_sections": [],
     }
@@ -403,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
             throughput_size(f"llama3-8b layer shapes, {o.layers_8b} layers", config_8b, VARIANTS_8B, o)
         ),
         "1b": lambda: doc["throughput"].append(throughput_size("llama 1.1B", dict(bench_gpu.LLAMA_1B), VARIANTS_1B, o)),
+        "moe": lambda: doc.__setitem__(
+            "moe", bench_moe.moe_section(cpu_smoke=o.cpu_smoke, steps=o.steps, deadline=o.deadline)
+        ),
         "compare": lambda: doc.__setitem__("compare", compare_section(o)),
     }
     with bh.stdout_to_stderr():

@@ -88,7 +88,7 @@ def test_gpu_acceptance_cpu_smoke(tmp_path):
             "--out",
             str(tmp_path),
             "--sections",
-            "sync,8b,compare",
+            "sync,8b,moe,compare",
         ],
         cwd=ROOT,
         env=_env(),  # compare's own process inherits it
@@ -121,11 +121,20 @@ def test_gpu_acceptance_cpu_smoke(tmp_path):
     assert "FP8 backend emulated" in "; ".join(rows["accel-fp8-hf_mixedprec-compile"]["notes"])
     assert set(size["ratios"]) >= {"fp8_ours_vs_bf16_compile", "fp8_ours_vs_accelerate_ao"}
     assert size["ratios"]["fp8_ours_vs_bf16_compile"] > 0
+    moe = {r["key"]: r for r in doc["moe"]["rows"]}
+    assert tuple(moe) == gpu_acceptance.bench_moe.ROWS and doc["moe"]["device"] == "cpu"
+    for key, r in moe.items():
+        if key.startswith("fp8-torchao-"):  # torchao's scaled grouped GEMMs need a GPU: said, not an error
+            assert r["status"] == "skipped" and "CUDA" in r["reason"], (key, r)
+        else:
+            assert r["status"] == "ok" and r["ms_per_step_median"] > 0 and r["speed_vs_bf16"] > 0, (key, r)
+    assert moe["bf16-grouped_mm"]["speed_vs_bf16"] == 1.0
     (run,) = doc["compare"]["runs"]
     assert doc["compare"]["exit_code"] == 0 and run["recipe"] == "cpu-bf16" and run["verdict"] == "pass"
     assert doc["verdict"] == {"zero_syncs_from_hf_mixedprec": None, "errors": []}
     md = (tmp_path / "acceptance.md").read_text()
     assert "| variant | status | tokens/s" in md and "fp8_ours_vs_accelerate_ao" in md
+    assert "| fp8-ours-emulated-mxfp8 | ok |" in md
 
 
 def test_bench_gpu_without_gpu_refuses_full_run():

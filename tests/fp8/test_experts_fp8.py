@@ -415,3 +415,42 @@ def test_the_accelerate_plugin_and_peft_lora_run_frozen_experts_in_fp8():
     assert calls and not any(calls)  # every experts backward ran, none needed a weight gradient
     assert torch.equal(experts.gate_up_proj.detach(), before) and experts.gate_up_proj.grad is None
     assert any(not torch.equal(p.detach(), s) for p, s in zip(lora, start, strict=True))  # the adapters trained
+
+
+def test_mxfp8_experts_equal_torchaos_moe_training_bit_for_bit(monkeypatch):
+    """Our MXFP8 experts (b200-mxfp8's settings), forward and all three gradients, equal torchao's
+    ``prototype.moe_training`` MXFP8 grouped GEMMs run through its emulated kernels (what runs on a CPU), driven by
+    scripts/bench_moe.py's torchao row: the same quantization, scales and accumulation, bit for bit."""
+    import sys
+
+    import torchao.prototype.moe_training as moe_training
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    sys.path.insert(0, "scripts")
+    try:
+        import bench_moe
+    finally:
+        sys.path.remove("scripts")
+    original = moe_training._to_mxfp8_then_scaled_grouped_mm
+
+    def emulated(a, b_t, offs, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False):
+        return original(a, b_t, offs, out_dtype=out_dtype, kernel_preference=KernelPreference.EMULATED,
+                        pad_token_groups_for_grouped_mm=pad_token_groups_for_grouped_mm)  # fmt: skip
+
+    monkeypatch.setattr(moe_training, "_to_mxfp8_then_scaled_grouped_mm", emulated)
+    cpu = torch.device("cpu")
+    shape = {**bench_moe.TINY_MOE, "hidden_size": 96}  # 3 MX blocks per row
+    x, idx, w = bench_moe.routed_inputs(shape, 80, cpu)
+    ours = bench_moe.experts_module(shape, cpu)
+    bench_moe.prepare("fp8-ours-emulated-mxfp8", ours, cpu)
+    theirs = bench_moe.experts_module(shape, cpu)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ours(xa, idx, w), bench_moe._torchao_experts(rowwise=False)(theirs, xb, idx, w)
+    assert torch.equal(ya, yb)
+    assert (ya.float() - theirs.__class__.forward.__wrapped__(theirs, x, idx, w).float()).abs().max() > 0  # FP8
+    g = torch.randn(ya.shape, generator=torch.Generator().manual_seed(5)).to(ya.dtype)
+    ya.backward(g)
+    yb.backward(g)
+    assert torch.equal(xa.grad, xb.grad)
+    for name in ("gate_up_proj", "down_proj"):
+        assert torch.equal(getattr(ours, name).grad, getattr(theirs, name).grad), name
