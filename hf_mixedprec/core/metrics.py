@@ -14,11 +14,15 @@ __all__ = [
     "HEALTH_EVENTS",
     "LOSS_SCALE",
     "METRICS",
+    "MOE_DEAD_EXPERTS",
+    "MOE_LOAD_MAX",
+    "MOE_PREFIX",
     "OVERFLOW",
     "PHASE",
     "PREFIX",
     "SKIPPED_STEPS",
     "fp8_layer_key",
+    "moe_module_key",
 ]
 
 PREFIX = "mp/"
@@ -36,6 +40,11 @@ FP8_LAYER_STATS = ("saturation", "underflow", "sqnr_db", "input_amax")
 FP8_RULE_PREFIX = "mp/fp8_rule/"
 #: Per ``modules:`` rule group, over its FP8 layers: ``mp/fp8_rule/<rule>/<stat>`` (worst of the group's layers).
 FP8_RULE_STATS = ("saturation", "underflow", "sqnr_db")
+MOE_PREFIX = "mp/moe/"
+#: Per experts module of an MoE model: ``mp/moe/<module>/<stat>`` (hf_mixedprec.training.expert_load).
+MOE_MODULE_STATS = ("tokens", "load_max", "load_entropy", "idle_steps", "dead_experts")
+MOE_LOAD_MAX = "mp/moe/load_max"
+MOE_DEAD_EXPERTS = "mp/moe/dead_experts"
 
 #: metric (or pattern) -> meaning.
 METRICS: dict[str, str] = {
@@ -54,6 +63,15 @@ METRICS: dict[str, str] = {
     "mp/fp8/<layer>/input_amax": "the input's absolute maximum",
     "mp/fp8_rule/<rule>/saturation, /underflow, /sqnr_db": "the same, worst over the FP8 layers a `modules:` rule "
     "governs (`no_rule`: those no rule governs); read from the per-layer values, no extra device work",
+    "mp/moe/<module>/tokens": "MoE models: tokens routed to the experts module since the last log (a token counts "
+    "once per expert it is sent to)",
+    "mp/moe/<module>/load_max": "the busiest expert's share of those tokens times the number of experts (1 = even)",
+    "mp/moe/<module>/load_entropy": "entropy of the experts' moving-average load over log(experts) (1 = even); NaN "
+    "until it holds 8 tokens per expert",
+    "mp/moe/<module>/idle_steps": "the longest run of steps one of its experts received no token, since the last log",
+    "mp/moe/<module>/dead_experts": "experts whose run without a token reached `dead_expert`'s threshold",
+    MOE_LOAD_MAX: "the largest `load_max` over the experts modules",
+    MOE_DEAD_EXPERTS: "the sum of `dead_experts` over the experts modules",
 }
 
 
@@ -67,6 +85,13 @@ def fp8_rule_metrics(layer_metrics: dict[str, float], groups: dict[str, list[str
             if vals:
                 out[f"{FP8_RULE_PREFIX}{label}/{stat}"] = worst(vals)
     return out
+
+
+def moe_module_key(module: str, stat: str) -> str:
+    """``mp/moe/<module>/<stat>`` for one of :data:`MOE_MODULE_STATS`."""
+    if stat not in MOE_MODULE_STATS:
+        raise ValueError(f"{stat!r} is not an experts-module statistic (allowed: {', '.join(MOE_MODULE_STATS)})")
+    return f"{MOE_PREFIX}{module}/{stat}"
 
 
 def fp8_layer_key(layer: str, stat: str) -> str:

@@ -15,7 +15,9 @@ The kinds, each comparing one number with the threshold (``compare``) except ``n
 - ``floor``: the signal's value;
 - ``backoffs``: how often the signal went down within ``window`` steps, firing only if it never went up there;
 - ``ratio``: a signal measured on sampled steps, on steps that were taken (a skipped step changes nothing);
-- ``fp8_layer``: one statistic of each FP8 layer's operands, the worst of the samples since the last check.
+- ``fp8_layer``: one statistic of each FP8 layer's operands, the worst of the samples since the last check;
+- ``experts``: one number per MoE experts module, counted on the device every step and judged at each check
+  (:mod:`hf_mixedprec.training.expert_load`).
 """
 
 from __future__ import annotations
@@ -23,15 +25,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["DETECTORS", "LAYER_DETECTORS", "STATE_SLOTS", "STEP_DETECTORS", "Detector", "Reaction"]
+__all__ = [
+    "DETECTORS",
+    "EXPERT_DETECTORS",
+    "EXPERT_REACTIONS",
+    "LAYER_DETECTORS",
+    "STATE_SLOTS",
+    "STEP_DETECTORS",
+    "Detector",
+    "Reaction",
+]
 
-Kind = Literal["nonfinite", "zscore", "rate", "run", "floor", "backoffs", "ratio", "fp8_layer"]
+Kind = Literal["nonfinite", "zscore", "rate", "run", "floor", "backoffs", "ratio", "fp8_layer", "experts"]
 #: ``loss`` (raw, before Trainer's NaN filter), ``grad_norm`` (unscaled, before clipping), ``skipped`` (1 if the
 #: optimizer step was skipped), ``loss_scale``, ``update_ratio`` (RMS(update)/RMS(weight) on sampled steps) ...
 StepSignal = Literal["loss", "grad_norm", "skipped", "loss_scale", "update_ratio"]
 #: ... and the :data:`~hf_mixedprec.scaling.stats.METRICS` of an FP8 layer's operands.
 LayerSignal = Literal["amax", "saturation", "underflow", "sqnr_db", "mx_clamp"]
-Signal = StepSignal | LayerSignal
+#: ... and what an MoE experts module's routing shows: the longest run of steps one of its experts got no token
+#: (``idle_steps``), the entropy of its experts' moving-average load over log(experts) (``load_entropy``).
+ExpertSignal = Literal["idle_steps", "load_entropy"]
+Signal = StepSignal | LayerSignal | ExpertSignal
 Compare = Literal["above", "below", "at_or_above", "at_or_below"]
 #: What a recipe can make a detector's event do (hf_mixedprec.training.reactions carries it out).
 Reaction = Literal["log", "warn", "skip_step", "stop", "fallback", "lower_lr"]
@@ -52,7 +66,8 @@ class Detector:
 
     ``message`` is a :meth:`str.format` template. Per-step detectors get ``value``, ``threshold`` (0 when unset),
     ``window`` (the recipe's), ``value_pct`` and ``threshold_pct`` (times 100); per-layer ones get ``layer``,
-    ``role``, ``metric``, ``value``, ``threshold`` and ``op`` (the comparison's sign)."""
+    ``role``, ``metric``, ``value``, ``threshold`` and ``op`` (the comparison's sign); experts ones get ``layer``,
+    ``value``, ``threshold``, ``expert`` (the idle one), ``busiest`` and ``dead`` (experts past the threshold)."""
 
     name: str
     kind: Kind
@@ -150,6 +165,19 @@ DETECTORS: tuple[Detector, ...] = (
         "threshold: fraction of MXFP8 blocks whose E8M0 scale is at the clamp.",
         _LAYER_MESSAGE,
     ),
+    Detector(
+        "dead_expert", "experts", "idle_steps", "at_or_above", 100.0, None, "warn",
+        "MoE models: threshold: optimizer steps in a row an expert received no token.",
+        "{layer}: expert {expert} received no token for {value:g} optimizer steps in a row (threshold "
+        "{threshold:g}); {dead:g} of its experts did",
+    ),
+    Detector(
+        "routing_collapse", "experts", "load_entropy", "below", 0.5, 100, "warn",
+        "MoE models: threshold: entropy of an experts module's load over log(experts) (1 = even); the load is a "
+        "moving average whose half-life is `window` steps.",
+        "{layer}: routing is collapsing: the entropy of its experts' load is {value:.3f} of an even load's "
+        "(threshold {threshold:g}); the busiest expert is {busiest}",
+    ),
 )  # fmt: skip
 
 if len({d.name for d in DETECTORS}) != len(DETECTORS):
@@ -157,5 +185,9 @@ if len({d.name for d in DETECTORS}) != len(DETECTORS):
 
 #: The detectors evaluated step by step (events come out in this order), and the per-layer FP8 ones with the
 #: :class:`~hf_mixedprec.scaling.stats.RoleStats` metric each watches.
-STEP_DETECTORS: tuple[str, ...] = tuple(d.name for d in DETECTORS if d.kind != "fp8_layer")
+STEP_DETECTORS: tuple[str, ...] = tuple(d.name for d in DETECTORS if d.kind not in ("fp8_layer", "experts"))
 LAYER_DETECTORS: dict[str, str] = {d.name: d.signal for d in DETECTORS if d.kind == "fp8_layer"}
+#: The MoE experts detectors, with the signal each watches, and the reactions they may take: their events concern a
+#: module's routing, which neither skipping a step nor a precision fallback changes.
+EXPERT_DETECTORS: dict[str, str] = {d.name: d.signal for d in DETECTORS if d.kind == "experts"}
+EXPERT_REACTIONS: tuple[Reaction, ...] = ("log", "warn", "stop", "lower_lr")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, model_validator
 from pydantic_core import PydanticCustomError
 
-from hf_mixedprec.recipes.detectors import DETECTORS, Detector, Reaction
+from hf_mixedprec.recipes.detectors import DETECTORS, EXPERT_DETECTORS, EXPERT_REACTIONS, Detector, Reaction
 
 __all__ = [
     "MAX_AMAX_HISTORY",
@@ -131,6 +131,18 @@ class _DetectorsBase(_Section):
         def __init__(self, **detectors: DetectorConfig | dict[str, Any]) -> None: ...
 
         def __getattr__(self, name: str) -> DetectorConfig: ...
+
+    @model_validator(mode="after")
+    def _expert_reactions(self) -> Any:
+        for name in EXPERT_DETECTORS:
+            reaction = getattr(self, name).reaction
+            if reaction not in EXPERT_REACTIONS:
+                raise _rule(
+                    f"{name}.reaction",
+                    f"is {reaction!r}; an MoE routing event is not changed by skipping a step or a precision "
+                    f"fallback: use {' | '.join(EXPERT_REACTIONS)}",
+                )
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -41,8 +41,9 @@ from hf_mixedprec.scaling.stats import (
 
 __all__ = ["STEP_DETECTORS", "HealthEvent", "HealthMonitor", "LayerBreach", "layer_breaches", "threshold_of"]
 
-_STEP_ROWS = tuple(d for d in DETECTORS if d.kind != "fp8_layer")
+_STEP_ROWS = tuple(d for d in DETECTORS if d.kind not in ("fp8_layer", "experts"))
 _LAYER_ROWS = tuple(d for d in DETECTORS if d.kind == "fp8_layer")
+_EXPERT_ROWS = tuple(d for d in DETECTORS if d.kind == "experts")
 #: The signals :meth:`HealthMonitor.pre_step` receives: the only ones a device-side check can read.
 _PRE_STEP_SIGNALS = ("loss", "grad_norm")
 #: Each comparison of the table, its sign in messages, and the threshold it never crosses (a recipe's null).
@@ -322,6 +323,24 @@ class HealthMonitor:
                     if b.detector == row.name:
                         msg = row.message.format(layer=layer, op=_SIGN[str(row.compare)], **asdict(b))
                         events.append(HealthEvent(self.step, row.name, c.reaction, b.value, b.threshold, msg, layer))
+        return events
+
+    def check_experts(self, modules: Mapping[str, Mapping[str, float]]) -> list[HealthEvent]:
+        """The MoE experts events of the values a logging step read per experts module
+        (:meth:`hf_mixedprec.training.expert_load.ExpertLoad.read`): by detector, then module; NaN never fires."""
+        events: list[HealthEvent] = []
+        for row in _EXPERT_ROWS:
+            c: DetectorConfig = getattr(self.det, row.name)
+            if not c.enabled or c.threshold is None:
+                continue
+            for layer, v in modules.items():
+                value = v[row.signal]
+                if math.isfinite(value) and _crosses(row, c, value):
+                    msg = row.message.format(
+                        layer=layer, value=value, threshold=c.threshold, expert=int(v["idle_expert"]),
+                        busiest=int(v["busiest_expert"]), dead=v["dead_experts"],
+                    )  # fmt: skip
+                    events.append(HealthEvent(self.step, row.name, c.reaction, value, c.threshold, msg, layer))
         return events
 
     def skip_flag(self) -> Tensor:

@@ -51,6 +51,7 @@ from hf_mixedprec.recipes.schema import RecipeSpec
 from hf_mixedprec.storage import apply_storage
 from hf_mixedprec.training.amp import GuardScaler, LossScaling
 from hf_mixedprec.training.clipping import Clipper, ClipResult, global_grad_norm, make_clipper, with_grads
+from hf_mixedprec.training.expert_load import ExpertWatch
 from hf_mixedprec.training.health import HealthEvent, HealthMonitor, layers_to_bf16
 from hf_mixedprec.training.phases import PhaseRunner
 from hf_mixedprec.training.reactions import Reactions
@@ -144,6 +145,7 @@ class MixedPrecisionRuntime:
         self._sampling = False
         #: the FP8 layers' sampled statistics on their way to the monitor and the log (:mod:`hf_mixedprec.fp8.stats`)
         self.fp8_stats = FP8Statistics()
+        self.experts = ExpertWatch(recipe.health, self.device)  # an MoE model's tokens per expert (health on)
         self.checks_on_every_rank = False  # True: checks run on every rank at once (sampled FP8 stats are combined)
         self._log_read: _LogRead | None = None  # what check() read for this logging step's metrics()
         self._update_probe = _UpdateProbe()
@@ -260,6 +262,8 @@ class MixedPrecisionRuntime:
         that replaces Parameters must update), and turn FP8 statistics on for sampled steps only."""
         if self.phases is not None and self.phases.due(self.steps):
             self._switch_phase(model, optimizer)
+        if self.monitor is not None:
+            self.experts.see(model)
         every = self.recipe.health.fp8_sample_every
         self._sampling = self.monitor is not None and (self.steps + 1) % every == 0
         if self.active.precision == "fp8":
@@ -339,6 +343,7 @@ class MixedPrecisionRuntime:
     def after_optimizer_step(self, model: nn.Module, optimizer: Any = None) -> None:
         """Advance FP8 delayed scaling, update the monitor and count skipped steps (device only)."""
         _fp8_after_step(self, model)
+        self.experts.after_step()
         if self.monitor is not None:
             ratio = self._update_probe.ratio(self.amp.found_inf.device)
             if ratio is not None:
@@ -352,6 +357,7 @@ class MixedPrecisionRuntime:
         feed the engine's skip, loss scale and the step's loss to the monitor (see :func:`_feed_external_step`)."""
         if model is not None:
             _fp8_after_step(self, model)
+        self.experts.after_step()
         _feed_external_step(self)
         self._loss_n = 0
         self.steps += 1
@@ -372,6 +378,8 @@ class MixedPrecisionRuntime:
         if self.monitor is None:
             return []
         events = self.monitor.check(self._log_read.monitor)
+        if self._log_read.experts:
+            events += self.monitor.check_experts(self._log_read.experts)
         self.reactions.apply(events, model, optimizer, scheduler, step=self.steps)
         return events
 
@@ -388,6 +396,7 @@ class MixedPrecisionRuntime:
         if self.phases is not None:
             out[M.PHASE] = float(self.phases.index)
         out.update(self.fp8_stats.take_metrics())
+        out.update(got.moe)
         if self.clipper is not None:
             self.clipper.host_sync(got.clip_sync)
         if got.clip is not None:
@@ -475,6 +484,7 @@ def _runtime_state(rt: MixedPrecisionRuntime) -> dict[str, Any]:
         "stopped": rt.stop_requested,
         "moved_layers": list(rt.moved_layers),
         "phases": rt.phases.state_dict() if rt.phases is not None else None,
+        "expert_load": rt.experts.state_dict(),
         # FP16's loss scaler (numbers only); the guard's never changes. Trainer's scaler.pt may be absent: a callback
         # added after the Trainer was built installs the scaler after Trainer would have loaded that file
         "scaler": rt.scaler.state_dict() if rt.scaler is not None and not rt.guard else None,
@@ -531,6 +541,7 @@ def _load_runtime_state(rt: MixedPrecisionRuntime, state: dict[str, Any], model:
         else:
             rt.monitor.load_state_dict(state["monitor"])
     rt.reactions.load(state.get("events", []), state.get("moved_layers", []), model)
+    rt.experts.load_state_dict(state.get("expert_load"))  # absent in checkpoints written before it was kept
 
 
 def _mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:

@@ -69,12 +69,15 @@ class _LogRead:
     amp: dict[str, float] = field(default_factory=dict)  # LossScaling.metric_tensors' values
     clip_sync: float | None = None  # the clipper's host_request
     clip: dict[str, float] | None = None  # mp/grad_norm, mp/clip_threshold, mp/clipped
+    moe: dict[str, float] = field(default_factory=dict)  # the mp/moe/ metrics (ExpertLoad.read)
+    experts: dict[str, dict[str, float]] = field(default_factory=dict)  # what the experts detectors judge
 
 
 def _read_for_log(rt: Any, model: nn.Module | None) -> _LogRead:
     """Everything a logging step reports, stacked on the device and read with ONE device-to-host copy: the health
     monitor's records (with ``model``: what :meth:`MixedPrecisionRuntime.check` needs), the FP8 layers' statistics
-    of a sampled step, the loss scale and skipped steps, the clipper's state and the last clip result."""
+    of a sampled step, the loss scale and skipped steps, the clipper's state and the last clip result, and (with
+    ``model``) the MoE experts' load since the last logging step."""
     parts: list[torch.Tensor] = []
     dev = rt.device
 
@@ -102,6 +105,9 @@ def _read_for_log(rt: Any, model: nn.Module | None) -> _LogRead:
     clip_t = [] if last is None else [last.total_norm, last.threshold, last.clipped]
     clip_t += [boundary()] if (last is not None and boundary is not None) else []
     clip = add(clip_t)
+    watched = rt.experts.load
+    load = watched.request() if (model is not None and watched is not None) else None
+    moe = add([load] if load is not None else [])
     values = torch.cat(parts).tolist() if parts else []  # the one host read
     if request is not None:
         got.monitor = values[monitor]
@@ -110,6 +116,8 @@ def _read_for_log(rt: Any, model: nn.Module | None) -> _LogRead:
     got.amp = dict(zip(amp_t, values[amp]))
     got.clip_sync = values[clip_sync][0] if sync is not None else None
     got.clip = _clip_metrics(values[clip]) if last is not None else None
+    if load is not None:
+        got.moe, got.experts = watched.read(values[moe])
     return got
 
 
