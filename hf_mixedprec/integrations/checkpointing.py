@@ -27,7 +27,7 @@ from hf_mixedprec.core._device import several_ranks
 from hf_mixedprec.core._private import trainer_output_dir, wrap_save_checkpoint
 from hf_mixedprec.core.checkpoints import CheckpointDamaged, newest_verified, verify, write_manifest
 
-__all__ = ["finish_checkpoint", "manage_checkpoints", "resume_target"]
+__all__ = ["finish_checkpoint", "manage_checkpoints", "restore_converted_weights", "resume_target"]
 
 #: The attribute of a Trainer whose rotation is deferred: the ``save_total_limit`` it asked for.
 _DEFERRED = "_hf_mixedprec_save_total_limit"
@@ -155,3 +155,77 @@ def _resume_target(out: str | os.PathLike[str] | None, wanted: Any, note: Callab
         + (f", e.g. {other.name}" if other is not None else "")
         + "; resume_from_checkpoint=True takes the newest complete one)"
     )
+
+
+def restore_converted_weights(model: Any, folder: str) -> str | None:
+    """After ``Trainer`` loaded the model weights of the checkpoint ``folder``: the weights it skipped because the
+    checkpoint holds them in the model's original format, loaded through transformers' own conversion, into the very
+    Parameters the optimizer holds. Returns what it did, for the run report; None where nothing was skipped.
+
+    transformers 5 saves a model whose weights it converted at load (MoE experts fused into 3-D ``gate_up_proj`` /
+    ``down_proj``) back in the original format (``save_pretrained(save_original_format=True)``: one tensor per
+    expert), and ``Trainer._load_from_checkpoint`` loads that file with ``load_state_dict(strict=False)``, which
+    skips every such key with a warning: a resumed MoE run trains on with the experts' initial weights."""
+    from safetensors import safe_open
+
+    files = _model_files(folder)
+    if not files or not hasattr(model, "state_dict"):
+        return None
+    own = model.state_dict()
+    stored: dict[str, str] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            stored.update(dict.fromkeys(f.keys(), path))
+    skipped = {k: p for k, p in stored.items() if k not in own}
+    missing = [k for k in own if k not in stored]
+    if not skipped or not missing:
+        return None
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    tensors = {}
+    for key, path in skipped.items():
+        with safe_open(path, framework="pt") as f:
+            tensors[key] = f.get_tensor(key)
+    held = {k: _owner(model, k) for k in missing}
+    before = {k: getattr(mod, attr) for k, (mod, attr) in held.items()}
+    mapping = get_model_conversion_mapping(model, add_legacy=False)
+    info, _ = convert_and_load_state_dict_in_model(model, tensors, LoadStateDictConfig(weight_mapping=mapping))
+    loaded = [k for k in missing if k not in info.missing_keys]
+    for key in loaded:  # the optimizer holds the Parameters from before: the values go into them
+        mod, attr = held[key]
+        new, old = getattr(mod, attr), before[key]
+        if new is not old:
+            old.data.copy_(new.detach())
+            setattr(mod, attr, old)
+    still = [k for k in missing if k in info.missing_keys]
+    text = (
+        f"resume: {len(loaded)} weights the checkpoint holds in the model's original format "
+        f"({', '.join(loaded[:2])}{', ...' if len(loaded) > 2 else ''}) were skipped by Trainer's load and are "
+        "loaded through transformers' weight conversion"
+    )
+    if still:
+        text += f"; {len(still)} are still missing and keep their initial values: {', '.join(still[:4])}"
+    return text
+
+
+def _model_files(folder: str) -> list[str]:
+    """The safetensors files of the model saved in ``folder`` (one file, or the shards of its index)."""
+    import json
+
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return []
+    with open(index, encoding="utf-8") as f:
+        shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+    return [os.path.join(folder, s) for s in shards]
+
+
+def _owner(model: Any, key: str) -> tuple[Any, str]:
+    """The module holding the parameter or buffer ``key`` of ``model``'s state_dict, and its attribute name."""
+    path, _, attr = key.rpartition(".")
+    return (model.get_submodule(path) if path else model), attr

@@ -50,7 +50,7 @@ from hf_mixedprec.core._private import (
 from hf_mixedprec.core.checkpoints import MANIFEST_VERSION, MARK
 from hf_mixedprec.fp8 import model_parameters
 from hf_mixedprec.fp8.state import read_fp8_state_file
-from hf_mixedprec.integrations.checkpointing import finish_checkpoint, manage_checkpoints
+from hf_mixedprec.integrations.checkpointing import finish_checkpoint, manage_checkpoints, restore_converted_weights
 from hf_mixedprec.integrations.install import (
     backpropagated_loss,
     check_hardware,
@@ -328,6 +328,12 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         if payload is not None:
             rt.load_state_dict(payload, model)  # first: FP8 layers a fallback moved are moved again
             self.restored = None
+        folder = _resumed_from()
+        sharded = self.deepspeed or getattr(self.trainer, "is_fsdp_enabled", False)
+        if folder is not None and not sharded:  # DeepSpeed and FSDP load their own, unconverted, model states
+            restored = restore_converted_weights(model, folder)
+            if restored is not None:
+                rt.note(restored)
         _restore_fp8_state(rt, model, state)
 
     def on_save(self, args: TrainingArguments, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
