@@ -41,6 +41,7 @@ from hf_mixedprec.core._device import several_ranks
 from hf_mixedprec.core._private import is_fake_tensor
 from hf_mixedprec.core.formats import NumberFormat, get_format
 from hf_mixedprec.fp8.emulated import EmulationSpec
+from hf_mixedprec.fp8.stats import SampledStats
 from hf_mixedprec.scaling import (
     current_scale,
     delayed_update,
@@ -52,15 +53,18 @@ from hf_mixedprec.scaling import (
     quantize_mxfp8,
 )
 from hf_mixedprec.scaling.fp8 import delayed_scaled_max
+from hf_mixedprec.scaling.stats import combine_raw, grouped_raw_stats
 
 __all__ = [
     "EXPERTS_SCALINGS",
     "IMPLEMENTATION",
     "ExpertsDelayedState",
     "ExpertsFP8",
+    "ExpertsStats",
     "convert_experts",
     "converted_experts",
     "experts_states",
+    "experts_stats",
     "fp8_experts_forward",
     "is_experts_module",
     "restore_experts",
@@ -76,6 +80,8 @@ EXPERTS_SCALINGS: tuple[str, ...] = ("delayed", "current", "blockwise", "mxfp8")
 _ATTR = "_hf_mixedprec_fp8"
 #: The name of a delayed-scaling experts module's :class:`ExpertsDelayedState` child.
 STATE_NAME = "hf_mixedprec_fp8_state"
+#: Where a converted experts module keeps its two :class:`ExpertsStats` (gate/up projection, down projection).
+_STATS = "_hf_mixedprec_fp8_stats"
 
 
 def is_experts_module(mod: nn.Module) -> bool:
@@ -168,6 +174,50 @@ class ExpertsDelayedState(nn.Module):
         return self.fp8_scale[self._rows(proj), role]
 
 
+class ExpertsStats(SampledStats):
+    """The sampled FP8 statistics of one projection of an experts module (its input, weight and output gradient over
+    all experts), as an FP8 Linear keeps its own: one :data:`~hf_mixedprec.scaling.stats.RAW_COLUMNS` row per role,
+    combined over the experts (:func:`~hf_mixedprec.scaling.stats.combine_raw`) from one row per expert
+    (:func:`~hf_mixedprec.scaling.stats.grouped_raw_stats`), which :attr:`per_expert` keeps. Device tensors only."""
+
+    def __init__(self, spec: ExpertsFP8) -> None:
+        self.mx_clamp = spec.scaling == "mxfp8"
+        self.start_records()
+        #: the last sampled step's rows per expert, per role (``[experts, 8]``), None before
+        self.per_expert: list[Tensor | None] = [None, None, None]
+
+    def note(
+        self,
+        role: int,
+        x: Tensor,
+        x_hat: Tensor,
+        keep: list[Tensor | None],
+        group: Tensor,
+        experts: int,
+        spec: ExpertsFP8,
+    ) -> None:
+        """Record role ``role`` of a sampled step from the rows ``x``, their dequantized ``x_hat``, what the quantizer
+        kept (FP8 values, MX codes) and each row's expert ``group`` (of ``experts``)."""
+        data, codes = keep
+        assert data is not None
+        fmt = spec.fmt(role)
+        rows = grouped_raw_stats(x, data, x_hat, fmt, group, experts, scale_codes=codes, block_size=spec.block_size)
+        self.per_expert[role] = rows
+        self.records[role] = combine_raw(rows)
+
+
+def experts_stats(model: nn.Module) -> list[tuple[str, ExpertsStats]]:
+    """The FP8 statistics holders of ``model``'s converted experts modules, named ``<module>.gate_up_proj`` (or
+    ``.up_proj``) and ``<module>.down_proj`` after the parameters of each projection."""
+    out: list[tuple[str, ExpertsStats]] = []
+    for name, mod in model.named_modules():
+        pair = getattr(mod, _STATS, None)
+        if pair is not None:
+            up = "gate_up_proj" if mod.has_gate else "up_proj"
+            out += [(f"{name}.{up}", pair[0]), (f"{name}.down_proj", pair[1])]
+    return out
+
+
 def experts_states(model: nn.Module) -> list[tuple[str, ExpertsDelayedState]]:
     """Every :class:`ExpertsDelayedState` of ``model`` with its dotted name."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, ExpertsDelayedState)]
@@ -227,36 +277,53 @@ def quantize_rows(
     src_dtype: torch.dtype,
     state: _Delayed | None = None,
     record: bool = False,
+    keep: list[Tensor | None] | None = None,
 ) -> Tensor:
     """Quantize-dequantize the sorted token rows ``rows`` ``[S, K]`` (float32) of the groups ``offsets`` for one GEMM:
     along the feature dim (forward, input gradient) or, with ``along_tokens``, along each group's tokens (the weight
-    gradient). Role 0 is the input, 2 the output gradient. ``state`` and ``record``: delayed scaling's."""
+    gradient). Role 0 is the input, 2 the output gradient. ``state`` and ``record``: delayed scaling's; ``keep``
+    (feature-dim quantization only): a list that receives the FP8 values and the MX scale codes (or None)."""
     fmt = spec.fmt(role)
     if spec.scaling in ("current", "delayed"):  # a per-tensor scale per group serves both orientations
         gid = _group_of_rows(offsets, rows.shape[0])
         amax = _per_group_amax(rows, gid, offsets.numel())
         scale = _per_tensor_scale(spec, amax, role, state, record)[gid].unsqueeze(-1)
-        return dequantize_fp8(quantize_fp8(rows, scale, fmt), scale)
+        data = quantize_fp8(rows, scale, fmt)
+        if keep is not None:
+            keep += [data, None]
+        return dequantize_fp8(data, scale)
     tile = spec.block_size if spec.scaling == "mxfp8" else 128
     if not along_tokens:  # tiles within a row: the groups do not matter
-        return _blocked_rows(spec, rows, fmt, tile, src_dtype)
+        return _blocked_rows(spec, rows, fmt, tile, src_dtype, keep)
     gid = _group_of_rows(offsets, rows.shape[0])
     buf, pos = _pad_groups(rows, offsets, gid, tile)
     deq = _blocked_rows(spec, buf.t(), fmt, tile, src_dtype)  # [K, padded S]: tiles along the tokens of a group
     return deq.t()[pos]
 
 
-def _blocked_rows(spec: ExpertsFP8, t: Tensor, fmt: NumberFormat, tile: int, src_dtype: torch.dtype) -> Tensor:
-    """Quantize-dequantize a 2-D tensor in 1 x ``tile`` blocks along its last dim (MXFP8 or 1x128 tiles)."""
+def _blocked_rows(
+    spec: ExpertsFP8,
+    t: Tensor,
+    fmt: NumberFormat,
+    tile: int,
+    src_dtype: torch.dtype,
+    keep: list[Tensor | None] | None = None,
+) -> Tensor:
+    """Quantize-dequantize a 2-D tensor in 1 x ``tile`` blocks along its last dim (MXFP8 or 1x128 tiles); ``keep``:
+    a list that receives the FP8 values (``t``'s shape) and the MX scale codes (None for 1x128 tiles)."""
     cols = t.shape[-1]
     pad = (-cols) % tile
     if spec.scaling == "mxfp8":
         padded = torch.nn.functional.pad(t, (0, pad)) if pad else t
         data, codes = quantize_mxfp8(padded, fmt=fmt.name, block_size=tile, rounding=spec.mx_rounding, dim=-1)
+        if keep is not None:
+            keep += [data[..., :cols], codes]
         return dequantize_mxfp8(data, codes, block_size=tile, dim=-1)[..., :cols]
     data, scales = quantize_blockwise(
         t, tile=(1, 128), fmt=fmt.name, power_2=spec.power_2_scales, input_dtype=src_dtype
     )
+    if keep is not None:
+        keep += [data, None]
     return dequantize_blockwise(data, scales, tile=(1, 128))
 
 
@@ -268,25 +335,32 @@ def quantize_weights(
     src_dtype: torch.dtype,
     state: _Delayed | None = None,
     record: bool = False,
+    keep: list[Tensor | None] | None = None,
 ) -> Tensor:
     """Quantize-dequantize the experts' GEMM weights ``W`` ``[E, out, in]`` (float32), each expert as the dense path
     quantizes a Linear's weight: per expert tensor (current), 128x128 tiles per expert (blockwise), MX blocks along
-    ``in`` for the forward and along ``out`` for the input gradient (``for_dgrad``)."""
+    ``in`` for the forward and along ``out`` for the input gradient (``for_dgrad``). ``keep`` (forward only): a list
+    that receives the FP8 values as ``[E * out, in]`` rows and the MX scale codes of those rows (or None)."""
     fmt = spec.fmt(1)
+    e, out_f, in_f = w.shape
     if spec.scaling in ("current", "delayed"):
         amax = w.abs().amax(dim=(1, 2)) if w.numel() else w.new_zeros(w.shape[0])
         scale = _per_tensor_scale(spec, amax, 1, state, record)[:, None, None]
-        return dequantize_fp8(quantize_fp8(w, scale, fmt), scale)
+        data = quantize_fp8(w, scale, fmt)
+        if keep is not None:
+            keep += [data.reshape(e * out_f, in_f), None]
+        return dequantize_fp8(data, scale)
     if spec.scaling == "blockwise":  # orientation-free 128x128 tiles over each expert's last two dims
         data, scales = quantize_blockwise(
             w, tile=(128, 128), fmt=fmt.name, power_2=spec.power_2_scales, input_dtype=src_dtype
         )
+        if keep is not None:
+            keep += [data.reshape(e * out_f, in_f), None]
         return dequantize_blockwise(data, scales, tile=(128, 128))
-    e, out_f, in_f = w.shape
     if for_dgrad:
         flat = w.transpose(1, 2).reshape(e * in_f, out_f)
         return _blocked_rows(spec, flat, fmt, spec.block_size, src_dtype).view(e, in_f, out_f).transpose(1, 2)
-    return _blocked_rows(spec, w.reshape(e * out_f, in_f), fmt, spec.block_size, src_dtype).view(e, out_f, in_f)
+    return _blocked_rows(spec, w.reshape(e * out_f, in_f), fmt, spec.block_size, src_dtype, keep).view(e, out_f, in_f)
 
 
 # -- float32 grouped GEMMs ------------------------------------------------------------------------------------------
@@ -349,12 +423,23 @@ class _FP8GroupedLinear(torch.autograd.Function):
         transposed: bool,
         out_dtype: torch.dtype,
         state: _Delayed | None,
+        stats: ExpertsStats | None,
     ) -> Tensor:
         record = state is not None and state[0].training
+        sampled = stats is not None and stats.record_stats
         w = (weight.transpose(1, 2) if transposed else weight).float()  # [E, out, in]
         x32 = x.float()
-        xq = quantize_rows(spec, x32, offsets, 0, along_tokens=False, src_dtype=x.dtype, state=state, record=record)
-        wq = quantize_weights(spec, w, for_dgrad=False, src_dtype=weight.dtype, state=state, record=record)
+        keep_x: list[Tensor | None] | None = [] if sampled else None
+        keep_w: list[Tensor | None] | None = [] if sampled else None
+        xq = quantize_rows(
+            spec, x32, offsets, 0, along_tokens=False, src_dtype=x.dtype, state=state, record=record, keep=keep_x
+        )
+        wq = quantize_weights(spec, w, for_dgrad=False, src_dtype=weight.dtype, state=state, record=record, keep=keep_w)
+        if stats is not None and keep_x is not None and keep_w is not None:
+            e, out_f, in_f = w.shape
+            stats.note(0, x32, xq, keep_x, _group_of_rows(offsets, x32.shape[0]).long(), e, spec)
+            experts = torch.arange(e, device=w.device).repeat_interleave(out_f)
+            stats.note(1, w.reshape(e * out_f, in_f), wq.reshape(e * out_f, in_f), keep_w, experts, e, spec)
         y = grouped_mm_f32(xq, wq.transpose(1, 2), offsets)
         if spec.scaling in ("current", "delayed"):
             x_w, w_d = xq, wq
@@ -371,6 +456,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
             state,
             record,
         )
+        ctx.stats = stats if sampled else None
         return y.to(out_dtype)
 
     @staticmethod
@@ -379,9 +465,12 @@ class _FP8GroupedLinear(torch.autograd.Function):
         spec: ExpertsFP8 = ctx.spec
         x_dtype, w_dtype = ctx.dtypes
         g32 = gy.float()
+        keep: list[Tensor | None] | None = [] if ctx.stats is not None else None
         g_d = quantize_rows(
-            spec, g32, offsets, 2, along_tokens=False, src_dtype=gy.dtype, state=ctx.state, record=ctx.record
+            spec, g32, offsets, 2, along_tokens=False, src_dtype=gy.dtype, state=ctx.state, record=ctx.record, keep=keep
         )
+        if ctx.stats is not None and keep is not None:
+            ctx.stats.note(2, g32, g_d, keep, _group_of_rows(offsets, g32.shape[0]).long(), offsets.numel(), spec)
         gx = grouped_mm_f32(g_d, w_d, offsets).to(x_dtype) if ctx.needs_input_grad[0] else None
         gw = None
         if ctx.needs_input_grad[1]:  # frozen experts need no weight-gradient GEMM
@@ -392,7 +481,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
             )
             dw = grouped_mm_f32(g_w.t(), x_w, offsets)  # [E, out, in]
             gw = (dw.transpose(1, 2) if ctx.transposed else dw).to(w_dtype)
-        return gx, gw, None, None, None, None, None
+        return gx, gw, None, None, None, None, None, None
 
 
 def fp8_grouped_linear(
@@ -404,10 +493,12 @@ def fp8_grouped_linear(
     transposed: bool,
     out_dtype: torch.dtype,
     state: _Delayed | None = None,
+    stats: ExpertsStats | None = None,
 ) -> Tensor:
     """The experts' grouped GEMM ``x @ W[e].T`` per group of sorted rows, in FP8 (see :class:`_FP8GroupedLinear`);
-    ``state``: the module's delayed-scaling state and the projection (delayed scaling only)."""
-    return _FP8GroupedLinear.apply(x, weight, offsets, spec, transposed, out_dtype, state)
+    ``state``: the module's delayed-scaling state and the projection (delayed scaling only); ``stats``: where the
+    projection's sampled statistics go."""
+    return _FP8GroupedLinear.apply(x, weight, offsets, spec, transposed, out_dtype, state, stats)
 
 
 def _no_autocast(device_type: str) -> Any:
@@ -446,9 +537,10 @@ def fp8_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
     with _no_autocast(hidden_states.device.type):
         up_w = self.gate_up_proj if self.has_gate else self.up_proj
         state = getattr(self, STATE_NAME, None)
+        stats = getattr(self, _STATS, (None, None))
         h = fp8_grouped_linear(
             rows, up_w, offsets, spec, transposed=self.is_transposed, out_dtype=out_dtype,
-            state=None if state is None else (state, 0),
+            state=None if state is None else (state, 0), stats=stats[0],
         )  # fmt: skip
         if self.has_bias:
             h = h + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[ids_sorted]
@@ -456,7 +548,7 @@ def fp8_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
     with _no_autocast(hidden_states.device.type):
         out = fp8_grouped_linear(
             h, self.down_proj, offsets, spec, transposed=self.is_transposed, out_dtype=out_dtype,
-            state=None if state is None else (state, 1),
+            state=None if state is None else (state, 1), stats=stats[1],
         )  # fmt: skip
         if self.has_bias:
             out = out + self.down_proj_bias[ids_sorted]
@@ -497,6 +589,8 @@ def convert_experts(model: nn.Module, names: list[str], spec: ExpertsFP8) -> Non
         before = cfg._experts_implementation
         previous = getattr(cfg, "_hf_mixedprec_previous_experts", before)
         setattr(mod, _ATTR, dataclasses.replace(spec, previous=previous))
+        if not hasattr(mod, _STATS):
+            setattr(mod, _STATS, (ExpertsStats(spec), ExpertsStats(spec)))
         if spec.scaling == "delayed" and not isinstance(getattr(mod, STATE_NAME, None), ExpertsDelayedState):
             n_experts = experts_shape(mod)[0]
             mod.add_module(STATE_NAME, ExpertsDelayedState(n_experts, spec, mod.down_proj.device))
@@ -513,20 +607,26 @@ def converted_experts(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if getattr(m, _ATTR, None) is not None]
 
 
-def restore_experts(model: nn.Module) -> list[str]:
-    """Undo :func:`convert_experts`: the experts compute in high precision through the implementation their config
-    had before; returns the names of the modules restored. Their delayed-scaling states go with them: the caller
+def restore_experts(model: nn.Module, only: list[str] | None = None) -> list[str]:
+    """Undo :func:`convert_experts` (for the modules ``only`` names, else all): the experts compute in high precision
+    through the implementation their config had before; returns the names of the modules restored. Their delayed-scaling states go with them: the caller
     calls :func:`~hf_mixedprec.fp8.invalidate_layer_cache` (this module sits below the layer lists)."""
     restored = []
     for name, mod in model.named_modules():
         spec = getattr(mod, _ATTR, None)
-        if spec is None:
+        if spec is None or (only is not None and name not in only):
             continue
         delattr(mod, _ATTR)
+        if hasattr(mod, _STATS):
+            delattr(mod, _STATS)
         if hasattr(mod, STATE_NAME):
             delattr(mod, STATE_NAME)
-        cfg = mod.config
-        if cfg._experts_implementation == IMPLEMENTATION:
-            cfg._experts_implementation_internal = spec.previous
+        mod._hf_mixedprec_previous = spec.previous  # what fp8_experts_forward runs while others stay converted
         restored.append(name)
+    left = {id(m.config) for _, m in model.named_modules() if getattr(m, _ATTR, None) is not None}
+    for name in restored:  # a config the restored modules share with converted ones keeps this implementation
+        mod = model.get_submodule(name)
+        cfg = mod.config
+        if cfg._experts_implementation == IMPLEMENTATION and id(cfg) not in left:
+            cfg._experts_implementation_internal = mod._hf_mixedprec_previous
     return restored

@@ -19,12 +19,20 @@ from torch import nn
 from hf_mixedprec.core._device import several_ranks
 from hf_mixedprec.core._private import foreach_copy_, foreach_zero_
 from hf_mixedprec.fp8.emulated import EmulatedFP8GEMM
-from hf_mixedprec.fp8.experts import experts_states
+from hf_mixedprec.fp8.experts import ExpertsStats, experts_states, experts_stats
 from hf_mixedprec.fp8.probe import LayerProbe, probe_of
 from hf_mixedprec.scaling import delayed_update
 from hf_mixedprec.scaling.fp8 import delayed_scaled_max
 
-__all__ = ["FP8Layer", "LayerCache", "fp8_layers", "fp8_step", "invalidate_layer_cache", "model_parameters"]
+__all__ = [
+    "FP8Layer",
+    "LayerCache",
+    "fp8_layers",
+    "fp8_step",
+    "invalidate_layer_cache",
+    "model_parameters",
+    "sampled_layers",
+]
 
 #: An FP8 layer as listed: the emulated or native layer itself, or the probe of a torchao / Transformer Engine layer
 #: (each keeps its sampled statistics, :class:`~hf_mixedprec.fp8.stats.SampledStats`).
@@ -64,6 +72,13 @@ def fp8_layers(model: nn.Module, *, emulated_only: bool = False, fresh: bool = F
     return cache.emulated if emulated_only else cache.all
 
 
+def sampled_layers(model: nn.Module) -> list[tuple[str, FP8Layer | ExpertsStats]]:
+    """What keeps FP8 statistics in ``model``, collected once per model: :func:`fp8_layers`, then each converted MoE
+    experts module's two projections (``<module>.gate_up_proj``, ``<module>.down_proj``). The runtime samples,
+    checks and logs these; do not modify the list."""
+    return layer_cache(model).sampled
+
+
 def model_parameters(model: nn.Module) -> list[nn.Parameter]:
     """``list(model.parameters())`` collected once per model (and again after FP8 conversion or a health fallback
     swaps layers), so a per-step hook walks no module tree; do not modify it."""
@@ -91,6 +106,7 @@ class LayerCache:
                 groups.setdefault(key, []).append(m)
         self.delayed = [_DelayedGroup(mods) for mods in groups.values()]
         self.experts = [st for _, st in experts_states(model)]  # MoE experts under delayed scaling
+        self.sampled: list[tuple[str, FP8Layer | ExpertsStats]] = [*self.all, *experts_stats(model)]
 
 
 _generation = 0

@@ -36,7 +36,9 @@ __all__ = [
     "LayerStats",
     "RoleStats",
     "StatsLayout",
+    "combine_raw",
     "finish_operand_stats",
+    "grouped_raw_stats",
     "layer_stats_from_table",
     "layer_stats_of",
     "mx_clamp_fraction",
@@ -435,6 +437,70 @@ def raw_operand_stats(
         mx = _K(math.nan, x.device)
     numel = torch.full((1,), x.numel(), dtype=torch.float64, device=x.device)
     return torch.cat([numel, counts, norms, torch.stack([a.reshape(()), mx]).to(torch.float64)])
+
+
+def grouped_raw_stats(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    x_hat: torch.Tensor,
+    fmt: FP8Format,
+    group: torch.Tensor,
+    n_groups: int,
+    *,
+    scale_codes: torch.Tensor | None = None,
+    block_size: int = 32,
+) -> torch.Tensor:
+    """:func:`raw_operand_stats` of each group of rows of ``x`` ``[S, ...]`` (the row's group in ``group`` ``[S]``,
+    int64) as ``[n_groups, 8]`` float64 rows, in a fixed number of tensor operations for any number of groups: MoE
+    experts, whose token rows (or weights, one row per expert) are quantized per expert. ``data`` holds the FP8
+    values of ``x`` (same shape), ``x_hat`` their dequantized values; ``scale_codes``: MXFP8's E8M0 codes, ``[S,
+    blocks]`` of ``block_size`` along the last dim (else the MX clamp column is NaN). An empty group has numel 0 and
+    amax 0. No host sync."""
+    f = _fp8_format(fmt)
+    rows = x.shape[0]
+    x2, d, xh = x.reshape(rows, -1), data.float().reshape(rows, -1), x_hat.reshape(rows, -1)
+    zero = _K(0.0, x.device)
+    nonzero = torch.ne(x2, zero)
+    under = nonzero & torch.eq(d, zero)
+    clipped = torch.eq(d.abs(), _K(f.max, x.device)) & torch.gt(x2.abs(), xh.abs())
+    per_row = torch.stack([nonzero, under, clipped], 1).sum(-1).to(torch.float64)
+    squares = torch.stack([x2, x2 - xh], 1).to(torch.float64).square().sum(-1)
+    sums = torch.zeros(n_groups, 5, dtype=torch.float64, device=x.device)
+    sums.index_add_(0, group, torch.cat([per_row, squares], 1))
+    row_amax = x2.abs().amax(-1) if x2.shape[1] else x2.new_zeros(rows)
+    amax = torch.zeros(n_groups, dtype=x2.dtype, device=x.device).scatter_reduce(
+        0, group, row_amax, reduce="amax", include_self=True
+    )
+    numel = torch.zeros(n_groups, dtype=torch.float64, device=x.device)
+    numel.index_add_(0, group, torch.full((rows,), float(x2.shape[1]), dtype=torch.float64, device=x.device))
+    if scale_codes is not None:
+        codes = scale_codes.to(torch.int32).reshape(rows, -1)
+        finite = torch.where(torch.isfinite(x2), x2.abs(), zero)
+        block_amax = torch.nn.functional.pad(finite, (0, (-finite.shape[1]) % block_size))
+        block_amax = block_amax.reshape(rows, -1, block_size).amax(-1)
+        at_clamp = ((codes == 254) | ((codes == 0) & (block_amax > 0))).sum(-1).to(torch.float64)
+        clamped = torch.zeros(n_groups, dtype=torch.float64, device=x.device).index_add_(0, group, at_clamp)
+        blocks = torch.zeros_like(clamped).index_add_(
+            0, group, torch.full((rows,), float(codes.shape[1]), dtype=torch.float64, device=x.device)
+        )
+        mx = clamped / blocks.clamp_min(1.0)
+    else:
+        mx = torch.full((n_groups,), math.nan, dtype=torch.float64, device=x.device)
+    counts, norms = sums[:, :3], sums[:, 3:].sqrt()
+    return torch.cat([numel[:, None], counts, norms, amax.to(torch.float64)[:, None], mx[:, None]], 1)
+
+
+def combine_raw(rows: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Rows of :data:`RAW_COLUMNS` (``[..., 8]``) combined along ``dim`` into what one measurement of all their
+    elements gives: counts summed, L2 norms as the root of their summed squares, amax the max, the MX clamp fraction
+    weighted by each row's elements."""
+    numel, nonzero, under, clipped, norm, noise, amax, mx = rows.unbind(-1)
+    total = numel.sum(dim)
+    columns = [total, nonzero.sum(dim), under.sum(dim), clipped.sum(dim)]
+    weighted = torch.where(numel > 0, mx * numel, torch.zeros_like(mx)).sum(dim) / total.clamp_min(1.0)
+    mx_all = torch.where(torch.isnan(mx).all(dim), torch.full_like(weighted, math.nan), weighted)
+    columns += [norm.square().sum(dim).sqrt(), noise.square().sum(dim).sqrt(), amax.amax(dim), mx_all]
+    return torch.stack(columns, -1)
 
 
 #: cached 0-d float32 constants (no scalar-to-tensor wrap per operation)

@@ -565,12 +565,21 @@ def _crosses(row: Detector, cfg: DetectorConfig, x: float) -> bool:
 
 def layers_to_bf16(model: nn.Module, names: list[str]) -> list[str]:
     """Move the named FP8 layers back to their high-precision type (``nn.Linear`` or transformers' ``Conv1D``,
-    the same Parameter objects); return those moved."""
-    from hf_mixedprec.fp8 import to_high_precision
+    the same Parameter objects); return those moved. A projection of an MoE experts module
+    (``<module>.down_proj``, as its statistics are named) moves the whole module: its experts compute in high
+    precision again through the implementation they had."""
+    from hf_mixedprec.fp8 import invalidate_layer_cache, to_high_precision
+    from hf_mixedprec.fp8.experts import experts_stats, restore_experts
     from hf_mixedprec.fp8.swap import replace_module
 
     modules = dict(model.named_modules())
     moved = []
+    projections = {n for n, _ in experts_stats(model)}
+    owners = sorted({n.rsplit(".", 1)[0] for n in names if n in projections})
+    if owners:
+        restore_experts(model, owners)
+        invalidate_layer_cache()
+        moved += [n for n in names if n in projections]
     for name in names:
         mod = modules.get(name)
         high = to_high_precision(mod) if mod is not None else None

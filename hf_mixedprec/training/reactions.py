@@ -16,6 +16,7 @@ from torch import nn
 
 from hf_mixedprec.core._device import is_main_rank
 from hf_mixedprec.fp8 import fp8_layers
+from hf_mixedprec.fp8.experts import experts_stats
 from hf_mixedprec.recipes.schema import RecipeSpec
 from hf_mixedprec.training.health import HealthEvent, layers_to_bf16
 
@@ -93,7 +94,8 @@ class Reactions:
         """FP8: every FP8 layer to BF16 in place. FP16: a loss-scaled run cannot switch precision mid-run, so stop
         and name the recipe to resume the checkpoint under. BF16/FP32: nothing safer; recorded only."""
         if self.recipe.precision == "fp8":
-            moved = layers_to_bf16(model, [name for name, _ in fp8_layers(model, fresh=True)])
+            every = [name for name, _ in (*fp8_layers(model, fresh=True), *experts_stats(model))]
+            moved = layers_to_bf16(model, every)
             self.moved_layers += moved
             self._note(
                 f"FALLBACK: whole model moved from FP8 to BF16 after {ev.detector} at step {ev.step} "

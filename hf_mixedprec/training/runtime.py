@@ -34,6 +34,7 @@ from hf_mixedprec.core import formats
 from hf_mixedprec.core import metrics as M
 from hf_mixedprec.core._device import Constants, is_main_rank, several_ranks, wrap_forward
 from hf_mixedprec.fp8 import ConversionReport, convert, fp8_layers, fp8_step
+from hf_mixedprec.fp8.layers import sampled_layers
 from hf_mixedprec.fp8.state import (
     FP8_STATE_FILE,
     exclude_fp8_state_from_saves,
@@ -267,7 +268,7 @@ class MixedPrecisionRuntime:
         every = self.recipe.health.fp8_sample_every
         self._sampling = self.monitor is not None and (self.steps + 1) % every == 0
         if self.active.precision == "fp8":
-            self.fp8_stats.record(fp8_layers(model), self._sampling)
+            self.fp8_stats.record(sampled_layers(model), self._sampling)
 
     def ensure_unscaled(self, optimizer: torch.optim.Optimizer | None) -> None:
         """FP16: unscale the gradients once (the GradScaler refuses a second unscale_ before update())."""
@@ -462,7 +463,7 @@ def _fp8_after_step(rt: MixedPrecisionRuntime, model: nn.Module) -> None:
     if rt.recipe.distributed.fp8_all_gather:
         precompute_fsdp_scales(model)
     if rt.monitor is not None and rt._sampling:
-        rt.fp8_stats.keep(fp8_layers(model))  # finished and observed at the next check
+        rt.fp8_stats.keep(sampled_layers(model))  # finished and observed at the next check
 
 
 def _runtime_state(rt: MixedPrecisionRuntime) -> dict[str, Any]:

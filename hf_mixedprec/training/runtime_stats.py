@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hf_mixedprec.core import metrics as M
-from hf_mixedprec.fp8 import fp8_layers
+from hf_mixedprec.fp8.layers import sampled_layers
 from hf_mixedprec.storage.optim import keeps_updates
 
 #: Elements per parameter tensor sampled (strided) to measure the update size on sampled steps.
@@ -95,7 +95,7 @@ def _read_for_log(rt: Any, model: nn.Module | None) -> _LogRead:
     request = rt.monitor.check_request() if (model is not None and rt.monitor is not None) else None
     monitor = add([request] if request is not None else [])
     fp8_due = model is not None and rt.monitor is not None and rt.fp8_stats.pending  # a sampled step since the last
-    layers, layout = rt.fp8_stats.log_tensor(fp8_layers(model), dev) if fp8_due else (None, [])
+    layers, layout = rt.fp8_stats.log_tensor(sampled_layers(model), dev) if fp8_due else (None, [])
     fp8 = add([layers] if layers is not None else [])
     amp_t = rt.amp.metric_tensors()
     amp = add(list(amp_t.values()))

@@ -454,3 +454,118 @@ def test_mxfp8_experts_equal_torchaos_moe_training_bit_for_bit(monkeypatch):
     assert torch.equal(xa.grad, xb.grad)
     for name in ("gate_up_proj", "down_proj"):
         assert torch.equal(getattr(ours, name).grad, getattr(theirs, name).grad), name
+
+
+@pytest.mark.parametrize("mx", [False, True])
+def test_grouped_raw_stats_are_each_groups_raw_operand_stats(mx):
+    """Per group of rows, the statistics one call gives for all groups equal raw_operand_stats of that group's rows
+    alone (counts and amax exactly, L2 norms to float64 rounding); combined, they equal the whole tensor's. An empty
+    group has numel 0."""
+    from hf_mixedprec.scaling import dequantize_fp8, dequantize_mxfp8, quantize_fp8, quantize_mxfp8
+    from hf_mixedprec.scaling.stats import combine_raw, grouped_raw_stats, raw_operand_stats
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 64, generator=g) * torch.logspace(-6, 2, 40)[:, None]  # under- and overflowing rows
+    x[5, 7] = 0.0
+    group = torch.tensor([0] * 9 + [2] * 30 + [3])  # group 1 empty, group 3 one row
+    if mx:
+        data, codes = quantize_mxfp8(x, fmt="e4m3", block_size=32, rounding="floor")
+        x_hat = dequantize_mxfp8(data, codes, block_size=32)
+    else:
+        scale = torch.tensor(448.0 / 30.0)  # clips every value above 30
+        data, codes = quantize_fp8(x, scale, "e4m3"), None
+        x_hat = dequantize_fp8(data, scale)
+    rows = grouped_raw_stats(x, data, x_hat, "e4m3", group, 4, scale_codes=codes)
+    assert rows.shape == (4, 8) and rows[1, 0] == 0 and rows[1, 6] == 0
+    for gi in (0, 2, 3):
+        sel = group == gi
+        one = raw_operand_stats(
+            x[sel], data[sel], x_hat[sel], "e4m3", scale_codes=None if codes is None else codes[sel]
+        )
+        assert torch.equal(rows[gi, :4], one[:4]) and rows[gi, 6] == one[6], gi
+        torch.testing.assert_close(rows[gi, 4:6], one[4:6], rtol=1e-12, atol=0)
+        if mx:
+            torch.testing.assert_close(rows[gi, 7], one[7])
+    whole = raw_operand_stats(x, data, x_hat, "e4m3", scale_codes=codes)
+    both = combine_raw(rows)
+    assert torch.equal(both[:4], whole[:4]) and both[6] == whole[6]
+    assert rows[:, 3].sum() > 0 and (mx or rows[:, 2].sum() > 0)  # the data clips (and underflows a per-tensor scale)
+
+
+@pytest.mark.parametrize("recipe_name", ["h100-fp8-current", "b200-mxfp8"])
+def test_experts_report_fp8_statistics_per_projection_on_sampled_steps(recipe_name):
+    """On a sampled step each experts module's two projections log their FP8 statistics like Linears
+    (``mp/fp8/<module>.gate_up_proj/...``); the input amax is the largest value the experts were given, seen by a
+    hook of the test's own, and nothing is recorded on steps that are not sampled."""
+    from hf_mixedprec.core import metrics as M
+    from hf_mixedprec.fp8.layers import sampled_layers
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+    from hf_mixedprec.training.runtime import MixedPrecisionRuntime
+
+    model = _qwen3_moe()
+    seen = {}
+    for i in (0, 1):
+        experts = model.model.layers[i].mlp.experts
+        experts.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, a[0].detach().abs().max().item()))
+    recipe = resolve_recipe({"name": "s", "extends": recipe_name, "health": {"fp8_sample_every": 2}})
+    rt = MixedPrecisionRuntime(recipe, rehearse=True)
+    rt.prepare_storage(model)
+    rt.convert_model(model, None)
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    stats = dict(sampled_layers(model))
+    up, down = (f"model.layers.0.mlp.experts.{p}" for p in ("gate_up_proj", "down_proj"))
+    for step in (1, 2):
+        rt.begin_step(model, opt)
+        with rt.autocast():
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert stats[up].measured == ((True, True, True) if step == 2 else (False, False, False))
+        opt.step()
+        opt.zero_grad()
+        rt.after_optimizer_step(model, opt)
+    rt.check(model, opt)
+    got = rt.metrics()
+    assert got[M.fp8_layer_key(up, "input_amax")] == pytest.approx(seen[0], rel=1e-6)
+    for name in (up, down, "model.layers.1.mlp.experts.down_proj"):
+        assert 15 < got[M.fp8_layer_key(name, "sqnr_db")] < 40, name  # E4M3's 3 mantissa bits: about 25-31 dB
+        assert got[M.fp8_layer_key(name, "saturation")] < 1e-3, name  # at most the amax's own rounding
+    per_expert = stats[down].per_expert[1]
+    assert per_expert.shape == (8, 8) and torch.all(per_expert[:, 0] == 64 * 32)  # one weight per expert
+
+
+def test_a_saturating_expert_fires_fp8_saturation_and_its_fallback_moves_that_experts_module_only():
+    """Delayed scaling, one expert's down_proj weight made 1000x larger after its history was filled: the next
+    sampled step saturates that projection's weight, fp8_saturation names ``<module>.down_proj``, and the recipe's
+    fallback moves that experts module (not the other layer's) back to high precision; the run trains on."""
+    from hf_mixedprec.fp8.experts import converted_experts
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+    from hf_mixedprec.training.runtime import MixedPrecisionRuntime
+
+    model = _qwen3_moe()
+    recipe = resolve_recipe({"name": "d", "extends": "h100-fp8-delayed", "health": {
+        "fp8_sample_every": 1, "detectors": {"fp8_saturation": {"threshold": 0.01, "reaction": "fallback"}}}})  # fmt: skip
+    rt = MixedPrecisionRuntime(recipe, rehearse=True)
+    rt.prepare_storage(model)
+    rt.convert_model(model, None)
+    opt = torch.optim.SGD(model.parameters(), 0.0)  # the weights stay as set
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    events = []
+    for step in range(1, 5):
+        if step == 3:
+            with torch.no_grad():
+                model.model.layers[0].mlp.experts.down_proj[5].mul_(1000.0)
+        rt.begin_step(model, opt)
+        with rt.autocast():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+        opt.step()
+        opt.zero_grad()
+        rt.after_optimizer_step(model, opt)
+        events += rt.check(model, opt)
+    fired = {e.layer: e for e in events if e.detector == "fp8_saturation"}
+    down = "model.layers.0.mlp.experts.down_proj"  # and its gate/up projection, whose gradient the outlier scales
+    assert down in fired and set(fired) <= {down, "model.layers.0.mlp.experts.gate_up_proj"}
+    assert fired[down].step == 3 and "weight saturation" in fired[down].message
+    assert converted_experts(model) == ["model.layers.1.mlp.experts"]
+    assert sorted(rt.reactions.moved_layers) == sorted(fired)
