@@ -251,7 +251,7 @@ def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.
     step = _Step()
     with fake_tensor_mode(allow_non_fake_inputs=True), _quiet_logs(), grouped_mm_as_fallback():
         # a copy: from_config records the dtype in the config it is given
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=model_dtype or torch.float32)
+        model = AutoModelForCausalLM.from_config(_as_loaded(config), dtype=model_dtype or torch.float32)
         model.train()
         backend = _fp8_backend(recipe, s.target) if recipe.precision == "fp8" else None
         with unset_fake_temporarily():  # the plan reads shapes only; torchao builds its quantization maps for real
@@ -285,6 +285,19 @@ def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.
         if step.backend != "transformer_engine":
             step.fp8_extras = _fp8_buffers(model)
     return step
+
+
+def _as_loaded(config: Any) -> Any:
+    """A copy of ``config`` as the model had it when loaded: a live run's config names hf_mixedprec's FP8 experts
+    implementation once its experts were converted (the run summary estimates from it); the fake model is built
+    unconverted, so it takes the implementation the experts had before (the plan converts them again)."""
+    from hf_mixedprec.fp8.experts import IMPLEMENTATION
+
+    config = copy.deepcopy(config)
+    for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
+        if getattr(cfg, "_experts_implementation_internal", None) == IMPLEMENTATION:
+            cfg._experts_implementation_internal = getattr(cfg, "_hf_mixedprec_previous_experts", None)
+    return config
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, dict[str, int]]:

@@ -14,6 +14,7 @@ from hf_mixedprec.commands.workload import Prepared, RunSettings, peak_memory
 from hf_mixedprec.core import metrics as M
 from hf_mixedprec.core._private import scaler_settings
 from hf_mixedprec.core._text import root_cause
+from hf_mixedprec.fp8.policy import EXPERTS_KIND
 from hf_mixedprec.integrations.recipe import Recipe
 
 __all__ = ["Trained", "format_summary", "precision_used", "resume_command", "summary"]
@@ -37,9 +38,13 @@ def precision_used(recipe: Recipe, rt: Any, device: str) -> str:
         rep = getattr(rt, "fp8_report", None)
         text = "fp8"
         if rep is not None:
+            moe = any(d.kind == EXPERTS_KIND for d in rep.layers)
+            share = rep.fp8_work_share
+            work = f", {share:.1%} of the GEMM work per token" if moe and share is not None else ""
             text += (
                 f" ({rep.backend} backend, {rep.scaling} scaling, {rep.format}; {len(rep.converted)} GEMM layers "
-                f"(Linear/Conv1D) in FP8, {len(rep.kept)} kept in high precision) inside bf16 autocast"
+                f"(Linear/Conv1D{'/MoE experts' if moe else ''}) in FP8, {len(rep.kept)} kept in high precision"
+                f"{work}) inside bf16 autocast"
             )
     else:
         text = "fp32"

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_accelerate_state")]
 
@@ -376,3 +377,29 @@ def test_report_prints_the_summary_finetune_printed(default_run, capsys):
     summary = json.loads((default_run / "summary.json").read_text())
     assert out.startswith(format_summary(summary) + "\n")
     assert "throughput:" in out and "loss:" in out
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_finetune_a_local_moe_checkpoint_runs_its_experts_in_fp8_and_says_how_much_work_that_is(tmp_path, capsys):
+    """``finetune --model`` on a saved tiny Qwen3-MoE under an FP8 recipe: the experts run in FP8, the summary's
+    precision line counts them and says the share of the GEMM work in FP8 (the conversion report's figure), and the
+    summary's memory estimate is made (a converted model's config names hf_mixedprec's experts implementation)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
+                         num_experts_per_tok=2, vocab_size=512)  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "moe")
+    out = tmp_path / "out"
+    args = ["--recipe", "h100-fp8-current", "--rehearse", "--model", str(tmp_path / "moe"), "--max-steps", "2"]
+    code, stdout, stderr = _main(capsys, *args, "--seq-len", "16", "--output-dir", str(out), "--json", "--no-save")
+    assert code == 0, stderr[-3000:]
+    summary = json.loads(stdout)
+    report = json.loads((out / "conversion_report.json").read_text())
+    share = report["fp8_gemm_work_share"]
+    assert 0.5 < share < 1 and report["converted"] == 10  # 8 attention Linears and 2 experts modules
+    line = f"(Linear/Conv1D/MoE experts) in FP8, 2 kept in high precision, {share:.1%} of the GEMM work per token"
+    assert line in summary["precision_used"]
+    assert summary["estimated_memory_mib"] and summary["estimated_memory_mib"]["total"] > 0
+    assert not any("memory estimate unavailable" in n for n in summary["notes"])

@@ -1,6 +1,7 @@
 """FP8 under DeepSpeed ZeRO-1 and ZeRO-2 on 2 CPU ranks (gloo): our emulated delayed scaling and torchao's current
 scaling train as one DeepSpeed process does on the same global batches. DeepSpeed runs FP32 (its bf16 mode would cast
-the FP8 layers' scaling state); the FP8 layers and the BF16 autocast are hf_mixedprec's."""
+the FP8 layers' scaling state); the FP8 layers and the BF16 autocast are hf_mixedprec's. A tiny Qwen3-MoE runs its experts'
+grouped GEMMs in FP8 under ZeRO-2 the same way."""
 
 from __future__ import annotations
 
@@ -15,7 +16,23 @@ STEPS = 6
 KINDS = {
     "emulated-delayed-zero1": ("h100-fp8-delayed", {}, 1),
     "torchao-current-zero2": ("h100-fp8-current", {"fp8": {"backend": "torchao"}}, 2),
+    "moe-delayed-zero2": ("h100-fp8-delayed", {}, 2),  # a tiny Qwen3-MoE: its experts in FP8 too
 }
+
+
+def _model(kind: str):
+    from hf_mixedprec.core.demo import tiny_llama
+
+    if not kind.startswith("moe"):
+        return tiny_llama(0)
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
+                         num_experts_per_tok=2, vocab_size=256)  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(cfg)
 
 
 def _fp8_run(rank: int, world: int, kind: str, out: str, save_every: int = 0, resume: str | None = None) -> dict:
@@ -23,7 +40,7 @@ def _fp8_run(rank: int, world: int, kind: str, out: str, save_every: int = 0, re
     its losses, norms, FP8 metrics, layer types and FP8 scaling state."""
     from transformers import Trainer
 
-    from hf_mixedprec.core.demo import tiny_llama
+    from hf_mixedprec.fp8.experts import converted_experts
     from hf_mixedprec.integrations.deepspeed import deepspeed_config
     from hf_mixedprec.integrations.recipe import resolve_recipe
     from hf_mixedprec.integrations.trainer import runtime_of
@@ -41,7 +58,7 @@ def _fp8_run(rank: int, world: int, kind: str, out: str, save_every: int = 0, re
         report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
     )  # fmt: skip
     trainer = Trainer(
-        model=tiny_llama(0), args=args, train_dataset=Bytes(n=40, seq_len=16), callbacks=recipe.callbacks()
+        model=_model(kind), args=args, train_dataset=Bytes(n=40, seq_len=16), callbacks=recipe.callbacks()
     )
     trainer.train(resume_from_checkpoint=resume)
     rows = [h for h in trainer.state.log_history if "loss" in h]
@@ -58,6 +75,7 @@ def _fp8_run(rank: int, world: int, kind: str, out: str, save_every: int = 0, re
         "zero_stage": int(trainer.model_wrapped.zero_optimization_stage()),
         "world": int(trainer.model_wrapped.dp_world_size),
         "weight_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+        "experts": converted_experts(trainer.model),
         "notes": [*config_notes, *runtime_of(trainer).notes],
     }
 
@@ -112,13 +130,15 @@ def test_fp8_under_deepspeed_trains_as_one_process_on_the_same_global_batches(fp
     rank quantizes its own half of the batch, and torchao's current scaling takes each half's own amax)."""
     kind, (two, other), one = fp8_runs
     assert two["zero_stage"] == one["zero_stage"] == KINDS[kind][2] and (two["world"], one["world"]) == (2, 1)
-    layer = "EmulatedFP8Linear" if kind.startswith("emulated") else "Float8Linear"
+    layer = "Float8Linear" if kind.startswith("torchao") else "EmulatedFP8Linear"
     assert layer in two["types"] and layer in one["types"]
+    moe = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"] if kind.startswith("moe") else []
+    assert two["experts"] == other["experts"] == one["experts"] == moe  # the experts' grouped GEMMs in FP8
     assert not two["engine_bf16"] and two["weight_dtypes"] == ["torch.float32"]
     assert any("FP8 under DeepSpeed ZeRO-" in n for n in two["notes"]), two["notes"]
     assert not any("FALLBACK" in n for n in two["notes"]), two["notes"]
     assert other["loss"] == two["loss"] and other["amax"] == two["amax"]  # both ranks saw the same figures
-    first = 1e-6 if kind.startswith("emulated") else 1e-4  # torchao scales each rank's half by its own amax
+    first = 1e-4 if kind.startswith("torchao") else 1e-6  # torchao scales each rank's half by its own amax
     assert two["loss"][0] == pytest.approx(one["loss"][0], rel=first)
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-3)
     assert two["norm"] == pytest.approx(one["norm"], rel=2e-2)
@@ -133,8 +153,9 @@ def test_fp8_statistics_and_delayed_scaling_state_are_global_under_deepspeed(fp8
     first = {k: v for k, v in one["amax"][0].items() if "model.layers.0." in k}
     assert len(first) >= 5
     assert {k: two["amax"][0][k] for k in first} == pytest.approx(first, rel=1e-5)
-    if kind.startswith("emulated"):
+    if not kind.startswith("torchao"):  # the MoE's: its experts' per-expert histories too
         assert two["fp8_state"] and two["fp8_state"] == other["fp8_state"]
+        assert any("experts" in k for k in two["fp8_state"]) == kind.startswith("moe")
 
 
 def test_fp8_under_deepspeed_is_refused_at_stages_0_and_3_naming_the_key():

@@ -54,6 +54,7 @@ def result(tmp_path_factory) -> Callable[..., Any]:
     :func:`tests.ranks.scenario_results` for how a test fails where its scenario did not get that far)."""
     out = str(tmp_path_factory.mktemp("fsdp2-ranks"))
     alone = [(f"plugin-one-{base}", _plugin_loop, (1, base)) for base in PLUGIN_BASES]
+    alone += [("moe-one", _moe_trainer, (1, f"{out}/moe-one"))]
     straight = [
         ("inf", _inf_on_one_rank, (f"{out}/inf",)),
         ("raw", _reduce_raw, ()),  # needs the process group the Trainer above set up
@@ -61,6 +62,7 @@ def result(tmp_path_factory) -> Callable[..., Any]:
         *[(f"plugin-two-{base}", _plugin_loop, (2, base)) for base in PLUGIN_BASES],
         *[(f"policy-{p}-{r}", _policy_loop, (p, r)) for p, r in (("auto", "fp32"), ("bf16", "bf16"))],
         ("plugin-resume", _plugin_resume, (f"{out}/ckpt", False)),
+        ("moe-two", _moe_trainer, (2, f"{out}/moe-two")),
     ]
     resumed = [  # a fresh pair: what comes back, comes back from the checkpoints
         ("fallback-resumed", _fallback_on_two_ranks, (f"{out}/fallback-again", f"{out}/fallback-run/checkpoint-3")),
@@ -76,6 +78,47 @@ def result(tmp_path_factory) -> Callable[..., Any]:
             lambda: run_two_ranks(_pair, [(r, ports[1], out, resumed) for r in (0, 1)]),
         ],
     )
+
+
+def _moe_trainer(rank: int, world: int, out: str) -> dict:
+    """A tiny Qwen3-MoE under h100-fp8-current (rehearsed) through the Trainer, 4 steps on a global batch of 4: in
+    one process, or on 2 FSDP2 ranks (2 rows each). What the rank saw: losses, how its experts are held, which
+    experts modules compute in FP8, and the last log row's experts load and FP8 statistics."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, Trainer
+
+    from hf_mixedprec.core import metrics as M
+    from hf_mixedprec.fp8.experts import converted_experts
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+    from tests.integrations.test_integration import Bytes
+
+    cfg = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
+                         num_experts_per_tok=2, vocab_size=256)  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg)
+    dist = {"strategy": "fsdp2"} if world == 2 else {}
+    health = {"fp8_sample_every": 2}
+    recipe = resolve_recipe({"name": "moe", "extends": "h100-fp8-current", "distributed": dist, "health": health})
+    recipe = recipe.rehearsed(True)
+    args = recipe.training_args(
+        output_dir=out, max_steps=4, per_device_train_batch_size=4 // world, report_to=[], use_cpu=True,
+        save_strategy="no", logging_steps=2, disable_tqdm=True, learning_rate=1e-3, seed=0, data_seed=0,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=Bytes(n=16, seq_len=16), callbacks=recipe.callbacks())
+    trainer.train()
+    down = trainer.model.model.layers[0].mlp.experts.down_proj
+    local = down.to_local() if hasattr(down, "to_local") else down
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    keys = [M.moe_module_key("model.layers.0.mlp.experts", "tokens"), M.MOE_LOAD_MAX,
+            M.fp8_layer_key("model.layers.0.mlp.experts.down_proj", "sqnr_db")]  # fmt: skip
+    return {
+        "losses": [r["loss"] for r in rows],
+        "fsdp": trainer.is_fsdp_enabled,
+        "experts_shape": list(down.shape),
+        "local_shape": list(local.shape),
+        "converted": converted_experts(trainer.model),
+        "last_row": {k: rows[-1].get(k) for k in keys},
+    }
 
 
 def _inf_on_one_rank(rank: int, out: str) -> list:
@@ -122,6 +165,27 @@ def _inf_on_one_rank(rank: int, out: str) -> list:
     assert trainer.is_fsdp_enabled
     trainer.train()
     return probe.rows
+
+
+@pytest.mark.slow
+def test_fp8_experts_train_sharded_along_the_experts_under_fsdp2_as_one_process_does(result):
+    """MoE experts in FP8 on 2 FSDP2 ranks: each rank holds half of the experts (dim 0), both run every experts
+    module in FP8, their losses follow the one process on the global batch (BOUNDS' FP8 tolerance), and the log rows
+    hold the experts' load and FP8 statistics of the global batch, the same on both ranks."""
+    one, ranks = result("moe-one"), [result("moe-two", r) for r in (0, 1)]
+    converted = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert not one["fsdp"] and one["converted"] == converted
+    for got in ranks:
+        assert got["fsdp"] and got["converted"] == converted
+        assert got["experts_shape"] == [8, 64, 32] and got["local_shape"] == [4, 64, 32]
+        assert got["last_row"] == ranks[0]["last_row"]
+    tokens = one["last_row"]["mp/moe/model.layers.0.mlp.experts/tokens"]
+    assert tokens == 2 * 4 * 16 * 2  # 2 steps since the last log, 4 rows of 16 tokens, top-2
+    assert ranks[0]["last_row"]["mp/moe/model.layers.0.mlp.experts/tokens"] == tokens  # summed over the ranks
+    assert all(v is not None for v in ranks[0]["last_row"].values())
+    rel = BOUNDS["fp8-delayed"][1][1]
+    for a, b in zip(one["losses"], ranks[0]["losses"], strict=True):
+        assert abs(a - b) <= rel * abs(a), (one["losses"], ranks[0]["losses"])
 
 
 @pytest.mark.slow
