@@ -249,7 +249,7 @@ def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.
     from hf_mixedprec.storage import apply_storage
 
     step = _Step()
-    with fake_tensor_mode(allow_non_fake_inputs=True), _quiet_logs(), grouped_mm_as_fallback():
+    with fake_tensor_mode(allow_non_fake_inputs=True), _quiet_logs(), grouped_mm_as_fallback(), _same_kind_swaps():
         # a copy: from_config records the dtype in the config it is given
         model = AutoModelForCausalLM.from_config(_as_loaded(config), dtype=model_dtype or torch.float32)
         model.train()
@@ -285,6 +285,31 @@ def _fake_step(config: Any, recipe: Recipe, s: _Settings, *, model_dtype: torch.
         if step.backend != "transformer_engine":
             step.fp8_extras = _fp8_buffers(model)
     return step
+
+
+@contextlib.contextmanager
+def _same_kind_swaps() -> Iterator[None]:
+    """Models whose ``__init__`` converts a submodule to the dtype it already has (HunYuan-V4's
+    ``HYV4HyperConnection(config).to(dtype=torch.float32)``, Inkling's): on fake tensors ``Module._apply`` swaps each
+    parameter with a new one (torch swaps FakeTensor parameters), which fails on a tensor that fake mode holds a weak
+    reference to. Where the two tensors have the same shape, dtype and device the conversion changed nothing: the
+    parameter is kept as it is. Any other failed swap still raises."""
+    import torch.utils
+
+    swap = torch.utils.swap_tensors
+
+    def lenient(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        try:
+            swap(t1, t2)
+        except RuntimeError:
+            if (t1.shape, t1.dtype, t1.device) != (t2.shape, t2.dtype, t2.device):
+                raise
+
+    torch.utils.swap_tensors = lenient
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = swap
 
 
 def _as_loaded(config: Any) -> Any:

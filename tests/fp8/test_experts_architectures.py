@@ -2,7 +2,7 @@
 (``@use_experts_implementation``): each is built tiny from its config class (hidden 64, 2 layers, 4 experts of 32,
 top-2, dimensions multiples of 32 as MXFP8 blocks need) and planned under every built-in FP8 recipe: the plan lists every experts module as FP8, FP8 layers
 hold >= 90% of the non-embedding, non-head parameters and the routers compute in FP32. A Trainer run of 2 steps under
-one of them converts exactly what its plan says, and the experts train.
+one of them converts exactly what its plan says, and the experts train; ``estimate`` runs its fake step.
 
 An architecture whose tiny config cannot be built, or whose tiny model cannot run a step in high precision (a config
 validator this generic shrinking does not satisfy), is skipped with the reason: what is asserted is our conversion, not
@@ -143,6 +143,11 @@ def test_every_experts_interface_architecture_runs_its_experts_in_fp8(model_type
     for name in experts:
         after = m.get_submodule(name).down_proj.detach()
         assert torch.isfinite(after).all() and not torch.equal(after, before[name]), name
+
+    from hf_mixedprec.commands.estimate import estimate_memory
+
+    est = estimate_memory(_config(model_type), ["h100-fp8-current"], batch_size=2, seq_len=16).recipes[0]
+    assert est.memory.activations > 0 and est.memory.total > est.memory.activations  # the fake step ran
 
 
 def plan_heads(model: nn.Module) -> set[str]:
