@@ -256,3 +256,45 @@ def test_tables_merge_as_the_layers_do():
                 assert math.isnan(v) == math.isnan(got[role][metric]) and (math.isnan(v) or v == got[role][metric])
     # a layer set that does not match (another model, a probe among them) is merged per layer
     assert _worst_of_tables(held, dict(list(new.items())[:2])) is None
+
+
+def _moe_step_ops(experts: int, recipe_name: str) -> collections.Counter[str]:
+    """Every tensor operation of a training step (forward, backward, the runtime's hooks, the optimizer aside) of a
+    tiny Qwen3-MoE with ``experts`` experts per layer whose experts run in FP8; a step that neither logs nor samples."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, moe_intermediate_size=32, intermediate_size=64, num_experts=experts,
+                         num_experts_per_tok=2, vocab_size=256)  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg)
+    rt = MixedPrecisionRuntime(hf_mixedprec.load_recipe(recipe_name, rehearse=True), device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    report = rt.convert_model(model, opt)
+    assert report is not None and {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"} <= set(report.converted)
+    batches = byte_batches(builtin_text(), seq_len=32, batch_size=2, n_batches=3, seed=0)
+    counter = _OpCounter()
+    for i, batch in enumerate(batches):
+        counter = _OpCounter() if i == len(batches) - 1 else counter  # the last step (past the first's warm-ups)
+        with counter:
+            rt.begin_step(model)
+            with rt.autocast():
+                loss = model(input_ids=batch.remainder(256), labels=batch.remainder(256)).loss
+            rt.record_loss(loss)
+            loss.backward()
+            rt.before_optimizer_step(model.parameters(), opt)
+        opt.step()
+        with counter:
+            rt.after_optimizer_step(model, opt)
+        opt.zero_grad(set_to_none=True)
+        assert not rt._sampling
+    return counter.ops
+
+
+@pytest.mark.parametrize("recipe_name", ["h100-fp8-delayed", "b200-mxfp8"])
+def test_a_moe_steps_tensor_operations_do_not_grow_with_the_number_of_experts(recipe_name):
+    """4 or 32 experts per layer: the same operations, as many of each (the experts' GEMMs are grouped, their
+    per-expert scales, histories and token counts are tensors over the experts, not loops)."""
+    few, many = _moe_step_ops(4, recipe_name), _moe_step_ops(32, recipe_name)
+    assert few == many, (few - many, many - few)
+    assert few["_grouped_mm"] == 2 * 2 * 3  # 2 layers x 2 projections x (forward, input and weight gradient)
