@@ -122,6 +122,12 @@ def fake_tensor_mode(**kwargs: Any) -> Any:
     return FakeTensorMode(**kwargs)
 
 
+def in_backward() -> bool:
+    """Whether autograd's backward is running now (torch's engine sets a graph task id while it runs one,
+    ``torch/csrc/autograd/engine.cpp``): a checkpointed forward recomputed there routes the same tokens again."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def is_fake_tensor(t: Any) -> bool:
     """Whether ``t`` is one of ``FakeTensorMode``'s tensors (``torch/_subclasses/fake_tensor.py``), whose kernels
     follow the meta device's rules (``estimate``'s step runs on them)."""
@@ -525,6 +531,7 @@ PRIVATES: tuple[Private, ...] = (
         "torch._subclasses.fake_tensor:FakeTensor", "torch 2.13", "the FP8 experts' grouped GEMM on estimate's tensors"
     ),
     Private("torch._subclasses.fake_tensor:unset_fake_temporarily", "torch 2.13", "real values inside fake mode"),
+    Private("torch:_C._current_graph_task_id", "torch 2.13", "-1 outside backward (MoE token counts skip recomputes)"),
     Private("torch:ops.mkldnn._is_mkldnn_fp16_supported", "torch 2.13", "DeepSpeed's CPU FP16 question"),
     Private("torch.cpu:_is_avx512_bf16_supported", "torch 2.13", "auto's CPU BF16 question"),
     Private("torch.cpu:_is_amx_tile_supported", "torch 2.13", "auto's CPU BF16 question (AMX)"),

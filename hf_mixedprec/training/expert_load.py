@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from hf_mixedprec.core import metrics as M
 from hf_mixedprec.core._device import several_ranks
+from hf_mixedprec.core._private import in_backward
 from hf_mixedprec.fp8.experts import is_experts_module
 from hf_mixedprec.recipes.schema import HealthConfig
 
@@ -40,11 +41,6 @@ COLUMNS = ("tokens", "load_max", "load_entropy", "idle_steps", "dead_experts", "
 #: The moving-average load is judged for collapse only once it holds this many routed tokens per expert.
 MIN_TOKENS_PER_EXPERT = 8
 _HOOKED = "_hf_mixedprec_load_hook"
-
-
-def _in_backward() -> bool:
-    """True inside autograd's backward (a checkpointed forward recomputed there routes the same tokens again)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class ExpertLoad:
@@ -81,7 +77,7 @@ class ExpertLoad:
         n = self.n_experts[row]
 
         def count(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if not mod.training or _in_backward():
+            if not mod.training or in_backward():
                 return
             idx = args[1] if len(args) > 1 else kwargs.get("top_k_index")
             if idx is None:
