@@ -45,6 +45,7 @@ __all__ = [
     "give_scaler",
     "grouped_mm_as_fallback",
     "has_scaled_mm",
+    "in_backward",
     "is_fake_tensor",
     "mkldnn_fp16_supported",
     "optimizer_state",
