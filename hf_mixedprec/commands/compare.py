@@ -58,6 +58,7 @@ from hf_mixedprec.commands.compare_report import (
     _write,
 )
 from hf_mixedprec.core.errors import HardwareRefusal, UsageError
+from hf_mixedprec.core.run_lock import hold_run_folder
 from hf_mixedprec.integrations.recipe import Recipe, fp32_recipe, load_recipe
 
 __all__ = [
@@ -463,14 +464,44 @@ def run_compare(
     refused before anything is trained, unless ``overwrite``. ``memory_check``: refuse, before training anything,
     a run whose estimated training tensors (``hf-mixedprec estimate``) exceed the memory free on the device.
     """
-    from hf_mixedprec.commands.workload import DEFAULTS, build_model, prepare_data
-
     crit = criteria or Criteria()
     _check_args(recipes, max_steps, batch_size, seq_len, crit, lr, eval_split, model, data)
     loaded = [_load(r.strip()) for r in recipes]
     for rec, _ in loaded:
         _check_strategy(rec)
     out = _output_folder(Path(output_dir), overwrite)
+    release = hold_run_folder(out, key="--output-dir")  # one writer: a second comparison into it is refused
+    try:
+        return _compare(
+            loaded, baseline, out, max_steps=max_steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
+            eval_split=eval_split, data=data, text_field=text_field, model=model, memory_check=memory_check,
+            fidelity_points=fidelity_points, crit=crit,
+        )  # fmt: skip
+    finally:
+        release()
+
+
+def _compare(
+    loaded: list[tuple[Recipe, bool]],
+    baseline: str,
+    out: Path,
+    *,
+    max_steps: int,
+    batch_size: int,
+    seq_len: int,
+    lr: float | None,
+    seed: int,
+    eval_split: float | None,
+    data: str | None,
+    text_field: str | None,
+    model: str | None,
+    memory_check: bool,
+    fidelity_points: int,
+    crit: Criteria,
+) -> CompareResult:
+    """:func:`run_compare` once its inputs are checked and its folder is held."""
+    from hf_mixedprec.commands.workload import DEFAULTS, build_model, prepare_data
+
     every = max(1, max_steps // 10)
     loaded = [(_sample_updates(_sample_fp8(rec, every), every), rehearsed) for rec, rehearsed in loaded]
     base_recipe, base_rehearsed = _load(baseline)

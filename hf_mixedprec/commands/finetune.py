@@ -47,6 +47,7 @@ from hf_mixedprec.commands.workload import (
 from hf_mixedprec.core._optional import available
 from hf_mixedprec.core.errors import UsageError
 from hf_mixedprec.core.model_dir import check_model_dir
+from hf_mixedprec.core.run_lock import hold_run_folder
 from hf_mixedprec.integrations.recipe import RECIPE_ENV, Recipe, builtin_recipe_names, load_recipe
 
 __all__ = [
@@ -160,6 +161,41 @@ def run_finetune(
         overwrite=overwrite,
         eval_split=eval_split,
     )
+    release = hold_run_folder(output_dir, key="--output-dir")  # one writer: a second run into it is refused
+    try:
+        return _finetune(
+            recipe=recipe, rehearse=rehearse, model=model, data=data, text_field=text_field, output_dir=output_dir,
+            max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed,
+            logging_steps=logging_steps, save=save, resume=resume, save_steps=save_steps,
+            save_total_limit=save_total_limit, command=command, overwrite=overwrite, eval_split=eval_split,
+        )  # fmt: skip
+    finally:
+        release()
+
+
+def _finetune(
+    *,
+    recipe: str | Recipe | None,
+    rehearse: bool | None,
+    model: str | None,
+    data: str | None,
+    text_field: str | None,
+    output_dir: str,
+    max_steps: int,
+    seq_len: int,
+    batch_size: int,
+    lr: float | None,
+    seed: int,
+    logging_steps: int | None,
+    save: bool,
+    resume: str | None,
+    save_steps: int | None,
+    save_total_limit: int | None,
+    command: list[str] | None,
+    overwrite: bool,
+    eval_split: float | None,
+) -> dict[str, Any]:
+    """:func:`run_finetune` once its inputs are checked and its folder is held."""
     resume, start = _prepare_run_folder(Path(output_dir), overwrite=overwrite, resume=resume), time.perf_counter()
     if not available("matplotlib"):  # said before training, not found out after it
         from hf_mixedprec.training.run_report import NO_PLOTS

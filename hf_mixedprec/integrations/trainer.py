@@ -48,6 +48,7 @@ from hf_mixedprec.core._private import (
     wrap_save_scaler,
 )
 from hf_mixedprec.core.checkpoints import MANIFEST_VERSION, MARK
+from hf_mixedprec.core.run_lock import hold_run_folder
 from hf_mixedprec.fp8 import model_parameters
 from hf_mixedprec.fp8.state import read_fp8_state_file
 from hf_mixedprec.integrations.checkpointing import finish_checkpoint, manage_checkpoints, restore_converted_weights
@@ -141,6 +142,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         self.recipe = recipe if isinstance(recipe, RecipeSpec) else resolve_recipe(recipe, source="<checkpoint>")
         self.rehearse = bool(self.recipe.rehearse if rehearse is None else rehearse)
         self.restored: dict[str, Any] | None = None  # set by Trainer when resuming from a checkpoint
+        self._release_folder: Any = None  # lets go of the output folder's lock (hf_mixedprec.core.run_lock)
         self.runtime: MixedPrecisionRuntime | None = None
         self.trainer: Trainer | None = None
         self.deepspeed = False
@@ -195,8 +197,10 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         self._check_attachment(trainer)
         if self.runtime is not None:
             return
-        self.trainer = trainer
         recipe, args, model = self.recipe, trainer.args, trainer.model
+        if args.save_strategy != "no" and self._release_folder is None:  # one writer per checkpoint folder
+            self._release_folder = hold_run_folder(args.output_dir, key="TrainingArguments.output_dir")
+        self.trainer = trainer
         deepspeed = bool(getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False))
         check_hardware(recipe, rehearse=self.rehearse)
         notes = _check_args(recipe, args, deepspeed)
@@ -385,6 +389,9 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
             rt.pending_log = rt.metrics()
 
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
+        if self._release_folder is not None:
+            self._release_folder()
+            self._release_folder = None
         rt = self._runtime(kw["model"])
         if rt.stop_requested:
             ckpt = f"{args.output_dir}/checkpoint-{state.global_step}"

@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -403,3 +404,35 @@ def test_finetune_a_local_moe_checkpoint_runs_its_experts_in_fp8_and_says_how_mu
     assert line in summary["precision_used"]
     assert summary["estimated_memory_mib"] and summary["estimated_memory_mib"]["total"] > 0
     assert not any("memory estimate unavailable" in n for n in summary["notes"])
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_second_finetune_into_a_folder_a_run_is_writing_is_refused_and_the_first_run_is_whole(
+    tiny_dir, tmp_path, capsys
+):
+    """Run A (a real process) writes into a folder; run B into the same folder, started while A trains, is refused in
+    one line naming A's PID (exit 2, nothing written); A ends normally and its folder loads."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_mixedprec.core.run_lock import LOCK_NAME
+
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_dir), "--seq-len", "32", "--batch-size", "4", "--output-dir", str(out)]
+    cmd = [sys.executable, "-m", "hf_mixedprec.cli", "finetune", *args, "--max-steps", "60"]
+    a = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 120
+        while f'"pid": {a.pid}' not in ((out / LOCK_NAME).read_text() if (out / LOCK_NAME).exists() else ""):
+            assert a.poll() is None and time.monotonic() < deadline, a.stderr.read() if a.stderr else ""
+            time.sleep(0.1)
+        code, _, err = _main(capsys, *args, "--max-steps", "2")
+        assert code == 2 and "Traceback" not in err
+        (line,) = [x for x in err.splitlines() if "being written by another run" in x]
+        assert f"--output-dir: {str(out)!r} is being written by another run: PID {a.pid} on " in line
+        _, a_err = a.communicate(timeout=300)
+    finally:
+        a.kill()
+    assert a.returncode == 0, a_err[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 60  # run A's, not a mix
+    assert AutoModelForCausalLM.from_pretrained(out).num_parameters() > 0
