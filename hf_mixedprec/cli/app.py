@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hf_mixedprec.cli.common import EXIT_STOPPED, LAUNCH_COMMAND_ENV, PROG, _load
+from hf_mixedprec.cli.common import EXIT_DISK_FULL, EXIT_STOPPED, LAUNCH_COMMAND_ENV, PROG, _load
 from hf_mixedprec.cli.inspect_cmds import (
     _add_estimate,
     _add_plan,
@@ -34,6 +34,7 @@ from hf_mixedprec.cli.inspect_cmds import (
 )
 from hf_mixedprec.cli.run_cmds import _add_compare, _add_finetune, _add_launch, cmd_compare, cmd_finetune, cmd_launch
 from hf_mixedprec.cli.run_cmds import _finetune_command as _finetune_command
+from hf_mixedprec.core.disk import DiskFull
 from hf_mixedprec.core.errors import MixedPrecisionError, Problem, RecipeError, UsageError
 from hf_mixedprec.integrations.recipe import Recipe, builtin_recipe_names, load_recipe_file
 from hf_mixedprec.recipes.hardware import detect
@@ -260,6 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p in exc.problems:
             print(p, file=sys.stderr)
         return 2
+    except DiskFull as exc:  # not a mistake in the input, and no traceback either: what was kept, how to go on
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_DISK_FULL
     except MixedPrecisionError as exc:  # a user mistake (flag, environment, hardware asked for): one line
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -11,11 +11,13 @@ import sys
 
 from hf_mixedprec.integrations.recipe import Recipe, load_recipe_file
 
-__all__ = ["EXIT_STOPPED", "LAUNCH_COMMAND_ENV", "PROG"]
+__all__ = ["EXIT_DISK_FULL", "EXIT_STOPPED", "LAUNCH_COMMAND_ENV", "PROG"]
 
 PROG = "hf-mixedprec"
 #: Exit code of ``finetune`` when a health reaction stopped the run (2 is taken by user mistakes).
 EXIT_STOPPED = 3
+#: Exit code of a command whose disk filled up while it wrote (4 is compare's failed verdict).
+EXIT_DISK_FULL = 5
 #: ``launch`` exports its own command line (up to the script) to the script, for resume commands.
 LAUNCH_COMMAND_ENV = "HF_MIXEDPREC_LAUNCH_COMMAND"
 

@@ -10,6 +10,7 @@ stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -17,7 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,18 @@ def _add_launch(sub: Any) -> None:
 # -- finetune --------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _resume_said(command: list[str] | None) -> Iterator[None]:
+    """A full disk's one line, ending with the command that resumes the run."""
+    from hf_mixedprec.core.disk import DiskFull
+
+    try:
+        yield
+    except DiskFull as exc:
+        how = f"{shlex.join(command)} --resume latest" if command else "--resume latest"
+        raise DiskFull(f"{exc}: {how}") from None
+
+
 def cmd_finetune(args: argparse.Namespace) -> int:
     from hf_mixedprec.commands.finetune import format_summary, run_finetune
     from hf_mixedprec.core._stdio import quiet_progress_bars, stdout_to_stderr
@@ -212,9 +225,10 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     # stdout carries only the summary (--json is parsed by scripts); libraries imported during the run
     # (DeepSpeed's logger, for one) print to stdout, so the run's own output goes to stderr
-    with stdout_to_stderr():
+    command = _finetune_command(getattr(args, "argv", None))
+    with stdout_to_stderr(), _resume_said(command):
         summary = run_finetune(
-            command=_finetune_command(getattr(args, "argv", None)),
+            command=command,
             recipe=args.recipe,
             rehearse=True if args.rehearse else None,
             model=args.model,

@@ -15,9 +15,10 @@ The Trainer callback installs this on its Trainer:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,16 @@ import torch.distributed as dist
 from hf_mixedprec.core._device import several_ranks
 from hf_mixedprec.core._private import trainer_output_dir, wrap_save_checkpoint
 from hf_mixedprec.core.checkpoints import CheckpointDamaged, newest_verified, verify, write_manifest
+from hf_mixedprec.core.disk import DiskFull, free_bytes, is_disk_full, tree_bytes
 
-__all__ = ["finish_checkpoint", "manage_checkpoints", "restore_converted_weights", "resume_target"]
+__all__ = [
+    "DiskFull",
+    "disk_full_is_said",
+    "finish_checkpoint",
+    "manage_checkpoints",
+    "restore_converted_weights",
+    "resume_target",
+]
 
 #: The attribute of a Trainer whose rotation is deferred: the ``save_total_limit`` it asked for.
 _DEFERRED = "_hf_mixedprec_save_total_limit"
@@ -65,7 +74,8 @@ def manage_checkpoints(
             limit, args.save_total_limit = args.save_total_limit, None
             setattr(trainer, _DEFERRED, limit)
             try:
-                return save(model, trial)
+                with disk_full_is_said(folder):
+                    return save(model, trial)
             finally:
                 args.save_total_limit = limit
 
@@ -79,6 +89,31 @@ def manage_checkpoints(
 
     wrap_save_checkpoint(trainer, make)
     trainer.train = train_verified  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def disk_full_is_said(folder: Path) -> Iterator[None]:
+    """Around the writes of checkpoint ``folder``: a full disk removes the partial checkpoint and raises
+    :class:`~hf_mixedprec.core.disk.DiskFull` in one line naming the folder, the space it needed (the last complete
+    checkpoint's size) and what was free, and the newest complete checkpoint to resume from."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_disk_full(exc, folder):
+            raise
+        shutil.rmtree(folder, ignore_errors=True)
+        kept = newest_verified(folder.parent).path
+        need = tree_bytes(kept) if kept is not None else None
+        free = free_bytes(folder.parent)
+        sizes = f"about {need:,} bytes needed" if need else "its size unknown"
+        sizes += f", {free:,} free" if free is not None else ""
+        then = (
+            f"{kept.name} is the newest complete checkpoint" if kept is not None else "no complete checkpoint is kept"
+        )
+        raise DiskFull(
+            f"{folder.name}: the disk holding {str(folder.parent)!r} is full ({sizes}): the partial {folder.name} was "
+            f"removed and {then}; free space, then resume from it"
+        ) from None
 
 
 def finish_checkpoint(trainer: Any) -> None:

@@ -51,7 +51,12 @@ from hf_mixedprec.core.checkpoints import MANIFEST_VERSION, MARK
 from hf_mixedprec.core.run_lock import hold_run_folder
 from hf_mixedprec.fp8 import model_parameters
 from hf_mixedprec.fp8.state import read_fp8_state_file
-from hf_mixedprec.integrations.checkpointing import finish_checkpoint, manage_checkpoints, restore_converted_weights
+from hf_mixedprec.integrations.checkpointing import (
+    disk_full_is_said,
+    finish_checkpoint,
+    manage_checkpoints,
+    restore_converted_weights,
+)
 from hf_mixedprec.integrations.install import (
     backpropagated_loss,
     check_hardware,
@@ -341,9 +346,11 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         _restore_fp8_state(rt, model, state)
 
     def on_save(self, args: TrainingArguments, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-        _save_fp8_state(self._runtime(model), model, args, state)  # beside a DeepSpeed checkpoint too
-        if self.trainer is not None:  # every file is written: the manifest marks the checkpoint complete
-            finish_checkpoint(self.trainer)
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        with disk_full_is_said(folder):
+            _save_fp8_state(self._runtime(model), model, args, state)  # beside a DeepSpeed checkpoint too
+            if self.trainer is not None:  # every file is written: the manifest marks the checkpoint complete
+                finish_checkpoint(self.trainer)
 
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kw: Any) -> None:
         self._runtime(kw["model"]).begin_step(kw["model"], kw.get("optimizer"))  # FP8 sampling (DeepSpeed too)

@@ -436,3 +436,41 @@ def test_a_second_finetune_into_a_folder_a_run_is_writing_is_refused_and_the_fir
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 60  # run A's, not a mix
     assert AutoModelForCausalLM.from_pretrained(out).num_parameters() > 0
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_disk_that_fills_up_during_a_checkpoint_ends_in_one_line_and_a_resumable_folder(
+    tiny_dir, tmp_path, capsys, monkeypatch
+):
+    """The save of checkpoint-4 meets a full disk (an injected ENOSPC in torch.save, as a full filesystem raises
+    it): finetune ends with exit code 5 and one line naming the folder, the sizes, the checkpoint kept and the resume
+    command; the partial checkpoint-4 is gone, checkpoint-2 verifies, and the resume command finishes the run."""
+    import errno
+
+    from hf_mixedprec.core.checkpoints import verify
+
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_dir), "--seq-len", "32", "--batch-size", "4", "--output-dir", str(out)]
+    args += ["--max-steps", "6", "--save-steps", "2", "--save-total-limit", "3"]
+    save = torch.save
+
+    def full(obj, f, *a, **kw):
+        if "checkpoint-4" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", full)
+    code, _, err = _main(capsys, *args)
+    assert code == 5 and "Traceback" not in err, err[-3000:]
+    (line,) = [x for x in err.splitlines() if "is full" in x]
+    assert line.startswith(f"hf-mixedprec: error: checkpoint-4: the disk holding {str(out)!r} is full (about ")
+    assert "bytes needed" in line and "free)" in line and "checkpoint-2 is the newest complete checkpoint" in line
+    assert line.endswith(f"--output-dir {out} --max-steps 6 --save-steps 2 --save-total-limit 3 --resume latest")
+    assert not (out / "checkpoint-4").exists() and verify(out / "checkpoint-2") is None
+    monkeypatch.setattr(torch, "save", save)
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    code, stdout, err = _main(capsys, *args, "--resume", "latest", "--json")
+    assert code == 0, err[-3000:]
+    assert json.loads(stdout)["steps"] == 6 and (out / "checkpoint-6").is_dir()
