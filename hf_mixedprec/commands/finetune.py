@@ -242,16 +242,20 @@ def _sample_fp8_at_every_log(recipe: Recipe, run: RunSettings) -> Recipe:
 
 def _write_outputs(run: RunSettings, trained: Trained, summary: dict[str, Any], *, save: bool, start: float) -> None:
     """The model (``save``), and on the main process the run report and ``summary.json``."""
+    from hf_mixedprec.integrations.checkpointing import disk_full_in_outputs
+
     if save:
         # on every rank: under DeepSpeed ZeRO-3 and FSDP2 saving gathers the sharded weights (rank 0 writes)
-        _save_model(trained.trainer, run.out)
+        with disk_full_in_outputs(run.out, "the trained model"):
+            _save_model(trained.trainer, run.out)
     if trained.trainer.is_world_process_zero():
         from hf_mixedprec.training.run_report import write_run_report
 
-        files = write_run_report(run.out, log_history=trained.trainer.state.log_history, runtime=trained.runtime)
-        summary["files"] = sorted({p.name for p in files} | {"summary.json"})
-        summary["seconds"] = round(time.perf_counter() - start, 3)
-        (run.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        with disk_full_in_outputs(run.out, "the run report and summary.json"):
+            files = write_run_report(run.out, log_history=trained.trainer.state.log_history, runtime=trained.runtime)
+            summary["files"] = sorted({p.name for p in files} | {"summary.json"})
+            summary["seconds"] = round(time.perf_counter() - start, 3)
+            (run.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def _save_model(trainer: Any, out: Path) -> None:

@@ -31,6 +31,7 @@ from hf_mixedprec.core.disk import DiskFull, free_bytes, is_disk_full, tree_byte
 
 __all__ = [
     "DiskFull",
+    "disk_full_in_outputs",
     "disk_full_is_said",
     "finish_checkpoint",
     "manage_checkpoints",
@@ -113,6 +114,29 @@ def disk_full_is_said(folder: Path) -> Iterator[None]:
         raise DiskFull(
             f"{folder.name}: the disk holding {str(folder.parent)!r} is full ({sizes}): the partial {folder.name} was "
             f"removed and {then}; free space, then resume from it"
+        ) from None
+
+
+@contextlib.contextmanager
+def disk_full_in_outputs(out: Path, what: str) -> Iterator[None]:
+    """Around a run's final writes into ``out`` (``what``: the model, the report, the summary): a full disk raises
+    :class:`~hf_mixedprec.core.disk.DiskFull` in one line naming the folder, what could not be written, the free space
+    and the newest complete checkpoint (whose resume writes them again)."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_disk_full(exc, out):
+            raise
+        kept = newest_verified(out).path
+        free = free_bytes(out)
+        then = (
+            f"{kept.name} is the newest complete checkpoint" if kept is not None else "no complete checkpoint is kept"
+        )
+        raise DiskFull(
+            f"{str(out)!r}: the disk is full ({free:,} bytes free): {what} could not be written; {then}; free space, "
+            "then resume from it"
+            if free is not None
+            else f"{str(out)!r}: the disk is full: {what} could not be written; {then}; free space, then resume from it"
         ) from None
 
 

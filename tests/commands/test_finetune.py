@@ -474,3 +474,29 @@ def test_a_disk_that_fills_up_during_a_checkpoint_ends_in_one_line_and_a_resumab
     code, stdout, err = _main(capsys, *args, "--resume", "latest", "--json")
     assert code == 0, err[-3000:]
     assert json.loads(stdout)["steps"] == 6 and (out / "checkpoint-6").is_dir()
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_disk_that_fills_up_as_the_trained_model_is_written_ends_in_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
+    """The final model's save meets a full disk (an injected ENOSPC in transformers' safetensors writer, outside any
+    checkpoint): exit 5, one line naming the folder, what was not written and the checkpoint that holds the run."""
+    import errno
+
+    import transformers.modeling_utils as mu
+
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_dir), "--seq-len", "32", "--batch-size", "4", "--output-dir", str(out)]
+    write = mu.safe_save_file
+
+    def full(tensors, filename, *a, **kw):
+        if "checkpoint-" not in str(filename):
+            raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+        return write(tensors, filename, *a, **kw)
+
+    monkeypatch.setattr(mu, "safe_save_file", full)
+    code, _, err = _main(capsys, *args, "--max-steps", "4", "--save-steps", "4")
+    assert code == 5 and "Traceback" not in err, err[-3000:]
+    (line,) = [x for x in err.splitlines() if "disk is full" in x]
+    assert line.startswith(f"hf-mixedprec: error: {str(out)!r}: the disk is full (")
+    assert "the trained model could not be written; checkpoint-4 is the newest complete checkpoint" in line
+    assert line.endswith("--resume latest")
