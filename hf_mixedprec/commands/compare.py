@@ -542,7 +542,10 @@ def _compare(
         runs.append(run)
     metric = "eval loss" if prepared.eval_ds is not None else "mean train loss of the last tenth of the steps"
     result = CompareResult(base, runs, crit, metric, out)
-    _write(result)
+    from hf_mixedprec.integrations.checkpointing import disk_full_in_outputs
+
+    with disk_full_in_outputs(out, "compare.json, compare.md and the plots"):
+        _write(result)
     return result
 
 

@@ -129,15 +129,13 @@ def disk_full_in_outputs(out: Path, what: str) -> Iterator[None]:
             raise
         kept = newest_verified(out).path
         free = free_bytes(out)
+        room = f" ({free:,} bytes free)" if free is not None else ""
         then = (
-            f"{kept.name} is the newest complete checkpoint" if kept is not None else "no complete checkpoint is kept"
+            f"{kept.name} is the newest complete checkpoint; free space, then resume from it"
+            if kept is not None
+            else "free space, then run it again"
         )
-        raise DiskFull(
-            f"{str(out)!r}: the disk is full ({free:,} bytes free): {what} could not be written; {then}; free space, "
-            "then resume from it"
-            if free is not None
-            else f"{str(out)!r}: the disk is full: {what} could not be written; {then}; free space, then resume from it"
-        ) from None
+        raise DiskFull(f"{str(out)!r}: the disk is full{room}: {what} could not be written; {then}") from None
 
 
 def finish_checkpoint(trainer: Any) -> None:
