@@ -4,12 +4,13 @@ Two runs writing into one folder (a second shell, a re-submitted job) interleave
 the other's summary, or a crash on a file the other removed. ``finetune``, ``compare`` and the Trainer callback's
 checkpointing take the folder's lock (``flock`` on ``.hf_mixedprec.lock``, POSIX ``fcntl``) before they write
 anything; a second writer is refused in one line naming the holder's PID, host, start time and command. The lock
-belongs to the open file, so a run that is killed (even with SIGKILL) never leaves a stale lock behind: the file stays,
-its lock does not.
+belongs to the open file, so a run that is killed (even with SIGKILL) never leaves a stale lock behind (its file stays,
+its lock does not); a run that ends removes the file.
 
 Within one process the lock is taken once per folder and counted (``finetune`` and the Trainer callback it installs
 share it). Only the main rank of a distributed run takes it: the ranks of one launch write one run together. A folder
-the lock created and nothing else was written into (a mistake found after the lock was taken) is removed again.
+the lock created and nothing else was written into (a mistake or refusal found after the lock was taken) is removed
+again.
 """
 
 from __future__ import annotations
@@ -92,12 +93,14 @@ def _releaser(where: str) -> Callable[[], None]:
         held[1] -= 1
         if held[1] == 0:
             del _HELD[where]
-            held[0].close()  # closing the file releases the lock
-            made = held[2]
-            if made is not None and [p.name for p in made.iterdir()] == [LOCK_NAME]:
-                # a folder this run created and wrote nothing else into (a mistake found after the lock): removed
+            f, made = held[0], held[2]
+            # removed while still locked: a run that opens the path afterwards makes a new lock file, never shares
+            # this one; a killed run leaves its file behind, but not its lock
+            with contextlib.suppress(OSError):
+                os.unlink(f.name)
+            f.close()  # closing the file releases the lock
+            if made is not None:  # a folder this run created and wrote nothing into (a mistake found after the lock)
                 with contextlib.suppress(OSError):
-                    (made / LOCK_NAME).unlink()
                     made.rmdir()
 
     return release

@@ -202,18 +202,26 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         self._check_attachment(trainer)
         if self.runtime is not None:
             return
-        recipe, args, model = self.recipe, trainer.args, trainer.model
-        if args.save_strategy != "no" and self._release_folder is None:  # one writer per checkpoint folder
-            self._release_folder = hold_run_folder(args.output_dir, key="TrainingArguments.output_dir")
         self.trainer = trainer
+        recipe, args, model = self.recipe, trainer.args, trainer.model
         deepspeed = bool(getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False))
         check_hardware(recipe, rehearse=self.rehearse)
         notes = _check_args(recipe, args, deepspeed)
         refuse_late_autocast(trainer.accelerator, recipe, late=late)
-        rt = start_runtime(recipe, device=args.device, rehearse=self.rehearse)
-        rt.checks_on_every_rank = True  # on_step_end runs on every rank with the same control.should_log
-        # storage first: a refusal leaves the model, its forward and the Trainer as they were
-        notes += check_deepspeed_storage(trainer, recipe) if deepspeed else install_storage(trainer, rt, late)
+        # one writer per checkpoint folder, taken once the refusals that change nothing have passed
+        release = (
+            hold_run_folder(args.output_dir, key="TrainingArguments.output_dir") if args.save_strategy != "no" else None
+        )
+        try:
+            rt = start_runtime(recipe, device=args.device, rehearse=self.rehearse)
+            rt.checks_on_every_rank = True  # on_step_end runs on every rank with the same control.should_log
+            # storage first: a refusal leaves the model, its forward and the Trainer as they were
+            notes += check_deepspeed_storage(trainer, recipe) if deepspeed else install_storage(trainer, rt, late)
+        except BaseException:
+            if release is not None:  # refused: the folder is let go (and removed if the lock made it)
+                release()
+            raise
+        self._release_folder = release
         self.runtime = rt
         for text in notes:
             rt.note(text)

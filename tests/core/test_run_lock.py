@@ -9,19 +9,24 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from hf_mixedprec.core.run_lock import LOCK_NAME, RunFolderBusy, hold_run_folder
 
-ROOT = Path(__file__).resolve().parents[2]
+#: another run holding a folder as hold_run_folder holds it (plain Python: no seconds of torch imports per process)
 HOLD = (
-    "import sys, time\n"
-    "from hf_mixedprec.core.run_lock import hold_run_folder\n"
-    "hold_run_folder(sys.argv[1], key='--output-dir')\n"
-    "print('held', flush=True)\n"
-    "time.sleep(600)\n"
+    "import fcntl, json, os, pathlib, socket, sys, time\n"
+    "d = pathlib.Path(sys.argv[1]); d.mkdir(parents=True, exist_ok=True)\n"
+    "f = open(d / '.hf_mixedprec.lock', 'a+'); fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+    "f.write(json.dumps({'pid': os.getpid(), 'host': socket.gethostname(), 'started': 'then', 'command': 'A'}))\n"
+    "f.flush(); print('held', flush=True); time.sleep(600)\n"
+)
+#: exits 1 when the folder's lock is held by someone else, 0 when it could take it
+PROBE = (
+    "import fcntl, sys\n"
+    "f = open(sys.argv[1] + '/.hf_mixedprec.lock', 'a+')\n"
+    "try:\n    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept OSError:\n    sys.exit(1)\n"
 )
 
 
@@ -29,8 +34,7 @@ HOLD = (
 def holder(tmp_path):
     """Another process holding ``tmp_path / 'run'`` (killed with SIGKILL at the end, as a crashed run is)."""
     folder = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
     yield folder, proc
     proc.kill()
@@ -43,12 +47,13 @@ def test_a_second_process_is_refused_naming_the_holder_and_a_killed_holder_block
         hold_run_folder(folder, key="--output-dir")
     text = str(err.value)
     assert text.startswith(f"--output-dir: {str(folder)!r} is being written by another run: PID {proc.pid} on ")
-    assert socket.gethostname() in text and "choose another folder" in text and "\n" not in text
+    assert f"on {socket.gethostname()}, since then (A)" in text and "choose another folder" in text and "\n" not in text
     os.kill(proc.pid, signal.SIGKILL)  # no clean-up runs: the kernel lets go of the lock with the process
     proc.wait()
     release = hold_run_folder(folder, key="--output-dir")
     assert (folder / LOCK_NAME).read_text().count(f'"pid": {os.getpid()}') == 1
     release()
+    assert not (folder / LOCK_NAME).exists()  # a run that ends removes its lock file
 
 
 def test_one_process_shares_its_hold_and_lets_go_after_the_last_release(tmp_path):
@@ -57,12 +62,12 @@ def test_one_process_shares_its_hold_and_lets_go_after_the_last_release(tmp_path
     second = hold_run_folder(folder, key="TrainingArguments.output_dir")  # finetune, then its Trainer callback
     first()
     first()  # a release is done once
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    probe = "import sys\nfrom hf_mixedprec.core.run_lock import hold_run_folder\nhold_run_folder(sys.argv[1], key='k')"
-    held = subprocess.run([sys.executable, "-c", probe, str(folder)], capture_output=True, text=True, env=env)
-    assert held.returncode != 0 and "RunFolderBusy" in held.stderr  # still held by `second`
+    held = subprocess.run([sys.executable, "-c", PROBE, str(folder)], capture_output=True, text=True)
+    assert held.returncode == 1  # still held by `second`
     second()
-    free = subprocess.run([sys.executable, "-c", probe, str(folder)], capture_output=True, text=True, env=env)
+    assert not folder.exists()  # made by the hold, nothing written: removed with the lock
+    folder.mkdir()
+    free = subprocess.run([sys.executable, "-c", PROBE, str(folder)], capture_output=True, text=True)
     assert free.returncode == 0, free.stderr[-2000:]
 
 

@@ -107,9 +107,9 @@ def test_fsdp2_on_two_cpu_ranks_shards_checkpoints_and_leaves_a_loadable_model(r
     assert "hf_mixedprec_manifest.json" in {p.name for p in (two / "checkpoint-6").iterdir()}
     summary = json.loads((two / "summary.json").read_text())
     assert summary["world_size"] == 2
-    # the ranks of one launch share one hold of the run folder: rank 0's (a second rank's would have been refused)
-    (holder,) = [json.loads(line) for line in (two / ".hf_mixedprec.lock").read_text().splitlines()]
-    assert "finetune.py" in holder["command"]
+    # the ranks of one launch share rank 0's hold of the run folder (a second rank's would have been refused), which
+    # rank 0 lets go of at the end
+    assert not (two / ".hf_mixedprec.lock").exists()
     model = AutoModelForCausalLM.from_pretrained(two, local_files_only=True)  # one file, loads in one process
     one = load_file(runs["one"] / "model.safetensors")
     assert sum(p.numel() for p in model.parameters()) == sum(t.numel() for t in one.values())
