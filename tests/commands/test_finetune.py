@@ -380,6 +380,7 @@ def test_report_prints_the_summary_finetune_printed(default_run, capsys):
     assert "throughput:" in out and "loss:" in out
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_finetune_a_local_moe_checkpoint_runs_its_experts_in_fp8_and_says_how_much_work_that_is(tmp_path, capsys):
     """``finetune --model`` on a saved tiny Qwen3-MoE under an FP8 recipe: the experts run in FP8, the summary's
@@ -406,6 +407,7 @@ def test_finetune_a_local_moe_checkpoint_runs_its_experts_in_fp8_and_says_how_mu
     assert not any("memory estimate unavailable" in n for n in summary["notes"])
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_a_second_finetune_into_a_folder_a_run_is_writing_is_refused_and_the_first_run_is_whole(
     tiny_dir, tmp_path, capsys
@@ -438,6 +440,7 @@ def test_a_second_finetune_into_a_folder_a_run_is_writing_is_refused_and_the_fir
     assert AutoModelForCausalLM.from_pretrained(out).num_parameters() > 0
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_a_disk_that_fills_up_during_a_checkpoint_ends_in_one_line_and_a_resumable_folder(
     tiny_dir, tmp_path, capsys, monkeypatch
@@ -476,6 +479,7 @@ def test_a_disk_that_fills_up_during_a_checkpoint_ends_in_one_line_and_a_resumab
     assert json.loads(stdout)["steps"] == 6 and (out / "checkpoint-6").is_dir()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_a_disk_that_fills_up_as_the_trained_model_is_written_ends_in_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
     """The final model's save meets a full disk (an injected ENOSPC in transformers' safetensors writer, outside any

@@ -71,6 +71,7 @@ def test_one_process_shares_its_hold_and_lets_go_after_the_last_release(tmp_path
     assert free.returncode == 0, free.stderr[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_the_trainer_callback_and_compare_refuse_a_folder_another_run_writes(holder, tmp_path):
     import hf_mixedprec

@@ -99,6 +99,7 @@ def _tiny(model_type: str) -> nn.Module:
 FP8_RECIPES = [n for n in builtin_recipe_names() if load_recipe_file(n).precision == "fp8"]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_accelerate_state")
 @pytest.mark.parametrize("model_type", ARCHS)
 def test_every_experts_interface_architecture_runs_its_experts_in_fp8(model_type, tmp_path):

@@ -43,6 +43,7 @@ def _train(kind: str, out, steps: int, resume=None) -> Trainer:
     return trainer
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_accelerate_state")
 @pytest.mark.parametrize("kind", list(BUILD))
 def test_an_moe_run_resumes_bit_for_bit_with_its_experts(kind, tmp_path):

@@ -162,6 +162,7 @@ def test_an_experts_detector_refuses_a_reaction_that_cannot_change_routing(react
     assert "health.detectors.dead_expert.reaction" in text and repr(reaction) in text and "log | warn" in text
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_a_trainer_run_logs_the_experts_load_on_its_logging_steps(tmp_path):
     """Through the one-line Trainer callback: each log row carries the experts' tokens since the row before."""

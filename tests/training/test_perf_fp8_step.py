@@ -291,6 +291,7 @@ def _moe_step_ops(experts: int, recipe_name: str) -> collections.Counter[str]:
     return counter.ops
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe_name", ["h100-fp8-delayed", "b200-mxfp8"])
 def test_a_moe_steps_tensor_operations_do_not_grow_with_the_number_of_experts(recipe_name):
     """4 or 32 experts per layer: the same operations, as many of each (the experts' GEMMs are grouped, their
