@@ -38,12 +38,11 @@ import os
 import statistics
 import sys
 import time
-import traceback
 from typing import Any
 
 import bench_harness as bh
 import torch
-from bench_gpu_variants import LLAMA_1B, REFERENCE, RUNNERS, TINY, VARIANTS, Ctx, Skip
+from bench_gpu_variants import LLAMA_1B, REFERENCE, RUNNERS, TINY, VARIANTS, Ctx
 
 
 # -- driver -------------------------------------------------------------------------------------------
@@ -66,7 +65,7 @@ def run_variant(key: str, ctx: Ctx, tokens_per_step: int) -> dict[str, Any]:
 
     counters.clear()  # the graph breaks torch.compile meets in this row (warm-up and timed steps)
     t0 = time.perf_counter()
-    try:
+    with bh.row_outcome(row):
         times = RUNNERS[key](ctx, row)
         med = statistics.median(times)
         row.update(
@@ -76,12 +75,6 @@ def run_variant(key: str, ctx: Ctx, tokens_per_step: int) -> dict[str, Any]:
             steps=len(times),
         )
         row["peak_mem_gib"] = bh.cuda_peak_gib(ctx.device)
-    except Skip as exc:
-        row.update(status="skipped", reason=str(exc))
-    except Exception as exc:  # a real failure must show in the table
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        row.update(status="error", reason=f"{type(exc).__name__}: {first}"[:400])
-        traceback.print_exc(file=sys.stderr)
     row["wall_s"] = time.perf_counter() - t0
     row["graph_breaks"] = sum(counters["graph_break"].values()) if row["compiled"] else None
     if row["graph_breaks"] is not None:

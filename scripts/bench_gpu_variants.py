@@ -71,8 +71,7 @@ REFERENCE: dict[str, str] = {
 }
 
 
-class Skip(Exception):
-    """This variant cannot run here; the message says why."""
+Skip = bh.Skip  # a variant that cannot run here; the message says why
 
 
 @dataclasses.dataclass

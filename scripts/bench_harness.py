@@ -22,6 +22,7 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -332,6 +333,25 @@ def paired_ratios(num: Iterable[float], den: Iterable[float], *, strict: bool = 
 
 
 # -- memory ---------------------------------------------------------------------------------------------------
+class Skip(Exception):
+    """A benchmark row that cannot run here; the message says why (the row is reported as skipped, with it)."""
+
+
+@contextlib.contextmanager
+def row_outcome(row: dict[str, Any]) -> Iterator[None]:
+    """Around one benchmark row: :class:`Skip` marks it skipped with the reason; any other exception marks it an
+    error (its type and first line, the traceback on stderr) instead of ending the run: a real failure must show in
+    the table."""
+    try:
+        yield
+    except Skip as exc:
+        row.update(status="skipped", reason=str(exc))
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        row.update(status="error", reason=f"{type(exc).__name__}: {first}"[:400])
+        traceback.print_exc(file=sys.stderr)
+
+
 def release_memory(device: torch.device) -> None:
     """Free what the last variant left (garbage, CUDA's cache, compiled graphs) and restart the peak-memory count,
     so the next variant's peak is its own."""

@@ -20,7 +20,6 @@ import argparse
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,10 +44,6 @@ RECIPE_OF = {"current": "h100-fp8-current", "delayed": "h100-fp8-delayed", "bloc
 SCALINGS = tuple(RECIPE_OF)
 ROWS = ("bf16-grouped_mm", *(f"fp8-ours-emulated-{s}" for s in SCALINGS), "fp8-torchao-rowwise", "fp8-torchao-mxfp8")
 TORCHAO_IMPL = "bench_torchao_moe"
-
-
-class Skip(Exception):
-    """A row that cannot run here (named with the reason in the table)."""
 
 
 def experts_module(shape: dict[str, int], device: torch.device) -> torch.nn.Module:
@@ -81,6 +76,8 @@ def _torchao_experts(rowwise: bool) -> Callable[..., torch.Tensor]:
     sorted by expert as transformers' ``grouped_mm`` sorts them; torchao pads the groups)."""
     from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm, _to_mxfp8_then_scaled_grouped_mm
 
+    from hf_mixedprec.fp8.experts import tokens_per_expert
+
     def gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         b_t = w.transpose(-2, -1)  # [E, in, out], per-group column-major as both functions require
         if rowwise:
@@ -93,9 +90,7 @@ def _torchao_experts(rowwise: bool) -> Callable[..., torch.Tensor]:
         n, k = top_k_index.shape
         ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
         rows = hidden_states[order // k]
-        hist_in = ids.int() if ids.is_cuda else ids.float()  # histc takes ints on CUDA only
-        counts = torch.histc(hist_in, bins=self.num_experts, min=0, max=self.num_experts - 1)
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        offs = torch.cumsum(tokens_per_expert(ids, self.num_experts), 0, dtype=torch.int32)
         h = self._apply_gate(gemm(rows, self.gate_up_proj, offs))
         out = gemm(h, self.down_proj, offs) * top_k_weights.reshape(-1)[order].unsqueeze(-1)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)
@@ -120,16 +115,16 @@ def prepare(key: str, mod: torch.nn.Module, device: torch.device) -> None:
         convert_experts(holder, ["experts"], spec)
         return
     if device.type != "cuda":
-        raise Skip("torchao's scaled grouped GEMMs need a CUDA GPU")
+        raise bh.Skip("torchao's scaled grouped GEMMs need a CUDA GPU")
     cap = torch.cuda.get_device_capability(device)
     if key == "fp8-torchao-rowwise" and cap < (9, 0):
-        raise Skip(f"FP8 rowwise grouped GEMM needs SM90 or newer; this GPU is SM{cap[0]}{cap[1]}")
+        raise bh.Skip(f"FP8 rowwise grouped GEMM needs SM90 or newer; this GPU is SM{cap[0]}{cap[1]}")
     if key == "fp8-torchao-mxfp8" and cap < (10, 0):
-        raise Skip(f"MXFP8 grouped GEMM needs SM100 or newer; this GPU is SM{cap[0]}{cap[1]}")
+        raise bh.Skip(f"MXFP8 grouped GEMM needs SM100 or newer; this GPU is SM{cap[0]}{cap[1]}")
     try:
         forward = _torchao_experts(rowwise=key == "fp8-torchao-rowwise")
     except ImportError as exc:
-        raise Skip(f"torchao.prototype.moe_training is not importable: {exc}") from exc
+        raise bh.Skip(f"torchao.prototype.moe_training is not importable: {exc}") from exc
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register(f"{TORCHAO_IMPL}-{key}", forward)
@@ -141,7 +136,7 @@ def run_row(key: str, shape: dict[str, int], tokens: int, device: torch.device, 
                            "tokens_per_s": None, "peak_mem_gib": None}  # fmt: skip
     bh.release_memory(device)
     t0 = time.perf_counter()
-    try:
+    with bh.row_outcome(row):
         mod = experts_module(shape, device)
         prepare(key, mod, device)
         x, idx, w = routed_inputs(shape, tokens, device)
@@ -157,12 +152,6 @@ def run_row(key: str, shape: dict[str, int], tokens: int, device: torch.device, 
         times = bh.time_steps(step, [None], warmup=warmup, steps=steps, sync=lambda: bh.sync(device))
         med = statistics.median(times)
         row.update(ms_per_step_median=med * 1e3, tokens_per_s=tokens / med, peak_mem_gib=bh.cuda_peak_gib(device))
-    except Skip as exc:
-        row.update(status="skipped", reason=str(exc))
-    except Exception as exc:  # a real failure must show in the table
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        row.update(status="error", reason=f"{type(exc).__name__}: {first}"[:400])
-        traceback.print_exc(file=sys.stderr)
     row["wall_s"] = time.perf_counter() - t0
     bh.release_memory(device)
     print(f"  moe {key}: {row['status']} ({row['wall_s']:.1f} s)", file=sys.stderr)

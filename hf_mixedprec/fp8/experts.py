@@ -68,6 +68,7 @@ __all__ = [
     "fp8_experts_forward",
     "is_experts_module",
     "restore_experts",
+    "tokens_per_expert",
 ]
 
 #: The name this package's experts implementation has in transformers' ``ALL_EXPERTS_FUNCTIONS``.
@@ -515,6 +516,15 @@ def _out_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
+def tokens_per_expert(ids: Tensor, n_experts: int) -> Tensor:
+    """How many of the expert indices ``ids`` go to each of ``n_experts`` experts (float32 ``[n_experts]``), with no
+    host read: ``histc``, not ``bincount``, which sizes its output from the largest id (a host read on a GPU);
+    ``histc`` takes floats on CPU and MPS, integers elsewhere."""
+    flat = ids.reshape(-1)
+    return torch.histc(flat.float() if flat.device.type in ("cpu", "mps") else flat.int(), bins=n_experts, min=0,
+                       max=n_experts - 1)  # fmt: skip
+
+
 def fp8_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """transformers' experts call (``hidden_states`` ``[tokens, hidden]``, each token's top-k experts and weights) with
     the experts' GEMMs in FP8 where this module holds an :class:`ExpertsFP8`, else through its previous
@@ -528,11 +538,7 @@ def fp8_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
     flat_ids = top_k_index.reshape(-1)
     ids_sorted, order = torch.sort(flat_ids, stable=True)
     rows = hidden_states[order // k]
-    # histc, not bincount: bincount sizes its output from the largest id, a host read on a GPU
-    dev = hidden_states.device.type
-    hist_in = ids_sorted.float() if dev in ("cpu", "mps") else ids_sorted.int()
-    counts = torch.histc(hist_in, bins=self.num_experts, min=0, max=self.num_experts - 1)
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    offsets = torch.cumsum(tokens_per_expert(ids_sorted, self.num_experts), 0, dtype=torch.int32)
     out_dtype = _out_dtype(hidden_states)
     with _no_autocast(hidden_states.device.type):
         up_w = self.gate_up_proj if self.has_gate else self.up_proj

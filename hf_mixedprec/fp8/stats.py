@@ -36,6 +36,7 @@ from hf_mixedprec.scaling.stats import (
     RAW_COLUMNS,
     LayerStats,
     StatsLayout,
+    combine_raw,
     finish_operand_stats,
     layer_stats_from_table,
     layer_stats_of,
@@ -189,12 +190,7 @@ def raw_over_ranks(raw: torch.Tensor) -> torch.Tensor:
     n = dist.get_world_size()
     every = raw.new_empty((n * raw.shape[0], *raw.shape[1:]))  # ranks concatenated along the first dim
     dist.all_gather_into_tensor(every, raw.contiguous())
-    every = every.view(n, *raw.shape)
-    numel, nonzero, under, clipped, norm, noise, amax, mx = every.unbind(-1)
-    total = numel.sum(0)
-    columns = [total, nonzero.sum(0), under.sum(0), clipped.sum(0)]
-    columns += [norm.square().sum(0).sqrt(), noise.square().sum(0).sqrt(), amax.amax(0), (mx * numel).sum(0) / total]
-    return torch.stack(columns, -1)
+    return combine_raw(every.view(n, *raw.shape), dim=0)
 
 
 class _Monitor(Protocol):

@@ -493,13 +493,16 @@ def grouped_raw_stats(
 def combine_raw(rows: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """Rows of :data:`RAW_COLUMNS` (``[..., 8]``) combined along ``dim`` into what one measurement of all their
     elements gives: counts summed, L2 norms as the root of their summed squares, amax the max, the MX clamp fraction
-    weighted by each row's elements."""
+    weighted by each row's elements (NaN where a row has none measured, or no row has elements)."""
     numel, nonzero, under, clipped, norm, noise, amax, mx = rows.unbind(-1)
     total = numel.sum(dim)
     columns = [total, nonzero.sum(dim), under.sum(dim), clipped.sum(dim)]
-    weighted = torch.where(numel > 0, mx * numel, torch.zeros_like(mx)).sum(dim) / total.clamp_min(1.0)
-    mx_all = torch.where(torch.isnan(mx).all(dim), torch.full_like(weighted, math.nan), weighted)
-    columns += [norm.square().sum(dim).sqrt(), noise.square().sum(dim).sqrt(), amax.amax(dim), mx_all]
+    columns += [
+        norm.square().sum(dim).sqrt(),
+        noise.square().sum(dim).sqrt(),
+        amax.amax(dim),
+        (mx * numel).sum(dim) / total,
+    ]
     return torch.stack(columns, -1)
 
 

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from hf_mixedprec.core import metrics as M
 from hf_mixedprec.core._device import several_ranks
 from hf_mixedprec.core._private import in_backward
-from hf_mixedprec.fp8.experts import is_experts_module
+from hf_mixedprec.fp8.experts import is_experts_module, tokens_per_expert
 from hf_mixedprec.recipes.schema import HealthConfig
 
 __all__ = ["COLUMNS", "MIN_TOKENS_PER_EXPERT", "ExpertLoad", "ExpertWatch"]
@@ -61,6 +61,7 @@ class ExpertLoad:
         self.valid = torch.zeros(rows, width, dtype=torch.bool, device=device)
         for i, e in enumerate(self.n_experts):
             self.valid[i, :e] = True
+        self.experts = self.valid.sum(1, dtype=torch.float32)  # experts per module, on the device (no host copy)
         self.counts = zeros.clone()  # this step's tokens
         self.idle = zeros.clone()  # steps in a row without a token
         self.peak = zeros.clone()  # the longest such run since the last logging step
@@ -82,12 +83,7 @@ class ExpertLoad:
             idx = args[1] if len(args) > 1 else kwargs.get("top_k_index")
             if idx is None:
                 return
-            flat = idx.detach().reshape(-1)
-            # histc, not bincount: bincount sizes its output from the largest id, a host read on a GPU
-            hist = torch.histc(
-                flat.float() if flat.device.type in ("cpu", "mps") else flat.int(), bins=n, min=0, max=n - 1
-            )
-            self.counts[row, :n].add_(hist.to(self.counts.device))
+            self.counts[row, :n].add_(tokens_per_expert(idx.detach(), n).to(self.counts.device))
 
         return count
 
@@ -115,7 +111,7 @@ class ExpertLoad:
         since, peak, ema = self.since, self.peak, self.ema
         if several_ranks():
             since, peak, ema = _over_ranks(since, peak, ema)
-        e = torch.tensor(self.n_experts, dtype=torch.float32, device=self.device)
+        e = self.experts
         tokens = since.sum(1)
         load_max = since.amax(1) * e / tokens.clamp_min(1)
         total = ema.sum(1, keepdim=True)
