@@ -386,13 +386,9 @@ def test_finetune_a_local_moe_checkpoint_runs_its_experts_in_fp8_and_says_how_mu
     """``finetune --model`` on a saved tiny Qwen3-MoE under an FP8 recipe: the experts run in FP8, the summary's
     precision line counts them and says the share of the GEMM work in FP8 (the conversion report's figure), and the
     summary's memory estimate is made (a converted model's config names hf_mixedprec's experts implementation)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from tests.moe import tiny_qwen3_moe
 
-    cfg = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
-                         num_experts_per_tok=2, vocab_size=512)  # fmt: skip
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "moe")
+    tiny_qwen3_moe(vocab_size=512).save_pretrained(tmp_path / "moe")
     out = tmp_path / "out"
     args = ["--recipe", "h100-fp8-current", "--rehearse", "--model", str(tmp_path / "moe"), "--max-steps", "2"]
     code, stdout, stderr = _main(capsys, *args, "--seq-len", "16", "--output-dir", str(out), "--json", "--no-save")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from hf_mixedprec.fp8.emulated import EmulatedFP8Linear, EmulationSpec
 from hf_mixedprec.fp8.experts import (
@@ -23,6 +22,7 @@ from hf_mixedprec.fp8.experts import (
     quantize_weights,
     restore_experts,
 )
+from tests.moe import tiny_qwen3_moe
 from tests.training.test_no_host_sync_device import traffic  # noqa: F401 (the guard fixture)
 
 SCALINGS = ["delayed", "current", "blockwise", "mxfp8"]
@@ -129,11 +129,7 @@ def test_the_grouped_fp8_gemms_equal_a_loop_of_dense_fp8_linears(scaling, transp
 
 
 def _qwen3_moe(seed: int = 0) -> nn.Module:
-    cfg = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
-                         num_experts_per_tok=2, vocab_size=256)  # fmt: skip
-    torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(cfg)
+    return tiny_qwen3_moe(seed)
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)

@@ -25,14 +25,9 @@ def _model(kind: str):
 
     if not kind.startswith("moe"):
         return tiny_llama(0)
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from tests.moe import tiny_qwen3_moe
 
-    cfg = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
-                         num_experts_per_tok=2, vocab_size=256)  # fmt: skip
-    torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(cfg)
+    return tiny_qwen3_moe()
 
 
 def _fp8_run(rank: int, world: int, kind: str, out: str, save_every: int = 0, resume: str | None = None) -> dict:

@@ -84,18 +84,15 @@ def _moe_trainer(rank: int, world: int, out: str) -> dict:
     """A tiny Qwen3-MoE under h100-fp8-current (rehearsed) through the Trainer, 4 steps on a global batch of 4: in
     one process, or on 2 FSDP2 ranks (2 rows each). What the rank saw: losses, how its experts are held, which
     experts modules compute in FP8, and the last log row's experts load and FP8 statistics."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, Trainer
+    from transformers import Trainer
 
     from hf_mixedprec.core import metrics as M
     from hf_mixedprec.fp8.experts import converted_experts
     from hf_mixedprec.integrations.recipe import resolve_recipe
     from tests.integrations.test_integration import Bytes
+    from tests.moe import tiny_qwen3_moe
 
-    cfg = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, moe_intermediate_size=32, intermediate_size=64, num_experts=8,
-                         num_experts_per_tok=2, vocab_size=256)  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(cfg)
+    model = tiny_qwen3_moe()
     dist = {"strategy": "fsdp2"} if world == 2 else {}
     health = {"fp8_sample_every": 2}
     recipe = resolve_recipe({"name": "moe", "extends": "h100-fp8-current", "distributed": dist, "health": health})

@@ -9,24 +9,20 @@ import math
 import pytest
 import torch
 from torch import nn
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import hf_mixedprec
 from hf_mixedprec.core import metrics as M
 from hf_mixedprec.integrations.recipe import Recipe, resolve_recipe
 from hf_mixedprec.recipes.files import parse_recipe_yaml
 from hf_mixedprec.training.runtime import MixedPrecisionRuntime
+from tests.moe import tiny_qwen3_moe
 
 EXPERTS = ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
 N_EXPERTS, TOP_K = 8, 2
 
 
 def _model(seed: int = 0) -> nn.Module:
-    cfg = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, moe_intermediate_size=32, intermediate_size=64, num_experts=N_EXPERTS,
-                         num_experts_per_tok=TOP_K, vocab_size=256)  # fmt: skip
-    torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(cfg)
+    return tiny_qwen3_moe(seed, num_experts=N_EXPERTS, num_experts_per_tok=TOP_K)
 
 
 def _recipe(**detectors: dict) -> Recipe:

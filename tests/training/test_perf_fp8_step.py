@@ -261,13 +261,9 @@ def test_tables_merge_as_the_layers_do():
 def _moe_step_ops(experts: int, recipe_name: str) -> collections.Counter[str]:
     """Every tensor operation of a training step (forward, backward, the runtime's hooks, the optimizer aside) of a
     tiny Qwen3-MoE with ``experts`` experts per layer whose experts run in FP8; a step that neither logs nor samples."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from tests.moe import tiny_qwen3_moe
 
-    cfg = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, moe_intermediate_size=32, intermediate_size=64, num_experts=experts,
-                         num_experts_per_tok=2, vocab_size=256)  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(cfg)
+    model = tiny_qwen3_moe(num_experts=experts)
     rt = MixedPrecisionRuntime(hf_mixedprec.load_recipe(recipe_name, rehearse=True), device="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     report = rt.convert_model(model, opt)
