@@ -242,9 +242,9 @@ def restore_converted_weights(model: Any, folder: str) -> str | None:
     from transformers.modeling_utils import LoadStateDictConfig
 
     tensors = {}
-    for key, path in skipped.items():
+    for path in dict.fromkeys(skipped.values()):  # each file opened once, however many of its keys were skipped
         with safe_open(path, framework="pt") as f:
-            tensors[key] = f.get_tensor(key)
+            tensors.update({key: f.get_tensor(key) for key, p in skipped.items() if p == path})
     held = {k: _owner(model, k) for k in missing}
     before = {k: getattr(mod, attr) for k, (mod, attr) in held.items()}
     mapping = get_model_conversion_mapping(model, add_legacy=False)
