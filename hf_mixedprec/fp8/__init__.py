@@ -35,7 +35,7 @@ from hf_mixedprec.fp8.policy import (
 from hf_mixedprec.fp8.probe import probe_of
 from hf_mixedprec.fp8.swap import replace_module
 from hf_mixedprec.recipes.hardware import fp8_backend_for
-from hf_mixedprec.recipes.schema import RecipeSpec
+from hf_mixedprec.recipes.schema import CurrentFP8Config, RecipeSpec
 
 __all__ = [
     "ConversionReport",
@@ -244,7 +244,17 @@ def convert(
     elif backend == "torchao":
         from hf_mixedprec.fp8.torchao_backend import convert_torchao
 
-        notes += convert_torchao(model, recipe, decisions)
+        notes += convert_torchao(model, recipe, [d for d in decisions if d.kind != EXPERTS_KIND])
+        experts = [d.name for d in decisions if d.to_swap and d.kind == EXPERTS_KIND]
+        if experts:
+            from hf_mixedprec.fp8.experts import ExpertsFP8, convert_experts
+
+            assert isinstance(recipe.fp8, CurrentFP8Config)
+            convert_experts(model, experts, ExpertsFP8.for_torchao(recipe.fp8))
+            notes.append(
+                f"{len(experts)} MoE experts modules run torchao's {recipe.fp8.torchao_recipe or 'tensorwise'} FP8 "
+                "numerics per expert through hf_mixedprec's emulated grouped GEMMs (exact casts, float32 GEMMs)"
+            )
     else:
         from hf_mixedprec.fp8.transformer_engine import convert_te
 

@@ -15,8 +15,11 @@ contraction dim for rows and gradients and 128x128 tiles per expert weight (TE's
 gives every 32 elements along the contraction dim an E8M0 scale (OCP MX v1.0). The weight-gradient GEMM contracts over
 each expert's tokens, so its tiles and blocks start at each group's first row: a group whose size is not a multiple
 of the tile is padded with zeros, as the dense path pads a Linear's input. Empty groups give zero rows and a zero
-weight gradient. The GEMMs run in float32 on the dequantized operands (:func:`grouped_mm_f32`), one grouped GEMM per
-operand pair whatever the number of experts, and nothing reads the device on the host.
+weight gradient. Under ``fp8.backend: torchao``
+*rowwise* (:meth:`ExpertsFP8.for_torchao`) is torchao's ``prototype.moe_training`` FP8 grouped GEMM: a scale per row
+along each GEMM's contraction dim, and per expert group and column for the weight gradient. The GEMMs run in float32 on
+the dequantized operands (:func:`grouped_mm_f32`), one grouped GEMM per operand pair whatever the number of experts,
+and nothing reads the device on the host.
 
 *Delayed* scaling keeps, per experts module, an amax history and a scale for each expert and each operand (the
 expert's input rows, its weight, its output gradient, for each of the two projections: ``fp8_amax_history``
@@ -42,6 +45,7 @@ from hf_mixedprec.core._private import is_fake_tensor
 from hf_mixedprec.core.formats import NumberFormat, get_format
 from hf_mixedprec.fp8.emulated import EmulationSpec
 from hf_mixedprec.fp8.stats import SampledStats
+from hf_mixedprec.recipes.schema import TORCHAO_AMAX_EPS, CurrentFP8Config
 from hf_mixedprec.scaling import (
     current_scale,
     delayed_update,
@@ -120,11 +124,38 @@ class ExpertsFP8(EmulationSpec):
     implementation the model ran before (``previous``)."""
 
     previous: str | None = None
+    #: current scaling only: ``"tensor"`` (a scale per expert and operand) or ``"row"`` (torchao's rowwise
+    #: ``prototype.moe_training``: a scale per row of each GEMM operand along its contraction dim)
+    granularity: str = "tensor"
+    #: the weight-gradient GEMM takes the unquantized operands (torchao's ``rowwise_with_gw_hp``)
+    wgrad_high_precision: bool = False
 
     @classmethod
     def from_spec(cls, spec: EmulationSpec, previous: str | None = None) -> ExpertsFP8:
         """The experts' numerics for a recipe's :class:`~hf_mixedprec.fp8.emulated.EmulationSpec`."""
         return cls(**{**dataclasses.asdict(spec), "previous": previous})
+
+    @classmethod
+    def for_torchao(cls, cfg: CurrentFP8Config, previous: str | None = None) -> ExpertsFP8:
+        """The experts' numerics under ``fp8.backend: torchao``: its ``torchao_recipe`` applied per expert.
+        ``tensorwise`` scales each expert's operands as torchao's tensorwise Float8Linear scales a Linear holding that
+        expert; ``rowwise`` is ``torchao.prototype.moe_training``'s FP8 grouped GEMM (``fp8_grouped_mm.py``: E4M3
+        rows along the contraction dim, power-of-2 scales, the weight-gradient operands scaled per expert group and
+        column); ``rowwise_with_gw_hp`` keeps its weight-gradient GEMM in high precision as the dense recipe does.
+        torchao clamps every amax at 1e-12 (``torchao/float8/float8_utils.py``), whatever ``fp8.epsilon`` says."""
+        name = cfg.torchao_recipe or "tensorwise"
+        spec = dataclasses.replace(EmulationSpec.from_config(cfg), epsilon=TORCHAO_AMAX_EPS)
+        return cls(
+            **{**dataclasses.asdict(spec), "previous": previous},
+            granularity="tensor" if name == "tensorwise" else "row",
+            wgrad_high_precision=name == "rowwise_with_gw_hp",
+        )
+
+    @property
+    def per_tensor(self) -> bool:
+        """One scale per expert and operand (current or delayed scaling, tensor granularity): the forward's FP8
+        operands serve the backward GEMMs as they are."""
+        return self.scaling in ("current", "delayed") and self.granularity == "tensor"
 
     def fmt(self, role: int) -> NumberFormat:
         return get_format(self.bwd_format if role == 2 else self.fwd_format)
@@ -285,6 +316,8 @@ def quantize_rows(
     gradient). Role 0 is the input, 2 the output gradient. ``state`` and ``record``: delayed scaling's; ``keep``
     (feature-dim quantization only): a list that receives the FP8 values and the MX scale codes (or None)."""
     fmt = spec.fmt(role)
+    if spec.granularity == "row":
+        return _rowwise_rows(spec, rows, offsets, fmt, along_tokens=along_tokens, keep=keep)
     if spec.scaling in ("current", "delayed"):  # a per-tensor scale per group serves both orientations
         gid = _group_of_rows(offsets, rows.shape[0])
         amax = _per_group_amax(rows, gid, offsets.numel())
@@ -300,6 +333,33 @@ def quantize_rows(
     buf, pos = _pad_groups(rows, offsets, gid, tile)
     deq = _blocked_rows(spec, buf.t(), fmt, tile, src_dtype)  # [K, padded S]: tiles along the tokens of a group
     return deq.t()[pos]
+
+
+def _rowwise_rows(
+    spec: ExpertsFP8,
+    rows: Tensor,
+    offsets: Tensor,
+    fmt: NumberFormat,
+    *,
+    along_tokens: bool,
+    keep: list[Tensor | None] | None = None,
+) -> Tensor:
+    """Rowwise current scaling of sorted token rows ``[S, K]``: along the feature dim, a scale per row (the forward's
+    input, the input gradient's output gradient); along the tokens, a scale per expert group and column (the
+    weight-gradient GEMM's two operands, as ``torch_to_float8_per_group_colwise`` in
+    ``torchao/prototype/moe_training/utils.py``). ``keep``: a list that receives the FP8 values (and None)."""
+    if not along_tokens:
+        amax = rows.abs().amax(dim=-1, keepdim=True)  # [S, 1]: no rows, no scales
+        scale = current_scale(amax, fmt=fmt, epsilon=spec.epsilon, power_2=spec.power_2_scales)
+    else:
+        gid = _group_of_rows(offsets, rows.shape[0])
+        amax = rows.new_zeros(offsets.numel(), rows.shape[1])
+        amax = amax.scatter_reduce(0, gid.long()[:, None].expand_as(rows), rows.abs(), "amax", include_self=True)
+        scale = current_scale(amax, fmt=fmt, epsilon=spec.epsilon, power_2=spec.power_2_scales)[gid]
+    data = quantize_fp8(rows, scale, fmt)
+    if keep is not None:
+        keep += [data, None]
+    return dequantize_fp8(data, scale)
 
 
 def _blocked_rows(
@@ -344,6 +404,14 @@ def quantize_weights(
     that receives the FP8 values as ``[E * out, in]`` rows and the MX scale codes of those rows (or None)."""
     fmt = spec.fmt(1)
     e, out_f, in_f = w.shape
+    if spec.granularity == "row":  # along each GEMM's contraction dim: ``in`` forward, ``out`` for dgrad
+        axis = 1 if for_dgrad else 2
+        amax = w.abs().amax(dim=axis, keepdim=True)
+        scale = current_scale(amax, fmt=fmt, epsilon=spec.epsilon, power_2=spec.power_2_scales)
+        data = quantize_fp8(w, scale, fmt)
+        if keep is not None:
+            keep += [data.reshape(e * out_f, in_f), None]
+        return dequantize_fp8(data, scale)
     if spec.scaling in ("current", "delayed"):
         amax = w.abs().amax(dim=(1, 2)) if w.numel() else w.new_zeros(w.shape[0])
         scale = _per_tensor_scale(spec, amax, 1, state, record)[:, None, None]
@@ -442,10 +510,13 @@ class _FP8GroupedLinear(torch.autograd.Function):
             experts = torch.arange(e, device=w.device).repeat_interleave(out_f)
             stats.note(1, w.reshape(e * out_f, in_f), wq.reshape(e * out_f, in_f), keep_w, experts, e, spec)
         y = grouped_mm_f32(xq, wq.transpose(1, 2), offsets)
-        if spec.scaling in ("current", "delayed"):
+        if spec.per_tensor:
             x_w, w_d = xq, wq
         else:
-            x_w = quantize_rows(spec, x32, offsets, 0, along_tokens=True, src_dtype=x.dtype)
+            if spec.wgrad_high_precision:
+                x_w = x32
+            else:
+                x_w = quantize_rows(spec, x32, offsets, 0, along_tokens=True, src_dtype=x.dtype)
             w_d = (
                 wq if spec.scaling == "blockwise" else quantize_weights(spec, w, for_dgrad=True, src_dtype=weight.dtype)
             )
@@ -475,11 +546,12 @@ class _FP8GroupedLinear(torch.autograd.Function):
         gx = grouped_mm_f32(g_d, w_d, offsets).to(x_dtype) if ctx.needs_input_grad[0] else None
         gw = None
         if ctx.needs_input_grad[1]:  # frozen experts need no weight-gradient GEMM
-            g_w = (
-                g_d
-                if spec.scaling in ("current", "delayed")
-                else quantize_rows(spec, g32, offsets, 2, along_tokens=True, src_dtype=gy.dtype)
-            )
+            if spec.per_tensor:
+                g_w = g_d
+            elif spec.wgrad_high_precision:
+                g_w = g32
+            else:
+                g_w = quantize_rows(spec, g32, offsets, 2, along_tokens=True, src_dtype=gy.dtype)
             dw = grouped_mm_f32(g_w.t(), x_w, offsets)  # [E, out, in]
             gw = (dw.transpose(1, 2) if ctx.transposed else dw).to(w_dtype)
         return gx, gw, None, None, None, None, None, None

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+import torch
 from torch import nn
 
 from hf_mixedprec.fp8.experts import experts_shape, is_experts_module
@@ -53,8 +54,9 @@ GEMM_KINDS: tuple[str, ...] = ("Linear", "Conv1D")
 #: :mod:`hf_mixedprec.fp8.experts`). ``in_features`` / ``out_features`` of its decision are hidden / intermediate.
 EXPERTS_KIND = "Experts"
 
-#: The backends that run experts in FP8 (the emulated grouped GEMMs of :mod:`hf_mixedprec.fp8.experts`).
-EXPERTS_BACKENDS: tuple[str, ...] = ("emulated",)
+#: The backends that run experts in FP8 (the emulated grouped GEMMs of :mod:`hf_mixedprec.fp8.experts`; under torchao
+#: with its recipe's numerics, where torchao emulates its own FP8 GEMMs too).
+EXPERTS_BACKENDS: tuple[str, ...] = ("emulated", "torchao")
 
 #: The GEMM kinds each backend can convert. torchao's ``convert_to_float8_training`` swaps only ``nn.Linear``
 #: (``torchao/float8/float8_linear_utils.py``), and ``te.Linear`` takes a [out, in] weight of its own, which would
@@ -163,7 +165,13 @@ def _keep_reason(name: str, mod: nn.Module, kind: str, in_f: int, out_f: int, ct
     return None
 
 
-def _experts_keep_reason(name: str, hidden: int, inter: int, ctx: _Context) -> str | None:
+def _torchao_fp8_device(device: torch.device) -> bool:
+    """Whether torchao runs real FP8 GEMMs on ``device`` (CUDA, compute capability 8.9 or newer) rather than
+    emulating them."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _experts_keep_reason(name: str, hidden: int, inter: int, device: torch.device, ctx: _Context) -> str | None:
     """Why this experts module stays in high precision, or None to run its grouped GEMMs in FP8."""
     from hf_mixedprec.fp8.experts import EXPERTS_SCALINGS
 
@@ -179,6 +187,11 @@ def _experts_keep_reason(name: str, hidden: int, inter: int, ctx: _Context) -> s
         return (
             f"experts: backend {ctx.backend} has no FP8 grouped GEMM here (fp8.backend emulated runs them: exact FP8 "
             "numerics, no speed-up)"
+        )
+    if ctx.backend == "torchao" and _torchao_fp8_device(device):
+        return (
+            f"experts: backend torchao's FP8 grouped GEMMs are not wired on {device} yet, and its emulation would be "
+            "slower than BF16 here (fp8.backend emulated rehearses them: exact FP8 numerics, no speed-up)"
         )
     if hidden % cfg.align or inter % cfg.align:
         return f"hidden/intermediate {hidden}x{inter} not divisible by align={cfg.align}"
@@ -238,7 +251,7 @@ def plan_conversion(
             if getattr(mod, "_hf_mixedprec_fp8", None) is not None:
                 decisions.append(LayerDecision(name, EXPERTS_KIND, hidden, inter, True, ALREADY_FP8, already_fp8=True))
                 continue
-            reason = _experts_keep_reason(name, hidden, inter, ctx)
+            reason = _experts_keep_reason(name, hidden, inter, mod.down_proj.device, ctx)
             decisions.append(LayerDecision(name, EXPERTS_KIND, hidden, inter, reason is None, reason or "converted"))
             continue
         gemm = _gemm_kind(mod, conv1d)

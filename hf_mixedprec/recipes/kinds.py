@@ -351,7 +351,9 @@ class CurrentFP8Config(FP8Config):
     )
     power_2_scales: _Power2 = _CURRENT["power_2_scales"]
     torchao_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = Field(
-        None, description="backend torchao only: torchao's float8 recipe name (default tensorwise)."
+        None,
+        description="backend torchao only: torchao's float8 recipe name (default tensorwise); MoE experts follow it "
+        "per expert (rowwise: torchao's moe_training FP8 grouped GEMM).",
     )
     align: _Align = 16
 

@@ -59,6 +59,15 @@ def _float32_bits(value: float) -> int:
     return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
+def _round_to_float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (ties to even), ``inf`` beyond its range, in Python: no tensor, so
+    no ``item()`` the host-traffic guard would see."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
 def _float32_ceil(value: float) -> float:
     """Smallest float32 >= ``value`` for finite non-negative ``value`` (python side)."""
     bits = _float32_bits(value)
@@ -198,7 +207,7 @@ def current_scale(
         below = a < _float32_ceil(eps)  # exact "a < eps" since the threshold is float32-representable
         # float64 quotient -> float32: inf (not an error) where it is beyond float32's range
         # rounded on the host, filled on the device: a host tensor here is a host-to-device copy per call on a GPU
-        eps_scale = float(torch.tensor(f.max / eps, dtype=torch.float64).to(torch.float32))
+        eps_scale = _round_to_float32(f.max / eps)
         scale = scale.masked_fill(below, eps_scale)
         valid = valid | below
     if not (0.0 < value_for_inf <= FLOAT32_MAX):

@@ -5,6 +5,8 @@ its experts through transformers' experts interface in FP8 and back."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -231,8 +233,8 @@ def test_experts_stay_high_precision_where_the_recipe_or_a_rule_says_so_and_the_
     assert by["model.layers.1.mlp.experts"].reason == "rule modules[0] (select experts: fp8 off)"
     assert by["model.layers.1.self_attn.q_proj"].fp8
     current = hf_mixedprec.load_recipe("h100-fp8-current", rehearse=True)
-    by = {d.name: d for d in plan_conversion(model, current.fp8, rules=current.modules, backend="torchao")}
-    assert by["model.layers.0.mlp.experts"].reason.startswith("experts: backend torchao has no FP8 grouped GEMM here")
+    by = {d.name: d for d in plan_conversion(model, current.fp8, rules=current.modules, backend="native")}
+    assert by["model.layers.0.mlp.experts"].reason.startswith("experts: backend native has no FP8 grouped GEMM here")
 
 
 def test_delayed_experts_update_after_the_step_from_their_own_amaxes():
@@ -565,3 +567,165 @@ def test_a_saturating_expert_fires_fp8_saturation_and_its_fallback_moves_that_ex
     assert fired[down].step == 3 and "weight saturation" in fired[down].message
     assert converted_experts(model) == ["model.layers.1.mlp.experts"]
     assert sorted(rt.reactions.moved_layers) == sorted(fired)
+
+
+# -- torchao's recipes for experts (fp8.backend: torchao) -------------------------------------------------------------
+def _torchao_experts(name: str) -> ExpertsFP8:
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+
+    rowwise = name != "tensorwise"
+    recipe = resolve_recipe({"name": f"torchao-{name}", "extends": "h100-fp8-current",
+                             "fp8": {"backend": "torchao", "torchao_recipe": name, "format": "E4M3" if rowwise else "HYBRID",
+                                     "power_2_scales": rowwise}})  # fmt: skip
+    return ExpertsFP8.for_torchao(recipe.fp8)
+
+
+def _torchao_rowwise_reference(x, w, offsets, g, *, gw_hp: bool):
+    """torchao's rowwise FP8 grouped GEMM (``torchao/prototype/moe_training/fp8_grouped_mm.py``) with its CPU torch
+    functions in place of its Triton kernels: each operand cast by torchao, dequantized, then the float32 grouped GEMM
+    our emulation runs (so only the casts can differ). ``x`` ``[S, K]`` sorted rows, ``w`` ``[E, N, K]``."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+    from torchao.prototype.moe_training.utils import (
+        torch_to_3d_rowwise_float8_transpose_rhs,
+        torch_to_float8_per_group_colwise,
+        torch_to_float8_per_group_rowwise,
+    )
+
+    e4m3, axis = torch.float8_e4m3fn, ScalingGranularity.AXISWISE
+
+    def cast(t, dim):  # torchao's fused rowwise casts, as its tensor_to_scale + to_fp8_saturated
+        s = tensor_to_scale(t, e4m3, scaling_granularity=axis, axiswise_dim=dim, round_scales_to_power_of_2=True)
+        return to_fp8_saturated(t.float() * s, e4m3), s
+
+    # torchao's per-group CPU functions take no empty group (amax over no rows): it has no rows to cast anyway
+    filled = offsets[torch.diff(offsets, prepend=offsets.new_zeros(1)) > 0]
+
+    def per_group(data, scales, along_rows):  # the per-group casts' flat scales back onto their rows / columns
+        out, start, k = torch.empty(data.shape), 0, 0
+        n = data.shape[0] if along_rows else data.shape[1]
+        for end in filled.tolist():
+            s = scales[k : k + n]
+            if along_rows:  # data [N, S]: columns start:end of group, a scale per row
+                out[:, start:end] = data[:, start:end].float() / s[:, None]
+            else:  # data [S, K]: rows start:end, a scale per column
+                out[start:end] = data[start:end].float() / s[None, :]
+            start, k = end, k + n
+        return out
+
+    def gmm(a, b):
+        return torch.nn.functional.grouped_mm(a, b, offs=offsets)
+
+    b_t = w.transpose(-2, -1)  # [E, K, N], per-group column-major as torchao takes it
+    a_q, a_s = cast(x, -1)
+    b_q, b_s = cast(b_t, -2)
+    y = gmm(a_q.float() / a_s, b_q.float() / b_s)
+    g_q, g_s = cast(g, -1)
+    bt_q, bt_s = torch_to_3d_rowwise_float8_transpose_rhs(b_t, e4m3, round_scales_to_power_of_2=True)  # [E, N, K]
+    gx = gmm(g_q.float() / g_s, bt_q.float() / bt_s)
+    if gw_hp:
+        gw = gmm(g.float().t(), x.float())
+    else:
+        gt_q, gt_s = torch_to_float8_per_group_rowwise(
+            g.t().contiguous(), filled, e4m3, round_scales_to_power_of_2=True
+        )
+        xc_q, xc_s = torch_to_float8_per_group_colwise(x, filled, e4m3, round_scales_to_power_of_2=True)
+        gt = per_group(gt_q, gt_s, True).t().contiguous().t()  # [N, S] column-major, as grouped_mm's rows need
+        gw = gmm(gt, per_group(xc_q, xc_s, False))  # [E, N, K]
+    casts = {"x": (a_q, a_s), "w": (b_q.transpose(-2, -1), b_s.transpose(-2, -1)), "g": (g_q, g_s),
+             "w_dgrad": (bt_q, bt_s)}  # fmt: skip
+    return y, gx, gw, casts
+
+
+@pytest.mark.parametrize("name", ["rowwise", "rowwise_with_gw_hp"])
+def test_rowwise_experts_equal_torchaos_moe_training_casts_bit_for_bit(name):
+    """Under torchao's rowwise recipes the experts' operands are cast as torchao's ``prototype.moe_training`` casts
+    them (its CPU torch functions: rows along the contraction dim, per-group columns for the weight gradient, E4M3,
+    power-of-2 scales), empty groups and a group of one token included; forward and both gradients then equal
+    torchao's casts run through the same float32 grouped GEMM, bit for bit."""
+    from hf_mixedprec.core.formats import get_format
+    from hf_mixedprec.fp8.experts import _rowwise_rows
+
+    spec = _torchao_experts(name)
+    assert spec.granularity == "row" and spec.wgrad_high_precision == (name == "rowwise_with_gw_hp")
+    x, w, offsets = _groups()
+    x = x.to(torch.bfloat16)
+    w = w.to(torch.bfloat16)
+    x[3, 5] = 1e-30  # below every scale's reach: underflows to 0
+    g = (torch.randn(x.shape[0], OUT_F, generator=torch.Generator().manual_seed(1)) * 1e-3).to(torch.bfloat16)
+    y_ref, gx_ref, gw_ref, casts = _torchao_rowwise_reference(x, w, offsets, g, gw_hp=name == "rowwise_with_gw_hp")
+
+    keep: list = []
+    quantize_weights(spec, w.float(), for_dgrad=False, src_dtype=w.dtype, keep=keep)
+    assert torch.equal(keep[0].view(w.shape).view(torch.uint8), casts["w"][0].view(torch.uint8))
+    keep = []
+    _rowwise_rows(spec, x.float(), offsets, get_format("e4m3"), along_tokens=False, keep=keep)
+    assert torch.equal(keep[0].view(torch.uint8), casts["x"][0].view(torch.uint8))
+    deq = quantize_weights(spec, w.float(), for_dgrad=True, src_dtype=w.dtype)
+    assert torch.equal(deq, casts["w_dgrad"][0].float() / casts["w_dgrad"][1])
+
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8_grouped_linear(xa, wa, offsets, spec, transposed=False, out_dtype=torch.float32)
+    y.backward(g.float())
+    assert torch.equal(y, y_ref)
+    assert torch.equal(xa.grad, gx_ref.to(torch.bfloat16))
+    assert torch.equal(wa.grad, gw_ref.to(torch.bfloat16))
+    assert torch.equal(wa.grad[1], torch.zeros_like(wa.grad[1]))  # the empty expert gets no weight gradient
+    assert (y - x.float() @ w[0].float().t()).abs()[:5].max() > 0  # FP8, not the BF16 GEMM
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
+def test_a_torchao_recipe_runs_the_experts_in_fp8_on_a_cpu_and_the_report_says_how(name):
+    """``fp8.backend: torchao`` converts the Linears with torchao and the experts with its recipe's numerics (where
+    torchao emulates: here, a CPU); a CUDA FP8 device keeps them in BF16 with the reason in the plan."""
+    import hf_mixedprec
+    from hf_mixedprec.fp8 import policy
+    from hf_mixedprec.fp8.experts import _ATTR
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+
+    base = _torchao_experts(name)
+    model = _qwen3_moe()
+    fp8 = {"backend": "torchao", "torchao_recipe": name}
+    if name == "rowwise":
+        fp8 |= {"format": "E4M3", "power_2_scales": True}
+    recipe = resolve_recipe({"name": "t", "extends": "h100-fp8-current", "fp8": fp8})
+    report = hf_mixedprec.fp8.convert(model, recipe)
+    assert report.backend == "torchao"
+    assert converted_experts(model) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    spec = getattr(model.model.layers[0].mlp.experts, _ATTR)
+    assert spec == dataclasses.replace(base, previous=spec.previous)
+    assert any(f"run torchao's {name} FP8 numerics per expert" in n for n in report.notes)
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "Float8Linear"
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and model.model.layers[0].mlp.experts.gate_up_proj.grad.abs().sum() > 0
+
+    fresh = _qwen3_moe()
+    policy_fp8 = recipe.fp8
+    orig = policy._torchao_fp8_device
+    try:
+        policy._torchao_fp8_device = lambda device: True
+        by = {d.name: d for d in policy.plan_conversion(fresh, policy_fp8, rules=recipe.modules, backend="torchao")}
+    finally:
+        policy._torchao_fp8_device = orig
+    assert not by["model.layers.0.mlp.experts"].fp8
+    assert by["model.layers.0.mlp.experts"].reason.startswith("experts: backend torchao's FP8 grouped GEMMs are not")
+
+
+def test_rowwise_experts_add_no_host_traffic(traffic):  # noqa: F811
+    """The rowwise casts (per-row and per-group-column amaxes, scales, both GEMMs' operands) on the meta device
+    under the host-traffic guard: no host read or host-device copy."""
+    from tests.training.test_no_host_sync_device import DEVICE
+
+    spec = _torchao_experts("rowwise")
+    x = torch.randn(40, IN_F, device=DEVICE, requires_grad=True)
+    w = torch.randn(4, OUT_F, IN_F, device=DEVICE, requires_grad=True)
+    offsets = torch.cumsum(torch.ones(4, dtype=torch.int32, device=DEVICE) * 10, 0, dtype=torch.int32)
+    with traffic:
+        traffic.on = True
+        y = fp8_grouped_linear(x, w, offsets, spec, transposed=False, out_dtype=torch.float32)
+        y.sum().backward()
+        traffic.on = False
+    assert traffic.hits == [], sorted(set(traffic.hits))
+    assert x.grad is not None and w.grad is not None and w.grad.shape == w.shape
