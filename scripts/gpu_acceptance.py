@@ -232,7 +232,8 @@ def throughput_size(label: str, config: dict[str, Any], variants: list[str], o: 
 
 def compare_section(o: argparse.Namespace) -> dict[str, Any]:
     out_dir = Path(o.out) / "compare"
-    steps = ["--max-steps", "2", "--seq-len", "32", "--batch-size", "2"] if o.cpu_smoke else ["--max-steps", "40"]
+    smoke = ["--max-steps", "2", "--seq-len", "32", "--batch-size", "2", "--eval-split", "0.01"]
+    steps = smoke if o.cpu_smoke else ["--max-steps", "40"]
     recipes = "cpu-bf16" if o.cpu_smoke else "a100-bf16,h100-fp8-current"
     cmd = [sys.executable, "-m", "hf_mixedprec.cli", "compare", "--recipes", recipes, *steps]
     cmd += ["--output-dir", str(out_dir), "--overwrite", "--json"]

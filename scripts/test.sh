@@ -6,5 +6,6 @@ bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # two workers, each file's tests in one of them (its module fixtures run once): the suite's many subprocess and
-# 2-rank tests wait on process start-up and gloo, so two at a time keep the 2 cores busy (11 min instead of 16)
-.venv/bin/python -m pytest -q -n "${HF_MIXEDPREC_TEST_WORKERS:-2}" --dist loadfile "$@"
+# 2-rank tests wait on process start-up and gloo, so two at a time keep the 2 cores busy (11 min instead of 16);
+# files in tests/conftest.py's order, the longest first, so that no long file ends the run with one worker idle
+.venv/bin/python -m pytest -q -n "${HF_MIXEDPREC_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

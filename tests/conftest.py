@@ -31,7 +31,47 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+#: The files that take longest on the 2-core CI machine (``--durations=0``, summed per file; most multi-process),
+#: heaviest first. scripts/test.sh runs the suite with ``--dist loadfile --no-loadscope-reorder``, so the two workers
+#: take files in this order: started first, these no longer end the run with one worker idle (xdist's own order, most
+#: tests first, put them last). A stale list costs balance, never a test.
+LONGEST_FIRST = (
+    "integrations/test_fsdp2.py",
+    "fp8/test_experts_architectures.py",
+    "integrations/test_launch_cpu.py",
+    "fp8/test_compile.py",
+    "test_bench.py",
+    "commands/test_estimate.py",
+    "core/test_checkpoints.py",
+    "storage/test_storage.py",
+    "commands/test_finetune.py",
+    "fp8/test_experts_fp8.py",
+    "integrations/test_parity.py",
+    "integrations/test_integration.py",
+    "commands/test_estimate_storage.py",
+    "integrations/test_fsdp2_ranks.py",
+    "training/test_faults.py",
+    "integrations/test_deepspeed_fp8.py",
+    "integrations/test_clients.py",
+)
+
+
+def _file_order(items: list[pytest.Item]) -> None:
+    """Order ``items`` file by file: :data:`LONGEST_FIRST`, then the other files, most tests first (xdist's order);
+    the tests of a file keep their order (its module fixtures run once)."""
+    here = os.path.dirname(__file__)
+    count: dict[str, int] = {}
+    for item in items:
+        rel = os.path.relpath(str(item.path), here)
+        count[rel] = count.get(rel, 0) + 1
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    order = sorted(count, key=lambda f: (rank.get(f, len(rank)), -count[f], f))
+    position = {f: i for i, f in enumerate(order)}
+    items.sort(key=lambda item: position[os.path.relpath(str(item.path), here)])
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _file_order(items)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_te = pytest.mark.skip(reason="needs Transformer Engine (pip install 'hf_mixedprec[transformer-engine]')")
     for item in items:

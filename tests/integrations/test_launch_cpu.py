@@ -259,7 +259,7 @@ def test_zero3_with_two_gloo_ranks_saves_a_loadable_model(tmp_path):
     r = _cli(
         "--recipe", str(recipe), "--num-processes", "2", "--config-dir", str(cfg), str(REPO / "hf_mixedprec" / "cli" / "finetune.py"),
         "--model", str(base), "--max-steps", "3", "--seq-len", "32", "--batch-size", "2", "--lr", "1e-3",
-        "--output-dir", str(out), "--json", timeout=240,
+        "--output-dir", str(out), "--eval-split", "0", "--json", timeout=240,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     summary = json.loads(r.stdout)
