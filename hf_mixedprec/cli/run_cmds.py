@@ -247,6 +247,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             save_total_limit=args.save_total_limit,
             overwrite=args.overwrite,
             eval_split=args.eval_split,
+            allow_recipe_change=args.allow_recipe_change,
         )
     main_process = "files" in summary  # the main process (rank 0) prints; other ranks stay quiet
     if main_process:
@@ -293,6 +294,14 @@ def _finetune_command(argv: Sequence[str] | None) -> list[str] | None:
     if launch and ("LOCAL_RANK" in os.environ or "RANK" in os.environ):
         return [*shlex.split(launch), *kept]
     return [PROG, "finetune", *kept]
+
+
+#: ``finetune --allow-recipe-change``'s help.
+_ALLOW_RECIPE_CHANGE = (
+    "with --resume: continue under a recipe whose numerics differ from the checkpoint's (another precision than a step "
+    "down such as fp8 -> bf16, other FP8 numerics, another clipping method) instead of refusing; a storage change is "
+    "refused anyway"
+)
 
 
 def _add_finetune(sub: Any) -> None:
@@ -348,6 +357,7 @@ def _add_finetune(sub: Any) -> None:
         help="continue from a checkpoint folder (any checkpoint-N of the run), or `latest` for the newest in "
         "--output-dir",
     )
+    s.add_argument("--allow-recipe-change", action="store_true", help=_ALLOW_RECIPE_CHANGE)
     s.add_argument(
         "--save-steps",
         type=int,

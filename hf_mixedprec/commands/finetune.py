@@ -16,11 +16,13 @@ blocks, then the model), so that a mistake costs seconds and prints nothing else
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,7 @@ from hf_mixedprec.core.errors import UsageError
 from hf_mixedprec.core.model_dir import check_model_dir
 from hf_mixedprec.core.run_lock import hold_run_folder
 from hf_mixedprec.integrations.recipe import RECIPE_ENV, Recipe, builtin_recipe_names, load_recipe
+from hf_mixedprec.training.recipe_change import ALLOW_ENV
 
 __all__ = [
     "DEFAULTS",
@@ -130,6 +133,7 @@ def run_finetune(
     save_total_limit: int | None = 2,
     overwrite: bool = False,
     eval_split: float | None = None,
+    allow_recipe_change: bool = False,
 ) -> dict[str, Any]:
     """Fine-tune and write the run's files into ``output_dir``; return the summary (also ``summary.json``).
 
@@ -142,7 +146,8 @@ def run_finetune(
     becomes ``summary["resume_command"]`` when a health reaction or SIGINT/SIGTERM stops the run with a
     checkpoint. A whole-model ``fallback`` (FP16 -> BF16) continues under the fallback recipe
     (``summary["fallback"]``). ``eval_split``: the fraction of blocks held out for evaluation (default 0.05
-    with the built-in data, 0 with ``data``).
+    with the built-in data, 0 with ``data``). ``allow_recipe_change``: a ``resume`` under a recipe of other
+    numerics than the checkpoint's goes on instead of being refused (:mod:`hf_mixedprec.training.recipe_change`).
     """
     _check_inputs(
         recipe=recipe,
@@ -163,14 +168,33 @@ def run_finetune(
     )
     release = hold_run_folder(output_dir, key="--output-dir")  # one writer: a second run into it is refused
     try:
-        return _finetune(
-            recipe=recipe, rehearse=rehearse, model=model, data=data, text_field=text_field, output_dir=output_dir,
-            max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed,
-            logging_steps=logging_steps, save=save, resume=resume, save_steps=save_steps,
-            save_total_limit=save_total_limit, command=command, overwrite=overwrite, eval_split=eval_split,
-        )  # fmt: skip
+        with _allowing_recipe_change(allow_recipe_change):
+            return _finetune(
+                recipe=recipe, rehearse=rehearse, model=model, data=data, text_field=text_field,
+                output_dir=output_dir, max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed,
+                logging_steps=logging_steps, save=save, resume=resume, save_steps=save_steps,
+                save_total_limit=save_total_limit, command=command, overwrite=overwrite, eval_split=eval_split,
+            )  # fmt: skip
     finally:
         release()
+
+
+@contextlib.contextmanager
+def _allowing_recipe_change(allow: bool) -> Iterator[None]:
+    """While the run lasts, the runtime the Trainer callback makes allows a recipe change at resume (through the
+    variable a Trainer script would set), when ``allow``; the variable is as it was afterwards."""
+    if not allow:
+        yield
+        return
+    before = os.environ.get(ALLOW_ENV)
+    os.environ[ALLOW_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ALLOW_ENV, None)
+        else:
+            os.environ[ALLOW_ENV] = before
 
 
 def _finetune(

@@ -139,7 +139,17 @@ def _hand_scaler(trainer: Trainer, scaler: torch.amp.GradScaler, late: bool) -> 
 class MixedPrecisionCallback(TrainerCallback, ExportableState):
     """Applies a recipe inside a Trainer (see module docs)."""
 
-    def __init__(self, recipe: RecipeSpec | dict[str, Any] | None = None, rehearse: bool | None = None):
+    def __init__(
+        self,
+        recipe: RecipeSpec | dict[str, Any] | None = None,
+        rehearse: bool | None = None,
+        *,
+        allow_recipe_change: bool | None = None,
+    ):
+        """``allow_recipe_change``: resume a checkpoint written under a recipe of other numerics (another precision
+        than a step down, other FP8 numerics, another clipping method) instead of refusing it (None: the
+        ``HF_MIXEDPREC_ALLOW_RECIPE_CHANGE`` environment variable decides); a storage change is refused anyway."""
+        self.allow_recipe_change = allow_recipe_change
         if recipe is None:  # `trainer.add_callback(MixedPrecisionCallback)`: the launcher's recipe, else auto
             from hf_mixedprec.recipes.loader import load_recipe
 
@@ -214,6 +224,8 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         )
         try:
             rt = start_runtime(recipe, device=args.device, rehearse=self.rehearse)
+            if self.allow_recipe_change is not None:
+                rt.history.allow = self.allow_recipe_change
             rt.checks_on_every_rank = True  # on_step_end runs on every rank with the same control.should_log
             # storage first: a refusal leaves the model, its forward and the Trainer as they were
             notes += check_deepspeed_storage(trainer, recipe) if deepspeed else install_storage(trainer, rt, late)
@@ -445,13 +457,15 @@ def _layers_before_load(trainer: Trainer, rt: MixedPrecisionRuntime, folder: str
     state-dict keys and refuses keys the checkpoint lacks, and DeepSpeed loads the module strictly, so a model still
     holding FP8 layers (with their scaling buffers) cannot take a checkpoint written with those layers in BF16, or
     the reverse; the runtime state read at ``on_train_begin`` then finds the model as it is."""
-    if not (getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False)):
-        return
     try:
         saved = json.loads((Path(folder) / "trainer_state.json").read_text(encoding="utf-8"))
         payload = _checkpointed_payload(saved.get("stateful_callbacks"), MixedPrecisionCallback.__name__) or {}
     except (OSError, ValueError, AttributeError):
         return  # Trainer's own load reports a damaged file; the runtime state then restores what it can
+    if payload:  # a recipe change is decided (or refused) before Trainer loads the weights and optimizer state
+        rt.history.check(payload, Path(folder).name, rt.note)
+    if not (getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False)):
+        return
     if rt.phases is not None and isinstance(payload.get("phases"), dict):
         rt.phases.load_state_dict(payload["phases"])
         rt._switch_phase(trainer.model, None, resume=True)
@@ -495,6 +509,9 @@ def _restore_fp8_state(rt: MixedPrecisionRuntime, model: Any, state: Any) -> Non
     """At ``on_train_begin``, after the runtime's own state (so FP8 layers a fallback moved are moved again): the FP8
     layers' state from the checkpoint the Trainer resumes from; a missing file is said loudly (histories restart)."""
     folder = _resumed_from()
+    decision = rt.history.decision
+    if decision is not None and decision.drop_fp8:  # written under other FP8 numerics (or none): scales start afresh
+        return
     if rt.phases is not None and rt.phases.restores and folder is not None:  # a later phase's fp8_history: restore
         rt.phases.kept_fp8 = {k: t.to(rt.device) for k, t in read_fp8_state_file(folder)[1].items()}
     if folder is not None or state.global_step > 0:

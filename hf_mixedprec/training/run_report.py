@@ -69,6 +69,10 @@ def health_document(
             events=[{k: _clean(v) for k, v in e.items()} for e in getattr(runtime, "events", [])],
             steps=runtime.steps,
         )
+        history = runtime.history.entries if hasattr(runtime, "history") else []
+        if len(history) > 1:  # resumed under another recipe: each recipe and the step it took over at
+            doc["recipes"] = [dict(r) for r in history]
+            doc["precision"] = "->".join(r["precision"] for r in history)
         phases = getattr(runtime, "phases", None)
         if phases is not None:  # each switch: the step after which it happened, the phase's name and precision
             doc["phases"] = [dict(c) for c in phases.changes]

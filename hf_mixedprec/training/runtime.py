@@ -56,6 +56,7 @@ from hf_mixedprec.training.expert_load import ExpertWatch
 from hf_mixedprec.training.health import HealthEvent, HealthMonitor, layers_to_bf16
 from hf_mixedprec.training.phases import PhaseRunner
 from hf_mixedprec.training.reactions import Reactions
+from hf_mixedprec.training.recipe_change import RecipeHistory
 from hf_mixedprec.training.runtime_stats import _LogRead, _read_for_log, _UpdateProbe, observe_fp8_samples
 
 __all__ = [
@@ -154,6 +155,7 @@ class MixedPrecisionRuntime:
         self._noted_no_loss = False
         #: ``mp/`` metrics computed at a logging step, waiting to be merged into the trainer's own log row
         self.pending_log: dict[str, float] | None = None
+        self.history = RecipeHistory(recipe)  #: the recipes trained under; what a resume under another may do
         if self.rehearse:
             for spec in dict.fromkeys(recipe.phase_specs()):
                 self.note(f"REHEARSAL: recipe {recipe.name!r} on {self.device.type}: {_rehearsed_what(spec)}")
@@ -486,6 +488,8 @@ def _runtime_state(rt: MixedPrecisionRuntime) -> dict[str, Any]:
         "moved_layers": list(rt.moved_layers),
         "phases": rt.phases.state_dict() if rt.phases is not None else None,
         "expert_load": rt.experts.state_dict(),
+        "recipe": rt.history.record,
+        "recipes": [dict(r) for r in rt.history.entries],
         # FP16's loss scaler (numbers only); the guard's never changes. Trainer's scaler.pt may be absent: a callback
         # added after the Trainer was built installs the scaler after Trainer would have loaded that file
         "scaler": rt.scaler.state_dict() if rt.scaler is not None and not rt.guard else None,
@@ -512,22 +516,24 @@ def _load_runtime_state(rt: MixedPrecisionRuntime, state: dict[str, Any], model:
     """:meth:`MixedPrecisionRuntime.load_state_dict`."""
     if state.get("version") != STATE_VERSION:
         raise ValueError(f"hf_mixedprec runtime state version {state.get('version')!r} (expected {STATE_VERSION})")
+    decision = rt.history.check(state, "the checkpoint", rt.note)  # decided before Trainer's load, if it could
     rt.steps = int(state["steps"])
+    rt.history.resumed(state, rt.steps)
     if rt.phases is not None and state.get("phases") is not None:
         rt.phases.load_state_dict(state["phases"])
         if model is not None:  # the checkpoint's phase first, so its layers and FP8 state fit
             rt._switch_phase(model, None, resume=True)
         else:  # the loss scaler as the checkpoint's phase has it, before its state is loaded below
             rt.amp.enter_phase(rt.phases.checkpointed(), resume=True)
-    if state.get("scaler") is not None and rt.scaler is not None and not rt.guard:
+    if state.get("scaler") is not None and rt.scaler is not None and not rt.guard and not decision.drop_scaler:
         rt.scaler.load_state_dict(state["scaler"])
     rt.amp.load_counts(state["skipped"], int(state.get("schedule_rewound", 0)), int(state.get("external_skips", 0)))
-    clip = state.get("clipper")
-    if clip is None and rt.clipper is not None and rt.external_scaler is not None:
+    clip = None if decision.drop_clipper else state.get("clipper")
+    if clip is None and rt.clipper is not None and rt.external_scaler is not None and not decision.drop_clipper:
         # under DeepSpeed the run that wrote it found at its first step that its engine could not take the clipper
         rt.clipper = None
         rt.note("resume: the checkpointed run trained without the recipe's clipper under DeepSpeed; so does this one")
-    if (clip is None) != (rt.clipper is None):
+    if (clip is None) != (rt.clipper is None) and not decision.drop_clipper:
         raise ValueError("checkpointed clipping state does not match the recipe's clipping.method")
     if clip is not None and rt.clipper is not None:
         rt.clipper.load_state_dict({**clip, "state": {k: _from_json(v) for k, v in clip["state"].items()}})
