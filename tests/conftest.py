@@ -19,6 +19,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # and so do the processes a test starts (a finetune subprocess with 2 threads beside the other worker trained
     # 25x slower here): torch reads OMP_NUM_THREADS at start-up; a test that sets it itself keeps its own
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # and their OpenMP threads sleep instead of spinning while they wait: 2-rank processes beside the other worker's
+    # spun away the cores the ranks they waited for needed (ZeRO-3's launch test: 70 s beside the FSDP2 ranks' test,
+    # 21 s with PASSIVE; those ranks' 44 s became 32 s)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture

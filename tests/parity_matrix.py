@@ -52,6 +52,11 @@ PROMISES: dict[str, tuple[str, str]] = {
         "one log row",
         "the step's `mp/` metrics sit in the step's own row beside its loss; no row holds `mp/` metrics alone",
     ),
+    "recipe_change": (
+        "resume under another recipe",
+        "the step-4 checkpoint resumed under the same recipe without its phases (bf16->fp8 becomes fp8, not a step "
+        "down in precision) is refused in one line naming both recipes and the flag that allows it; no step trains",
+    ),
     "refusal": (
         "refuses what it cannot run",
         "a `distributed.strategy: deepspeed` recipe where no DeepSpeed runs is refused in one line",
@@ -71,7 +76,12 @@ CELLS: dict[tuple[str, str], tuple[str, str]] = {
     ),
     **{("plugin", p): (YES, "") for p in PROMISES},
     **{("finetune", p): (YES, "") for p in PROMISES},
-    **{("compare", p): (YES, "") for p in PROMISES if p not in ("resume", "log_row")},
+    **{("compare", p): (YES, "") for p in PROMISES if p not in ("resume", "log_row", "recipe_change")},
+    ("compare", "recipe_change"): (
+        NA,
+        "compare keeps no checkpoints, so nothing is resumed under another recipe (`--resume` is refused by its "
+        "parser)",
+    ),
     ("compare", "resume"): (
         REFUSED,
         "compare trains short runs from the same start and keeps no checkpoints: `--resume` is refused by its "

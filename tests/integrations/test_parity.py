@@ -9,6 +9,8 @@ so the same faults reach a Trainer, an own Accelerate loop, and the models `fine
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import shutil
@@ -93,6 +95,7 @@ class Observed:
     weights_before_skip: dict[str, torch.Tensor] = field(default_factory=dict)
     weights_after_skip: dict[str, torch.Tensor] = field(default_factory=dict)
     resumed: Observed | None = None
+    checkpoint: Path | None = None  # the straight run's step-SAVE_AT checkpoint
 
 
 def _state_dtypes(optimizer: Any) -> set[str]:
@@ -107,7 +110,9 @@ def _unchanged_by_skip(faults: Faults) -> list[str]:
 
 
 # -- the entry points ---------------------------------------------------------------------------------------------
-def _trainer_run(out: Path, *, late: bool, resume_from: Path | None = None) -> tuple[Observed, Faults]:
+def _trainer_run(
+    out: Path, *, late: bool, resume_from: Path | None = None, recipe: Any = None
+) -> tuple[Observed, Faults]:
     from transformers import Trainer
 
     from hf_mixedprec.core.demo import tiny_llama
@@ -115,7 +120,8 @@ def _trainer_run(out: Path, *, late: bool, resume_from: Path | None = None) -> t
     from hf_mixedprec.training.run_report import write_run_report
     from tests.integrations.test_integration import Bytes
 
-    recipe = _recipe(storage={}) if late else _recipe()  # late + a storage optimizer: refused (its own cell)
+    if recipe is None:  # late + a storage optimizer: refused (its own cell)
+        recipe = _recipe(storage={}) if late else _recipe()
     args = recipe.training_args(
         output_dir=str(out),
         max_steps=STEPS,
@@ -326,6 +332,8 @@ def _run(entry: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
             obs, faults, extra = _compare_run(base / "compare")
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+    if entry != "compare":
+        obs.checkpoint = base / ("finetune-straight" if entry == "finetune" else "straight") / f"checkpoint-{SAVE_AT}"
     _RUNS[entry] = (obs, faults, extra)
     return _RUNS[entry]
 
@@ -422,6 +430,48 @@ def _log_row(entry: str, obs: Observed, faults: Faults, extra: Any) -> None:
     assert all("loss" in r and math.isfinite(r["loss"]) for r in rows)  # beside the step's own loss
 
 
+def _recipe_change(entry: str, obs: Observed, faults: Faults, extra: Any) -> None:
+    from hf_mixedprec.training.recipe_change import RecipeChangeRefused
+
+    assert obs.checkpoint is not None and obs.checkpoint.is_dir()
+    other = {"storage": {}} if entry == "late" else {}  # the late run's own storage (its straight run's)
+    out = obs.checkpoint.parent.parent / f"{entry}-other-recipe"
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        if entry == "finetune":
+            from hf_mixedprec.cli.app import main
+
+            recipe = _recipe_file(out.parent / "other", phases=None)
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                code = main(["finetune", "--recipe", str(recipe), "--output-dir", str(out), *FINETUNE_ARGS,
+                             "--resume", str(obs.checkpoint)])  # fmt: skip
+            lines = [x for x in err.getvalue().splitlines() if x.startswith("hf-mixedprec: error: ")]
+            assert code == 2 and len(lines) == 1 and "Traceback" not in err.getvalue(), err.getvalue()[-3000:]
+            line = lines[0]
+        elif entry == "plugin":
+            acc = _recipe(phases=None).accelerator(cpu=True, max_steps=STEPS)
+            from hf_mixedprec.core.demo import tiny_llama
+
+            model = tiny_llama()
+            opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+            model, opt = acc.prepare(model, opt)
+            with pytest.raises(RecipeChangeRefused) as err:
+                acc.load_state(str(obs.checkpoint))
+            line = str(err.value)
+        else:
+            with pytest.raises(RecipeChangeRefused) as err:
+                _trainer_run(
+                    out, late=entry == "late", resume_from=obs.checkpoint, recipe=_recipe(phases=None, **other)
+                )
+            line = str(err.value)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert "\n" not in line and "was written under recipe 'parity' (bf16->fp8)" in line, line
+    assert "changes precision bf16->fp8 -> fp8" in line and "--allow-recipe-change" in line, line
+    assert not out.exists() or not any(out.glob("checkpoint-*"))  # no step trained, nothing saved
+
+
 CHECKS = {
     "skips": _skips,
     "resume": _resume,
@@ -431,6 +481,7 @@ CHECKS = {
     "storage": _storage,
     "fp8_health": _fp8_health,
     "log_row": _log_row,
+    "recipe_change": _recipe_change,
 }
 
 SUPPORTED = [cell for cell, (status, _) in CELLS.items() if status == YES and cell[1] != "refusal"]
