@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import os
 
@@ -64,14 +65,12 @@ def _file_order(items: list[pytest.Item]) -> None:
     """Order ``items`` file by file: :data:`LONGEST_FIRST`, then the other files, most tests first (xdist's order);
     the tests of a file keep their order (its module fixtures run once)."""
     here = os.path.dirname(__file__)
-    count: dict[str, int] = {}
-    for item in items:
-        rel = os.path.relpath(str(item.path), here)
-        count[rel] = count.get(rel, 0) + 1
+    files = {id(item): os.path.relpath(str(item.path), here) for item in items}
+    count = collections.Counter(files.values())
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     order = sorted(count, key=lambda f: (rank.get(f, len(rank)), -count[f], f))
     position = {f: i for i, f in enumerate(order)}
-    items.sort(key=lambda item: position[os.path.relpath(str(item.path), here)])
+    items.sort(key=lambda item: position[files[id(item)]])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

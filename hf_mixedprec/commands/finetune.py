@@ -16,13 +16,11 @@ blocks, then the model), so that a mistake costs seconds and prints nothing else
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +49,6 @@ from hf_mixedprec.core.errors import UsageError
 from hf_mixedprec.core.model_dir import check_model_dir
 from hf_mixedprec.core.run_lock import hold_run_folder
 from hf_mixedprec.integrations.recipe import RECIPE_ENV, Recipe, builtin_recipe_names, load_recipe
-from hf_mixedprec.training.recipe_change import ALLOW_ENV
 
 __all__ = [
     "DEFAULTS",
@@ -168,33 +165,15 @@ def run_finetune(
     )
     release = hold_run_folder(output_dir, key="--output-dir")  # one writer: a second run into it is refused
     try:
-        with _allowing_recipe_change(allow_recipe_change):
-            return _finetune(
-                recipe=recipe, rehearse=rehearse, model=model, data=data, text_field=text_field,
-                output_dir=output_dir, max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed,
-                logging_steps=logging_steps, save=save, resume=resume, save_steps=save_steps,
-                save_total_limit=save_total_limit, command=command, overwrite=overwrite, eval_split=eval_split,
-            )  # fmt: skip
+        return _finetune(
+            recipe=recipe, rehearse=rehearse, model=model, data=data, text_field=text_field, output_dir=output_dir,
+            max_steps=max_steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed,
+            logging_steps=logging_steps, save=save, resume=resume, save_steps=save_steps,
+            save_total_limit=save_total_limit, command=command, overwrite=overwrite, eval_split=eval_split,
+            allow_recipe_change=allow_recipe_change,
+        )  # fmt: skip
     finally:
         release()
-
-
-@contextlib.contextmanager
-def _allowing_recipe_change(allow: bool) -> Iterator[None]:
-    """While the run lasts, the runtime the Trainer callback makes allows a recipe change at resume (through the
-    variable a Trainer script would set), when ``allow``; the variable is as it was afterwards."""
-    if not allow:
-        yield
-        return
-    before = os.environ.get(ALLOW_ENV)
-    os.environ[ALLOW_ENV] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(ALLOW_ENV, None)
-        else:
-            os.environ[ALLOW_ENV] = before
 
 
 def _finetune(
@@ -218,6 +197,7 @@ def _finetune(
     command: list[str] | None,
     overwrite: bool,
     eval_split: float | None,
+    allow_recipe_change: bool,
 ) -> dict[str, Any]:
     """:func:`run_finetune` once its inputs are checked and its folder is held."""
     resume, start = _prepare_run_folder(Path(output_dir), overwrite=overwrite, resume=resume), time.perf_counter()
@@ -243,6 +223,7 @@ def _finetune(
         logging_steps=logging_steps or max(1, min(10, max_steps // 10)),
         save_steps=save_steps or max(1, min(500, max_steps // 4)),
         save_total_limit=save_total_limit,
+        allow_recipe_change=allow_recipe_change,
     )
     trained = _train(run, prepared, _sample_fp8_at_every_log(loaded, run), resume)
     result = summary(run, prepared, trained, save=save, command=command)
@@ -397,7 +378,7 @@ def _make_trainer(run: RunSettings, prepared: Prepared, rec: Recipe, interrupt: 
         callbacks=[
             Progress(run.max_steps, run.batch_size * run.seq_len * targs.world_size),
             interrupt,
-            *rec.callbacks(),
+            *rec.callbacks(allow_recipe_change=run.allow_recipe_change or None),  # None: the environment decides
         ],
     )
     tr.remove_callback(PrinterCallback)

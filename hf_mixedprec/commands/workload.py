@@ -516,3 +516,5 @@ class RunSettings:
     logging_steps: int
     save_steps: int
     save_total_limit: int | None
+    #: a resume under a recipe of other numerics than the checkpoint's goes on (``finetune --allow-recipe-change``)
+    allow_recipe_change: bool = False

@@ -143,3 +143,9 @@ def wrap_forward(model: torch.nn.Module, context: Callable[[], contextlib.Abstra
             return func(self, *args, **kwargs)
 
     model.forward = types.MethodType(method, model)  # type: ignore[method-assign]
+
+
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper,
+    Blackwell)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)

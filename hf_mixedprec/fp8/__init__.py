@@ -188,6 +188,24 @@ def _unsupported_kind_notes(decisions: list[LayerDecision], backend: str) -> lis
     return notes
 
 
+def _convert_experts(model: nn.Module, recipe: RecipeSpec, backend: str, names: list[str]) -> list[str]:
+    """Run the experts modules ``names`` in FP8 with the backend's numerics: the emulated layers' spec, or torchao's
+    ``torchao_recipe`` per expert; return the report's notes."""
+    from hf_mixedprec.fp8.experts import ExpertsFP8, convert_experts
+
+    fp8 = recipe.fp8
+    if backend != "torchao":
+        assert fp8 is not None
+        convert_experts(model, names, ExpertsFP8.from_spec(EmulationSpec.from_config(fp8)))
+        return []
+    assert isinstance(fp8, CurrentFP8Config)
+    convert_experts(model, names, ExpertsFP8.for_torchao(fp8))
+    return [
+        f"{len(names)} MoE experts modules run torchao's {fp8.torchao_recipe or 'tensorwise'} FP8 numerics per expert "
+        "through hf_mixedprec's emulated grouped GEMMs (exact casts, float32 GEMMs)"
+    ]
+
+
 def convert(
     model: nn.Module,
     recipe: RecipeSpec,
@@ -217,17 +235,13 @@ def convert(
         )
     decisions = list(decisions)
     notes += _unsupported_kind_notes(decisions, backend)
+    experts = [d.name for d in decisions if d.to_swap and d.kind == EXPERTS_KIND]  # planned on EXPERTS_BACKENDS only
     if backend == "emulated":
         spec = EmulationSpec.from_config(recipe.fp8)
-        experts = [d.name for d in decisions if d.to_swap and d.kind == EXPERTS_KIND]
         for d in decisions:
             if d.to_swap and d.kind != EXPERTS_KIND:
                 cls = EmulatedFP8Conv1D if d.kind == "Conv1D" else EmulatedFP8Linear
                 replace_module(model, d.name, cls(model.get_submodule(d.name), spec))
-        if experts:
-            from hf_mixedprec.fp8.experts import ExpertsFP8, convert_experts
-
-            convert_experts(model, experts, ExpertsFP8.from_spec(spec))
     elif backend == "native":
         from hf_mixedprec.fp8.native import native_available, native_layer
 
@@ -245,20 +259,12 @@ def convert(
         from hf_mixedprec.fp8.torchao_backend import convert_torchao
 
         notes += convert_torchao(model, recipe, [d for d in decisions if d.kind != EXPERTS_KIND])
-        experts = [d.name for d in decisions if d.to_swap and d.kind == EXPERTS_KIND]
-        if experts:
-            from hf_mixedprec.fp8.experts import ExpertsFP8, convert_experts
-
-            assert isinstance(recipe.fp8, CurrentFP8Config)
-            convert_experts(model, experts, ExpertsFP8.for_torchao(recipe.fp8))
-            notes.append(
-                f"{len(experts)} MoE experts modules run torchao's {recipe.fp8.torchao_recipe or 'tensorwise'} FP8 "
-                "numerics per expert through hf_mixedprec's emulated grouped GEMMs (exact casts, float32 GEMMs)"
-            )
     else:
         from hf_mixedprec.fp8.transformer_engine import convert_te
 
         notes += convert_te(model, recipe, decisions, optimizer)
+    if experts:
+        notes += _convert_experts(model, recipe, backend, experts)
     invalidate_layer_cache()  # FP8 layers were swapped in: per-model layer lists are collected anew
     work = gemm_work(model, decisions)
     report = ConversionReport(backend, recipe.fp8.scaling, recipe.fp8.format, decisions, notes, work)

@@ -318,7 +318,7 @@ def quantize_rows(
     fmt = spec.fmt(role)
     if spec.granularity == "row":
         return _rowwise_rows(spec, rows, offsets, fmt, along_tokens=along_tokens, keep=keep)
-    if spec.scaling in ("current", "delayed"):  # a per-tensor scale per group serves both orientations
+    if spec.per_tensor:  # a per-tensor scale per group serves both orientations
         gid = _group_of_rows(offsets, rows.shape[0])
         amax = _per_group_amax(rows, gid, offsets.numel())
         scale = _per_tensor_scale(spec, amax, role, state, record)[gid].unsqueeze(-1)
@@ -345,18 +345,28 @@ def _rowwise_rows(
     keep: list[Tensor | None] | None = None,
 ) -> Tensor:
     """Rowwise current scaling of sorted token rows ``[S, K]``: along the feature dim, a scale per row (the forward's
-    input, the input gradient's output gradient); along the tokens, a scale per expert group and column (the
-    weight-gradient GEMM's two operands, as ``torch_to_float8_per_group_colwise`` in
+    input, the input gradient's output gradient: :func:`_per_row`); along the tokens, a scale per expert group and
+    column (the weight-gradient GEMM's two operands, as ``torch_to_float8_per_group_colwise`` in
     ``torchao/prototype/moe_training/utils.py``). ``keep``: a list that receives the FP8 values (and None)."""
     if not along_tokens:
-        amax = rows.abs().amax(dim=-1, keepdim=True)  # [S, 1]: no rows, no scales
-        scale = current_scale(amax, fmt=fmt, epsilon=spec.epsilon, power_2=spec.power_2_scales)
-    else:
-        gid = _group_of_rows(offsets, rows.shape[0])
-        amax = rows.new_zeros(offsets.numel(), rows.shape[1])
-        amax = amax.scatter_reduce(0, gid.long()[:, None].expand_as(rows), rows.abs(), "amax", include_self=True)
-        scale = current_scale(amax, fmt=fmt, epsilon=spec.epsilon, power_2=spec.power_2_scales)[gid]
+        return _per_row(spec, rows, fmt, keep)
+    gid = _group_of_rows(offsets, rows.shape[0])
+    amax = rows.new_zeros(offsets.numel(), rows.shape[1])
+    amax = amax.scatter_reduce(0, gid.long()[:, None].expand_as(rows), rows.abs(), "amax", include_self=True)
+    scale = current_scale(amax, fmt=fmt, epsilon=spec.epsilon, power_2=spec.power_2_scales)[gid]
     data = quantize_fp8(rows, scale, fmt)
+    if keep is not None:
+        keep += [data, None]
+    return dequantize_fp8(data, scale)
+
+
+def _per_row(spec: ExpertsFP8, t: Tensor, fmt: NumberFormat, keep: list[Tensor | None] | None = None) -> Tensor:
+    """Quantize-dequantize a 2-D tensor with a current scale per row along its last dim (torchao's rowwise casts);
+    ``keep``: a list that receives the FP8 values (and None)."""
+    scale = current_scale(
+        t.abs().amax(dim=-1, keepdim=True), fmt=fmt, epsilon=spec.epsilon, power_2=spec.power_2_scales
+    )  # [rows, 1]: no rows, no scales
+    data = quantize_fp8(t, scale, fmt)
     if keep is not None:
         keep += [data, None]
     return dequantize_fp8(data, scale)
@@ -399,20 +409,13 @@ def quantize_weights(
     keep: list[Tensor | None] | None = None,
 ) -> Tensor:
     """Quantize-dequantize the experts' GEMM weights ``W`` ``[E, out, in]`` (float32), each expert as the dense path
-    quantizes a Linear's weight: per expert tensor (current), 128x128 tiles per expert (blockwise), MX blocks along
-    ``in`` for the forward and along ``out`` for the input gradient (``for_dgrad``). ``keep`` (forward only): a list
+    quantizes a Linear's weight: per expert tensor (current), 128x128 tiles per expert (blockwise), MX blocks (or
+    torchao's rowwise scales, a scale per row) along ``in`` for the forward and along ``out`` for the input gradient
+    (``for_dgrad``). ``keep`` (forward only): a list
     that receives the FP8 values as ``[E * out, in]`` rows and the MX scale codes of those rows (or None)."""
     fmt = spec.fmt(1)
     e, out_f, in_f = w.shape
-    if spec.granularity == "row":  # along each GEMM's contraction dim: ``in`` forward, ``out`` for dgrad
-        axis = 1 if for_dgrad else 2
-        amax = w.abs().amax(dim=axis, keepdim=True)
-        scale = current_scale(amax, fmt=fmt, epsilon=spec.epsilon, power_2=spec.power_2_scales)
-        data = quantize_fp8(w, scale, fmt)
-        if keep is not None:
-            keep += [data.reshape(e * out_f, in_f), None]
-        return dequantize_fp8(data, scale)
-    if spec.scaling in ("current", "delayed"):
+    if spec.per_tensor:
         amax = w.abs().amax(dim=(1, 2)) if w.numel() else w.new_zeros(w.shape[0])
         scale = _per_tensor_scale(spec, amax, 1, state, record)[:, None, None]
         data = quantize_fp8(w, scale, fmt)
@@ -426,10 +429,16 @@ def quantize_weights(
         if keep is not None:
             keep += [data.reshape(e * out_f, in_f), None]
         return dequantize_blockwise(data, scales, tile=(128, 128))
-    if for_dgrad:
-        flat = w.transpose(1, 2).reshape(e * in_f, out_f)
-        return _blocked_rows(spec, flat, fmt, spec.block_size, src_dtype).view(e, in_f, out_f).transpose(1, 2)
-    return _blocked_rows(spec, w.reshape(e * out_f, in_f), fmt, spec.block_size, src_dtype, keep).view(e, out_f, in_f)
+
+    def along_rows(t: Tensor, kept: list[Tensor | None] | None = None) -> Tensor:
+        """Each row of ``t`` along the GEMM's contraction dim: in MX blocks, or with torchao's per-row scale."""
+        if spec.granularity == "row":
+            return _per_row(spec, t, fmt, kept)
+        return _blocked_rows(spec, t, fmt, spec.block_size, src_dtype, kept)
+
+    if for_dgrad:  # contracted over ``out``
+        return along_rows(w.transpose(1, 2).reshape(e * in_f, out_f)).view(e, in_f, out_f).transpose(1, 2)
+    return along_rows(w.reshape(e * out_f, in_f), keep).view(e, out_f, in_f)
 
 
 # -- float32 grouped GEMMs ------------------------------------------------------------------------------------------

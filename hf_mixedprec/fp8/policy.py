@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from hf_mixedprec.core._device import has_fp8_tensor_cores
 from hf_mixedprec.fp8.experts import experts_shape, is_experts_module
 from hf_mixedprec.recipes.module_rules import RuleAssignment, assign_rules, find_block_list
 from hf_mixedprec.recipes.modules_config import DEFAULT_RULES, ModuleRule
@@ -165,12 +166,6 @@ def _keep_reason(name: str, mod: nn.Module, kind: str, in_f: int, out_f: int, ct
     return None
 
 
-def _torchao_fp8_device(device: torch.device) -> bool:
-    """Whether torchao runs real FP8 GEMMs on ``device`` (CUDA, compute capability 8.9 or newer) rather than
-    emulating them."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def _experts_keep_reason(name: str, hidden: int, inter: int, device: torch.device, ctx: _Context) -> str | None:
     """Why this experts module stays in high precision, or None to run its grouped GEMMs in FP8."""
     from hf_mixedprec.fp8.experts import EXPERTS_SCALINGS
@@ -188,7 +183,7 @@ def _experts_keep_reason(name: str, hidden: int, inter: int, device: torch.devic
             f"experts: backend {ctx.backend} has no FP8 grouped GEMM here (fp8.backend emulated runs them: exact FP8 "
             "numerics, no speed-up)"
         )
-    if ctx.backend == "torchao" and _torchao_fp8_device(device):
+    if ctx.backend == "torchao" and has_fp8_tensor_cores(device):
         return (
             f"experts: backend torchao's FP8 grouped GEMMs are not wired on {device} yet, and its emulation would be "
             "slower than BF16 here (fp8.backend emulated rehearses them: exact FP8 numerics, no speed-up)"

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_mixedprec.core._device import has_fp8_tensor_cores
 from hf_mixedprec.core._private import fsdp2_retarget
 from hf_mixedprec.fp8.policy import LayerDecision
 from hf_mixedprec.fp8.probe import QuantizeRule, attach_probe
@@ -29,12 +30,6 @@ __all__ = ["TORCHAO_INSTALL_HINT", "convert_torchao", "precompute_fsdp_scales", 
 log = logging.getLogger("hf_mixedprec")
 
 TORCHAO_INSTALL_HINT = "torchao is not installed: pip install 'hf_mixedprec[torchao]'"
-
-
-def _emulate_needed(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return True
-    return torch.cuda.get_device_capability(device) < (8, 9)
 
 
 def torchao_config(recipe: RecipeSpec, *, emulate: bool) -> Any:
@@ -102,7 +97,7 @@ def convert_torchao(model: nn.Module, recipe: RecipeSpec, decisions: list[LayerD
         raise ImportError(TORCHAO_INSTALL_HINT) from exc
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
-    emulate = _emulate_needed(device)
+    emulate = not has_fp8_tensor_cores(device)  # torchao emulates its FP8 GEMMs there (emulate=True)
     notes = []
     if emulate:
         notes.append(

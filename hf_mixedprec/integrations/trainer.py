@@ -99,9 +99,12 @@ def runtime_of(obj: Any) -> MixedPrecisionRuntime | None:
     return found[0] if found is not None else None
 
 
-def recipe_callbacks(recipe: RecipeSpec, *, rehearse: bool | None = None) -> list[TrainerCallback]:
-    """The callbacks for ``Trainer(callbacks=...)``."""
-    return [MixedPrecisionCallback(recipe=recipe, rehearse=recipe.rehearse if rehearse is None else rehearse)]
+def recipe_callbacks(
+    recipe: RecipeSpec, *, rehearse: bool | None = None, allow_recipe_change: bool | None = None
+) -> list[TrainerCallback]:
+    """The callbacks for ``Trainer(callbacks=...)`` (``allow_recipe_change``: see :class:`MixedPrecisionCallback`)."""
+    rehearse = recipe.rehearse if rehearse is None else rehearse
+    return [MixedPrecisionCallback(recipe=recipe, rehearse=rehearse, allow_recipe_change=allow_recipe_change)]
 
 
 def _find_trainer() -> Trainer | None:

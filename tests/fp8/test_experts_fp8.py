@@ -702,13 +702,12 @@ def test_a_torchao_recipe_runs_the_experts_in_fp8_on_a_cpu_and_the_report_says_h
     assert torch.isfinite(loss) and model.model.layers[0].mlp.experts.gate_up_proj.grad.abs().sum() > 0
 
     fresh = _qwen3_moe()
-    policy_fp8 = recipe.fp8
-    orig = policy._torchao_fp8_device
-    try:
-        policy._torchao_fp8_device = lambda device: True
-        by = {d.name: d for d in policy.plan_conversion(fresh, policy_fp8, rules=recipe.modules, backend="torchao")}
+    orig = policy.has_fp8_tensor_cores
+    try:  # as on an FP8 GPU, where torchao runs its own FP8 GEMMs
+        policy.has_fp8_tensor_cores = lambda device: True
+        by = {d.name: d for d in policy.plan_conversion(fresh, recipe.fp8, rules=recipe.modules, backend="torchao")}
     finally:
-        policy._torchao_fp8_device = orig
+        policy.has_fp8_tensor_cores = orig
     assert not by["model.layers.0.mlp.experts"].fp8
     assert by["model.layers.0.mlp.experts"].reason.startswith("experts: backend torchao's FP8 grouped GEMMs are not")
 
