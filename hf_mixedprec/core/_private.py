@@ -392,6 +392,13 @@ def wrap_save_scaler(trainer: Any, make: Callable[[Callable[..., Any]], Callable
     trainer._save_scaler = make(trainer._save_scaler)
 
 
+def wrap_load_optimizer(trainer: Any, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``trainer._load_optimizer_and_scheduler`` on the instance with ``make(the bound original)``
+    (``transformers/trainer.py``: loads ``optimizer.pt`` into ``trainer.optimizer`` after the model's weights were
+    loaded; a storage change at resume converts that state)."""
+    trainer._load_optimizer_and_scheduler = make(trainer._load_optimizer_and_scheduler)
+
+
 def trainer_output_dir(trainer: Any, trial: Any) -> str:
     """The folder ``Trainer._save_checkpoint`` writes ``checkpoint-N`` into (a search trial's run folder included)."""
     # transformers/trainer.py: ``Trainer._get_output_dir(trial)``

@@ -306,6 +306,7 @@ class _RuntimeCheckpoint:
         state = torch.load(path, map_location="cpu", weights_only=True)  # lists, numbers and strings only
         self._restore(acc, state)
         self._restored = True
+        _storage_at_load(acc, models, input_dir)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         acc = self._acc()
@@ -322,6 +323,35 @@ class _RuntimeCheckpoint:
         # the step after the checkpoint begins at its first forward (its phase, its FP8 sampling), as in the run
         # that wrote it; the step begun at prepare() was the run's first
         acc._mp_step_pending = True
+
+
+def _storage_at_load(acc: MixedPrecisionAccelerator, models: list[torch.nn.Module], input_dir: str) -> None:
+    """Before ``load_state`` loads the optimizers (after the weights): each optimizer's state converted for the
+    storage change the resume decided (:mod:`hf_mixedprec.storage.convert`; refused under FSDP or DeepSpeed, which
+    load their own sharded states), or checked to be of its own class."""
+    from accelerate.utils import DistributedType
+
+    from hf_mixedprec.storage.convert import checkpoint_fp32_weights, convert_next_load, read_weights
+    from hf_mixedprec.training.recipe_change import RecipeChangeRefused
+
+    decision = acc.mp.history.decision
+    pair = decision.storage if decision is not None else None
+    if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        if pair is not None:
+            raise RecipeChangeRefused(
+                f"resume: {os.path.basename(input_dir)} was written under storage.master {pair[0]}, this run keeps "
+                f"storage.master {pair[1]} under {acc.distributed_type.value}, which loads its own sharded optimizer "
+                f"state: the conversion is made for runs that are not sharded (allowed: storage.master {pair[0]})"
+            )
+        return
+    keys = checkpoint_fp32_weights(input_dir, models[0]) if pair == ("fp32", "bf16_remainder") and models else None
+    weights = (lambda: read_weights(input_dir, keys)) if keys is not None else None
+
+    def converted() -> None:
+        decision.converted = True
+
+    for optimizer in acc._optimizers:
+        convert_next_load(getattr(optimizer, "optimizer", optimizer), pair, weights, converted if pair else None)
 
 
 def _check_deepspeed_plugin(recipe: RecipeSpec, kwargs: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ from hf_mixedprec.core._device import several_ranks
 from hf_mixedprec.core._private import trainer_output_dir, wrap_save_checkpoint
 from hf_mixedprec.core.checkpoints import CheckpointDamaged, newest_verified, verify, write_manifest
 from hf_mixedprec.core.disk import DiskFull, free_bytes, is_disk_full, tree_bytes
+from hf_mixedprec.core.model_dir import safetensors_files
 
 __all__ = [
     "DiskFull",
@@ -225,7 +226,7 @@ def restore_converted_weights(model: Any, folder: str) -> str | None:
     skips every such key with a warning: a resumed MoE run trains on with the experts' initial weights."""
     from safetensors import safe_open
 
-    files = _model_files(folder)
+    files = safetensors_files(folder)
     if not files or not hasattr(model, "state_dict"):
         return None
     own = model.state_dict()
@@ -265,21 +266,6 @@ def restore_converted_weights(model: Any, folder: str) -> str | None:
     if still:
         text += f"; {len(still)} are still missing and keep their initial values: {', '.join(still[:4])}"
     return text
-
-
-def _model_files(folder: str) -> list[str]:
-    """The safetensors files of the model saved in ``folder`` (one file, or the shards of its index)."""
-    import json
-
-    single = os.path.join(folder, "model.safetensors")
-    if os.path.isfile(single):
-        return [single]
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if not os.path.isfile(index):
-        return []
-    with open(index, encoding="utf-8") as f:
-        shards = sorted(set(json.load(f).get("weight_map", {}).values()))
-    return [os.path.join(folder, s) for s in shards]
 
 
 def _owner(model: Any, key: str) -> tuple[Any, str]:

@@ -68,7 +68,12 @@ from hf_mixedprec.integrations.install import (
 )
 from hf_mixedprec.integrations.sharding import scaler_ready_for_sharded_resume
 from hf_mixedprec.integrations.trainer_args import RECIPE_CLIPS, _check_args, training_args
-from hf_mixedprec.integrations.trainer_storage import check_deepspeed_storage, install_storage
+from hf_mixedprec.integrations.trainer_storage import (
+    check_deepspeed_storage,
+    install_storage,
+    storage_at_resume,
+    storage_converted,
+)
 from hf_mixedprec.recipes.files import resolve_recipe
 from hf_mixedprec.recipes.schema import RecipeSpec
 from hf_mixedprec.training.health import HealthMonitor
@@ -360,6 +365,7 @@ class MixedPrecisionCallback(TrainerCallback, ExportableState):
         if payload is not None:
             rt.load_state_dict(payload, model)  # first: FP8 layers a fallback moved are moved again
             self.restored = None
+            storage_converted(rt)
         folder = _resumed_from()
         sharded = self.deepspeed or getattr(self.trainer, "is_fsdp_enabled", False)
         if folder is not None and not sharded:  # DeepSpeed and FSDP load their own, unconverted, model states
@@ -467,6 +473,7 @@ def _layers_before_load(trainer: Trainer, rt: MixedPrecisionRuntime, folder: str
         return  # Trainer's own load reports a damaged file; the runtime state then restores what it can
     if payload:  # a recipe change is decided (or refused) before Trainer loads the weights and optimizer state
         rt.history.check(payload, Path(folder).name, rt.note)
+    storage_at_resume(trainer, rt, folder)  # the optimizer state converted for a storage change, or checked
     if not (getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False)):
         return
     if rt.phases is not None and isinstance(payload.get("phases"), dict):

@@ -6,15 +6,18 @@ Split from :mod:`hf_mixedprec.integrations.trainer` (which calls these from its 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from transformers import Trainer
 
+from hf_mixedprec.core._private import wrap_load_optimizer
 from hf_mixedprec.recipes.module_rules import assign_rules
 from hf_mixedprec.recipes.schema import RecipeSpec
+from hf_mixedprec.training.recipe_change import RecipeChangeRefused
 from hf_mixedprec.training.runtime import MixedPrecisionRuntime
 
-__all__ = ["check_deepspeed_storage", "install_storage"]
+__all__ = ["check_deepspeed_storage", "install_storage", "storage_at_resume", "storage_converted"]
 
 
 def install_storage(trainer: Trainer, rt: MixedPrecisionRuntime, late: bool) -> list[str]:
@@ -119,3 +122,70 @@ def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late
         f"{getattr(trainer.args.optim, 'value', trainer.args.optim)!r}) is built as "
         f"{wanted} with the same lr, betas, eps and weight_decay"
     )
+
+
+def storage_at_resume(trainer: Trainer, rt: MixedPrecisionRuntime, folder: str) -> None:
+    """Before Trainer loads the checkpoint ``folder``: when it loads the optimizer state (after the weights), that
+    state is converted for the storage change the resume decided (:mod:`hf_mixedprec.storage.convert`), or checked
+    to be of the run's optimizer class. FSDP and DeepSpeed load their own sharded states: a change is refused there."""
+    from hf_mixedprec.storage.convert import (
+        checkpoint_fp32_weights,
+        convert_next_load,
+        convert_without_state,
+        read_weights,
+    )
+
+    decision = rt.history.decision
+    pair = decision.storage if decision is not None else None
+    engine = "DeepSpeed" if getattr(trainer, "is_deepspeed_enabled", False) else None
+    engine = engine or ("FSDP" if getattr(trainer, "is_fsdp_enabled", False) else None)
+    if engine is not None:
+        if pair is not None:
+            raise RecipeChangeRefused(
+                f"resume: {Path(folder).name} was written under storage.master {pair[0]}, this run keeps "
+                f"storage.master {pair[1]} under {engine}, which loads its own sharded optimizer state: the conversion "
+                f"is made for runs that are not sharded (allowed: storage.master {pair[0]} under {engine})"
+            )
+        return
+    keys = checkpoint_fp32_weights(folder, trainer.model) if pair == ("fp32", "bf16_remainder") else None
+
+    def make(load: Any) -> Any:
+        def load_optimizer_and_scheduler(checkpoint: str | None) -> None:
+            trainer.__dict__.pop("_load_optimizer_and_scheduler", None)  # once: this resume's load
+            optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+            if checkpoint is None or optimizer is None:
+                return load(checkpoint)
+            weights = (lambda: read_weights(checkpoint, keys)) if keys is not None else None
+            finish = convert_next_load(optimizer, pair, weights)
+            try:
+                load(checkpoint)
+            finally:
+                loaded = finish()
+            if pair is None:
+                return None
+            if not loaded:  # Trainer found no optimizer.pt: the weights are converted, the moments start at zero
+                convert_without_state(optimizer, pair, weights() if weights is not None else None)
+                rt.note(
+                    f"resume: {Path(checkpoint).name} holds no optimizer state: the storage.master {pair[0]} -> "
+                    f"{pair[1]} conversion took the weights alone and the optimizer's moments start at zero"
+                )
+            decision.converted = True
+            return None
+
+        return load_optimizer_and_scheduler
+
+    wrap_load_optimizer(trainer, make)
+
+
+def storage_converted(rt: MixedPrecisionRuntime) -> None:
+    """At ``on_train_begin``: refuse a resume whose storage change was decided after Trainer had loaded the
+    checkpoint (a callback added with ``add_callback``, set up when ``train()`` began): its state went in as it was."""
+    decision = rt.history.decision
+    if decision is not None and decision.storage is not None and not decision.converted:
+        source, target = decision.storage
+        raise RecipeChangeRefused(
+            f"resume: the checkpoint was written under storage.master {source}, this run keeps storage.master "
+            f"{target}, and Trainer loaded it before hf_mixedprec's callback was set up (added with add_callback): "
+            "pass recipe.callbacks() to Trainer(callbacks=...) or attach(trainer, recipe) before train() to convert "
+            f"it (or resume with storage.master {source})"
+        )

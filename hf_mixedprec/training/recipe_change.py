@@ -12,8 +12,10 @@ and phases, FP8 numerics, storage and clipping method) and the recipes the run h
 * another precision, other FP8 numerics or another clipping method: refused in one line naming both recipes, unless
   the run allows recipe changes (``finetune --allow-recipe-change``, ``MixedPrecisionCallback(allow_recipe_change=
   True)`` or ``HF_MIXEDPREC_ALLOW_RECIPE_CHANGE=1``), which then drops the state that no longer applies, noted;
-* another storage: refused in one line in the recipe's own words whatever the flag says, so that an optimizer state is
-  never loaded into another optimizer or onto weights stored otherwise.
+* another ``storage.master`` that :mod:`hf_mixedprec.storage.convert` converts (``bf16_remainder`` <-> ``fp32``,
+  ``bf16_kahan`` or ``bf16_stochastic`` -> ``fp32``): the weights and optimizer state are converted before the first
+  step, noted; any other storage change is refused in one line in the recipe's own words whatever the flag says, so
+  that an optimizer state is never loaded into another optimizer or onto weights stored otherwise.
 
 A checkpoint written before the record existed resumes unchecked, with a note that says so.
 """
@@ -26,6 +28,7 @@ from typing import Any
 
 from hf_mixedprec.core.errors import MixedPrecisionError
 from hf_mixedprec.recipes.schema import RecipeSpec
+from hf_mixedprec.storage.convert import TRANSITIONS, storage_transition
 
 __all__ = [
     "ALLOW_ENV",
@@ -81,13 +84,16 @@ def allowed_by_env() -> bool:
 class ResumeDecision:
     """What :func:`decide` found: ``notes`` for the run report; ``switched`` when the run continues under other
     numerics (its report then lists both recipes); ``drop_fp8`` / ``drop_clipper`` / ``drop_scaler``: checkpointed
-    state the run's recipe has no use for."""
+    state the run's recipe has no use for; ``storage``: the (checkpoint's, run's) ``storage.master`` when the resume
+    converts the weights and optimizer state (:mod:`hf_mixedprec.storage.convert`)."""
 
     notes: list[str] = field(default_factory=list)
     switched: bool = False
     drop_fp8: bool = False
     drop_clipper: bool = False
     drop_scaler: bool = False
+    storage: tuple[str, str] | None = None
+    converted: bool = False  #: set once the checkpoint's weights and optimizer state were converted for ``storage``
 
 
 def _precision(rec: dict[str, Any]) -> str:
@@ -109,16 +115,11 @@ def decide(saved: dict[str, Any] | None, now: dict[str, Any], *, checkpoint: str
         )
         return out
     if saved["storage"] != now["storage"]:
-        diff = [
-            f"storage.{k} {saved['storage'][k]} (now {now['storage'][k]})"
-            for k in ("master", "optimizer_states", "optimizer")
-            if saved["storage"].get(k) != now["storage"].get(k)
-        ]
-        raise RecipeChangeRefused(
-            f"resume: {checkpoint} was written under recipe {_describe(saved)} with {', '.join(diff)}; its weights "
-            f"and optimizer state are stored that way, and a resume does not change storage (allowed: "
-            + ", ".join(f"storage.{k} {v}" for k, v in saved["storage"].items())
-            + f" in recipe {now['name']!r})"
+        out.storage = _storage_change(saved, now, checkpoint)
+        out.switched = True
+        out.notes.append(
+            f"resume: {checkpoint} was written under storage.master {out.storage[0]}; this run keeps storage.master "
+            f"{out.storage[1]}: {TRANSITIONS[out.storage]}, before the first step"
         )
     same_precision = (saved["precision"], saved.get("phases")) == (now["precision"], now.get("phases"))
     step_down = (
@@ -127,7 +128,7 @@ def decide(saved: dict[str, Any] | None, now: dict[str, Any], *, checkpoint: str
     other_fp8 = same_precision and saved.get("fp8") != now.get("fp8")
     other_clip = saved.get("clipping") != now.get("clipping")
     if same_precision and not other_fp8 and not other_clip:
-        if saved["name"] != now["name"]:
+        if saved["name"] != now["name"] and out.storage is None:
             out.notes.append(
                 f"resume: {checkpoint} was written under recipe {saved['name']!r}, this run's recipe {now['name']!r} "
                 "has the same precision, FP8 numerics, storage and clipping: resumed as one run"
@@ -163,6 +164,27 @@ def decide(saved: dict[str, Any] | None, now: dict[str, Any], *, checkpoint: str
     out.drop_clipper = other_clip
     out.drop_scaler = saved["precision"] == "fp16" and now["precision"] != "fp16"
     return out
+
+
+def _storage_change(saved: dict[str, Any], now: dict[str, Any], checkpoint: str) -> tuple[str, str]:
+    """The masters of a storage change a resume converts (:func:`hf_mixedprec.storage.convert.storage_transition`);
+    any other is refused in one line, whatever the flag says."""
+    pair = storage_transition(saved["storage"], now["storage"])
+    if pair is not None:
+        return pair
+    diff = [
+        f"storage.{k} {saved['storage'].get(k)} -> {now['storage'].get(k)}"
+        for k in ("master", "optimizer_states", "optimizer")
+        if saved["storage"].get(k) != now["storage"].get(k)
+    ]
+    taken = ", ".join(f"{a} -> {b}" for a, b in TRANSITIONS)
+    raise RecipeChangeRefused(
+        f"resume: {checkpoint} was written under recipe {_describe(saved)}; this run's recipe {now['name']!r} changes "
+        f"{', '.join(diff)}, which a resume cannot convert (converted: storage.master {taken}, with optimizer_states "
+        "fp32 or bf16 and storage.optimizer unchanged; or resume with "
+        + ", ".join(f"storage.{k} {v}" for k, v in saved["storage"].items())
+        + ")"
+    )
 
 
 def _fp8_text(fp8: dict[str, Any] | None) -> str:

@@ -1,6 +1,7 @@
 """A resume under another recipe than the checkpoint's (hf_mixedprec.training.recipe_change): a step down in
 precision goes on as a phase change, noted, with the run report split into its recipes; another change is refused in
-one line before anything is loaded unless allowed; a storage change is refused in the recipe's own words."""
+one line before anything is loaded unless allowed; a storage change a resume cannot convert is refused in the
+recipe's own words (the conversions: tests/storage/test_storage_resume.py)."""
 
 from __future__ import annotations
 
@@ -62,13 +63,13 @@ def test_the_same_numerics_under_another_name_or_health_settings_resume_as_one_r
 
 def test_a_storage_change_is_refused_in_the_recipes_own_words_even_when_changes_are_allowed():
     a = _record("cpu-bf16", storage={"master": "bf16_remainder"})
-    b = _record("cpu-bf16")
+    b = _record("cpu-bf16", storage={"master": "bf16_kahan"})
     for allow in (False, True):
         with pytest.raises(RecipeChangeRefused) as info:
             decide(a, b, checkpoint="checkpoint-4", allow=allow)
         msg = str(info.value)
-        assert "storage.master bf16_remainder (now fp32)" in msg and "float32" not in msg
-        assert "allowed: storage.master bf16_remainder, storage.optimizer_states fp32" in msg
+        assert "changes storage.master bf16_remainder -> bf16_kahan" in msg and "float32" not in msg
+        assert "or resume with storage.master bf16_remainder, storage.optimizer_states fp32" in msg
 
 
 # -- through finetune: the checkpoint's record, the refusal before anything loads, the split report -----------------
@@ -145,9 +146,9 @@ def test_finetune_resumes_fp8_under_bf16_as_a_phase_change_and_refuses_the_rever
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_a_trainer_resumed_under_other_storage_is_refused_before_anything_loads(tmp_path):
-    """The issue's crash: a checkpoint written under storage.master bf16_remainder resumed under master fp32 (its
-    StorageAdamW state loaded into torch's AdamW, the remainders lost). Refused in one line before Trainer loads the
-    weights or the optimizer state; the model keeps its weights."""
+    """A storage change a resume cannot convert (bf16_remainder -> bf16_kahan; remainder -> fp32 is converted, see
+    tests/storage/test_storage_resume.py) is refused in one line before Trainer loads the weights or the optimizer
+    state; the model keeps its weights."""
     import torch
     from transformers import Trainer
 
@@ -165,8 +166,8 @@ def test_a_trainer_resumed_under_other_storage_is_refused_before_anything_loads(
                  "precision": "bf16"}  # fmt: skip
     first = trainer(remainder, tmp_path / "run")
     first.train()
-    again = trainer({"name": "plain", "extends": "cpu-bf16"}, tmp_path / "run")
+    again = trainer({**remainder, "name": "kahan", "storage": {"master": "bf16_kahan"}}, tmp_path / "run")
     before = {k: v.clone() for k, v in again.model.state_dict().items()}
-    with pytest.raises(RecipeChangeRefused, match=r"storage.master bf16_remainder \(now fp32\)"):
+    with pytest.raises(RecipeChangeRefused, match=r"changes storage.master bf16_remainder -> bf16_kahan, which"):
         again.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     assert all(torch.equal(before[k], v) for k, v in again.model.state_dict().items())

@@ -1,0 +1,241 @@
+"""Another ``storage.master`` at resume: the checkpoint's weights and optimizer state converted into the form the
+run's storage keeps them in, before its first step.
+
+Taken (:data:`TRANSITIONS`; ``storage.optimizer_states`` and ``storage.optimizer`` unchanged, ``fp32`` or ``bf16``
+states):
+
+* ``bf16_remainder -> fp32``, exact: each BF16 weight and its 16-bit remainder give back the FP32 master bit for bit
+  (:func:`~hf_mixedprec.storage.bits.combine_remainder`), which becomes the FP32 parameter;
+* ``fp32 -> bf16_remainder``, exact: each FP32 weight the checkpoint holds is split into its BF16 weight and
+  remainder (:func:`~hf_mixedprec.storage.bits.split_remainder`);
+* ``bf16_kahan -> fp32``: the BF16 weight plus its Kahan compensation, the value the next update would have started
+  from (what rounding lost before the compensation is not kept anywhere);
+* ``bf16_stochastic -> fp32``: the BF16 weights as stored (stochastic rounding keeps nothing more).
+
+Every other pair is refused in the recipe's words. The optimizer state is rewritten in the format of the run's own
+optimizer class (torch's ``AdamW`` or :class:`~hf_mixedprec.storage.optim.StorageAdamW`: same moments and step count,
+each group's hyperparameters from the checkpoint and its class's own flags from the run's optimizer), so a state is
+never loaded into an optimizer of another class as it is.
+
+A parameter that never stepped has no state in the checkpoint: its remainder (``fp32 -> bf16_remainder``) is handed
+to the optimizer for its first step; its BF16 weight is its whole value the other way (its remainder was never
+saved; zero when the model was loaded in BF16, as transformers loads a ``bfloat16`` ``config.json``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from hf_mixedprec.core.errors import StorageRefusal
+from hf_mixedprec.core.model_dir import safetensors_files
+from hf_mixedprec.storage.bits import combine_remainder, split_remainder
+from hf_mixedprec.storage.optim import StorageAdamW, _take_pending, pending_state
+
+__all__ = [
+    "TRANSITIONS",
+    "checkpoint_fp32_weights",
+    "convert_next_load",
+    "convert_optimizer_state",
+    "convert_without_state",
+    "read_weights",
+    "storage_transition",
+]
+
+#: (checkpoint's master, run's master) -> what the conversion keeps, said in the run's notes.
+TRANSITIONS: dict[tuple[str, str], str] = {
+    ("bf16_remainder", "fp32"): "the FP32 masters rebuilt bit for bit from the BF16 weights and their remainders",
+    ("fp32", "bf16_remainder"): "the FP32 weights split into BF16 weights and remainders, bit for bit",
+    ("bf16_kahan", "fp32"): "the FP32 masters taken as the BF16 weights plus their Kahan compensation",
+    ("bf16_stochastic", "fp32"): "the FP32 masters taken as the stochastically rounded BF16 weights",
+}
+#: The optimizer states a conversion carries over unchanged (low-bit states belong to torchao's classes).
+_STATES = ("fp32", "bf16")
+#: The keys of a parameter group that belong to the run's optimizer class, not to the checkpoint's.
+_OWN_FLAGS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
+
+
+def storage_transition(saved: Mapping[str, Any], now: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The ``(from, to)`` masters of a storage change a resume converts, or None (refused): ``saved`` and ``now``
+    are the ``storage`` of two recipe records (master, optimizer_states, optimizer)."""
+    pair = (saved.get("master"), now.get("master"))
+    same_rest = all(saved.get(k) == now.get(k) for k in ("optimizer_states", "optimizer"))
+    if pair in TRANSITIONS and same_rest and now.get("optimizer_states") in _STATES:
+        return pair  # type: ignore[return-value]
+    return None
+
+
+def checkpoint_fp32_weights(folder: str | os.PathLike[str], model: torch.nn.Module) -> dict[int, str]:
+    """For each trainable parameter of ``model`` (by ``id``): the key the safetensors model files of ``folder`` hold
+    it under (any of a tied parameter's names). Refuses a checkpoint that lacks one (no model file, or an adapter-only
+    save): without the FP32 values the split would not be exact."""
+    from safetensors import safe_open
+
+    files = safetensors_files(folder)
+    stored: dict[str, str] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            stored.update(dict.fromkeys(f.keys(), path))
+    found: dict[int, str] = {}
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.requires_grad:
+            names.setdefault(id(p), []).append(name)
+    for pid, aliases in names.items():
+        key = next((n for n in aliases if n in stored), None)
+        if key is None:
+            where = (
+                f"the model files of {os.fspath(folder)}" if files else f"{os.fspath(folder)} (no model.safetensors)"
+            )
+            raise StorageRefusal(
+                f"storage.master fp32 -> bf16_remainder at resume needs every trainable weight's FP32 value, and "
+                f"{aliases[0]} is not in {where} (allowed: resume under storage.master fp32, the checkpoint's)"
+            )
+        found[pid] = key
+    return found
+
+
+def read_weights(folder: str | os.PathLike[str], keys: Mapping[int, str]) -> dict[int, torch.Tensor]:
+    """The tensors :func:`checkpoint_fp32_weights` found, as float32, by parameter ``id``."""
+    from safetensors import safe_open
+
+    wanted = set(keys.values())
+    tensors: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(folder):
+        with safe_open(path, framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in wanted.intersection(f.keys())})
+    return {pid: tensors[key].float() for pid, key in keys.items()}
+
+
+def convert_optimizer_state(
+    saved: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer,
+    pair: tuple[str, str],
+    fp32_weights: Mapping[int, torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """``saved`` (a checkpoint's optimizer ``state_dict``, written under master ``pair[0]``) in the format of
+    ``optimizer`` (built for master ``pair[1]``), with the parameters' values set as the module docs say. The
+    parameters must hold the checkpoint's weights already (the Trainer and Accelerate load them first);
+    ``fp32_weights`` (by parameter ``id``) are the checkpoint's FP32 values, needed for ``fp32 -> bf16_remainder``."""
+    source, target = pair
+    if pair not in TRANSITIONS:
+        raise StorageRefusal(f"storage.master {source} -> {target} is not converted at resume")
+    groups = list(saved["param_groups"])
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise StorageRefusal(
+            "the optimizer checkpoint's parameter groups do not match this run's optimizer (allowed: the same model "
+            "and trainable parameters as the run that wrote it)"
+        )
+    state: dict[int, dict[str, Any]] = {}
+    old_state = saved.get("state", {})
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    pending: list[tuple[torch.nn.Parameter, str, torch.Tensor]] = []
+    with torch.no_grad():
+        for index, p in enumerate(params):
+            entry = {k: v for k, v in dict(old_state.get(index, {})).items() if k not in ("remainder", "compensation")}
+            old = old_state.get(index, {})
+            if target == "fp32" and p.dtype == torch.float32:
+                weight = p.detach().to(torch.bfloat16)  # the checkpoint's BF16 weight, loaded exactly into FP32
+                if torch.is_tensor(old.get("remainder")):
+                    p.copy_(combine_remainder(weight, old["remainder"].to(p.device)))
+                elif torch.is_tensor(old.get("compensation")):
+                    p.copy_(weight.float() + old["compensation"].to(p.device).float())
+            elif target == "bf16_remainder" and p.dtype == torch.bfloat16:
+                if fp32_weights is None or id(p) not in fp32_weights:
+                    raise StorageRefusal(
+                        "storage.master fp32 -> bf16_remainder: a trainable weight's FP32 value is missing"
+                    )
+                upper, rem = split_remainder(fp32_weights[id(p)].to(p.device).contiguous())
+                p.copy_(upper)
+                _take_pending(p, "remainder")  # the split made at setup, from the weights before the checkpoint's
+                if entry:
+                    entry["remainder"] = rem
+                else:  # never stepped: the optimizer takes it at the parameter's first step
+                    pending.append((p, "remainder", rem))
+            if entry and "step" in entry:
+                entry["step"] = torch.as_tensor(entry["step"], dtype=torch.float32)
+            if entry:
+                state[index] = entry
+    pending_state(pending)
+    out: dict[str, Any] = {
+        "state": state,
+        "param_groups": [_group(old, new) for old, new in zip(groups, optimizer.param_groups, strict=True)],
+    }
+    if isinstance(optimizer, StorageAdamW):
+        ours = saved.get("hf_mixedprec") or {}
+        out["hf_mixedprec"] = {
+            "master": target,
+            "state_dtype": str(optimizer.state_dtype).removeprefix("torch."),
+            "generators": dict(ours.get("generators", {})),  # BF16 moments' stochastic rounding draws on
+        }
+    return out
+
+
+def _group(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
+    """A parameter group for the run's optimizer: the checkpoint's hyperparameters (lr, betas, ...) and the run's
+    class flags (torch's ``AdamW.__setstate__`` would default a missing ``decoupled_weight_decay`` to L2 decay)."""
+    out = {k: v for k, v in current.items() if k != "params"}
+    out.update({k: v for k, v in saved.items() if k not in _OWN_FLAGS})
+    return out
+
+
+def convert_without_state(
+    optimizer: torch.optim.Optimizer, pair: tuple[str, str], fp32_weights: Mapping[int, torch.Tensor] | None = None
+) -> None:
+    """The weights of a checkpoint that holds no optimizer state converted for the storage change ``pair`` (the
+    optimizer's moments start at zero, as Trainer's do then); remainders made go to the optimizer's first step."""
+    empty = {"state": {}, "param_groups": [dict(g) for g in optimizer.param_groups]}
+    convert_optimizer_state(empty, optimizer, pair, fp32_weights)
+
+
+def convert_next_load(
+    optimizer: torch.optim.Optimizer,
+    pair: tuple[str, str] | None,
+    fp32_weights: Callable[[], Mapping[int, torch.Tensor]] | None = None,
+    done: Callable[[], None] | None = None,
+) -> Callable[[], bool]:
+    """Make ``optimizer``'s next ``load_state_dict`` (Trainer and Accelerate call it with a checkpoint's state)
+    convert that state for the storage change ``pair`` (:func:`convert_optimizer_state`, ``fp32_weights`` read then,
+    ``done`` called after),
+    or, without one, refuse a state :class:`StorageAdamW` wrote when ``optimizer`` is of another class (torch's
+    ``Optimizer.load_state_dict`` would take it with its remainders and the checkpoint's group flags). Once: the
+    wrapper removes itself. Returns ``finish``: removes the wrapper if no load came, and says whether one did."""
+    before = optimizer.__dict__.get("load_state_dict")
+    own = optimizer.load_state_dict
+    fired: list[bool] = []
+
+    def restore() -> None:
+        if before is None:
+            optimizer.__dict__.pop("load_state_dict", None)
+        else:
+            optimizer.load_state_dict = before  # type: ignore[method-assign]
+
+    def load_state_dict(state_dict: dict[str, Any]) -> None:
+        restore()
+        fired.append(True)
+        if pair is not None:
+            weights = fp32_weights() if fp32_weights is not None else None
+            own(convert_optimizer_state(state_dict, optimizer, pair, weights))
+            if done is not None:
+                done()
+            return
+        ours = state_dict.get("hf_mixedprec") if isinstance(state_dict, Mapping) else None
+        if isinstance(ours, Mapping) and not isinstance(optimizer, StorageAdamW):
+            raise StorageRefusal(
+                f"the optimizer checkpoint was written by hf_mixedprec's StorageAdamW (storage.master "
+                f"{ours.get('master')}, optimizer_states {ours.get('state_dtype')}), and this run's optimizer is "
+                f"{type(optimizer).__name__} (allowed: the recipe the checkpoint was trained with)"
+            )
+        own(state_dict)
+
+    optimizer.load_state_dict = load_state_dict  # type: ignore[method-assign]
+
+    def finish() -> bool:
+        if not fired:
+            restore()
+        return bool(fired)
+
+    return finish
