@@ -92,12 +92,34 @@ class MixedPrecisionAccelerator(Accelerator):
         self.mp_log: list[dict[str, Any]] = []
         self._mp_replaced: dict[int, torch.optim.Optimizer] = {}  # id(user's optimizer) -> the storage optimizer
         self._mp_storage_of: torch.nn.Module | None = None  # the model the storage was applied to
+        #: a load_state in progress: the optimizers' conversion wrappers (their finish) and the storage change
+        self._mp_loading: tuple[list[Any], tuple[str, str] | None] = ([], None)
         # the runtime's state rides in save_state/load_state; its decisions on the model come before the weights load
         checkpoint = _RuntimeCheckpoint(self)
         self.register_for_checkpointing(checkpoint)
         self.register_load_state_pre_hook(checkpoint.before_load)
         if max_steps is not None:
             self.set_max_steps(max_steps)
+
+    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
+        """Accelerate's ``load_state``; a storage change of the checkpoint's (see :func:`_storage_at_load`) must have
+        been converted by the time it returns, and no conversion wrapper outlives it, whatever it raised."""
+        from hf_mixedprec.training.recipe_change import RecipeChangeRefused
+
+        self._mp_loading = ([], None)
+        try:
+            result = super().load_state(input_dir, **kwargs)
+        finally:
+            finishes, pair = self._mp_loading
+            loaded = [finish() for finish in finishes]
+            self._mp_loading = ([], None)
+        if pair is not None and not any(loaded):
+            raise RecipeChangeRefused(
+                f"resume: the checkpoint was written under storage.master {pair[0]}, this run keeps storage.master "
+                f"{pair[1]}, and load_state loaded no optimizer state to convert it with (allowed: prepare() the "
+                f"optimizer before load_state, or storage.master {pair[0]})"
+            )
+        return result
 
     def set_max_steps(self, max_steps: int) -> None:
         """The run's length in optimizer steps, for a phased recipe whose phases start at fractions of it (call it
@@ -306,7 +328,7 @@ class _RuntimeCheckpoint:
         state = torch.load(path, map_location="cpu", weights_only=True)  # lists, numbers and strings only
         self._restore(acc, state)
         self._restored = True
-        _storage_at_load(acc, models, input_dir)
+        _storage_at_load(acc, models, input_dir, state.get("recipe"))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         acc = self._acc()
@@ -325,33 +347,45 @@ class _RuntimeCheckpoint:
         acc._mp_step_pending = True
 
 
-def _storage_at_load(acc: MixedPrecisionAccelerator, models: list[torch.nn.Module], input_dir: str) -> None:
+def _storage_at_load(
+    acc: MixedPrecisionAccelerator, models: list[torch.nn.Module], input_dir: str, saved: dict[str, Any] | None
+) -> None:
     """Before ``load_state`` loads the optimizers (after the weights): each optimizer's state converted for the
-    storage change the resume decided (:mod:`hf_mixedprec.storage.convert`; refused under FSDP or DeepSpeed, which
-    load their own sharded states), or checked to be of its own class."""
+    storage change of this checkpoint (recorded as ``saved``; :mod:`hf_mixedprec.storage.convert`; refused under
+    FSDP or DeepSpeed, which load their own sharded states), or checked to be of its own class."""
     from accelerate.utils import DistributedType
 
-    from hf_mixedprec.storage.convert import checkpoint_fp32_weights, convert_next_load, read_weights
-    from hf_mixedprec.training.recipe_change import RecipeChangeRefused
+    from hf_mixedprec.storage.convert import checkpoint_weight_keys, convert_next_load, read_weights
+    from hf_mixedprec.training.recipe_change import RecipeChangeRefused, storage_change
 
-    decision = acc.mp.history.decision
-    pair = decision.storage if decision is not None else None
+    name = os.path.basename(os.path.normpath(input_dir))
+    pair = storage_change(saved, acc.mp.history.record, name)
     if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         if pair is not None:
             raise RecipeChangeRefused(
-                f"resume: {os.path.basename(input_dir)} was written under storage.master {pair[0]}, this run keeps "
-                f"storage.master {pair[1]} under {acc.distributed_type.value}, which loads its own sharded optimizer "
-                f"state: the conversion is made for runs that are not sharded (allowed: storage.master {pair[0]})"
+                f"resume: {name} was written under storage.master {pair[0]}, this run keeps storage.master {pair[1]} "
+                f"under {acc.distributed_type.value}, which loads its own sharded optimizer state: the conversion is "
+                f"made for runs that are not sharded (allowed: storage.master {pair[0]})"
             )
         return
-    keys = checkpoint_fp32_weights(input_dir, models[0]) if pair == ("fp32", "bf16_remainder") and models else None
-    weights = (lambda: read_weights(input_dir, keys)) if keys is not None else None
+    keys = checkpoint_weight_keys(input_dir, models[0], pair) if pair is not None and models else None
+    split = pair == ("fp32", "bf16_remainder") and keys is not None
+    weights = (lambda: read_weights(input_dir, keys)) if split else None
+    decision = acc.mp.history.decision
+    notes: list[str] = []
 
     def converted() -> None:
-        decision.converted = True
+        for text in notes:
+            acc.mp.note(text)
+        notes.clear()
+        if decision is not None and decision.storage == pair:
+            decision.converted = True
 
-    for optimizer in acc._optimizers:
-        convert_next_load(getattr(optimizer, "optimizer", optimizer), pair, weights, converted if pair else None)
+    finishes = [
+        convert_next_load(getattr(o, "optimizer", o), pair, weights, converted if pair else None, notes=notes)
+        for o in acc._optimizers
+    ]
+    acc._mp_loading = (finishes, pair)
 
 
 def _check_deepspeed_plugin(recipe: RecipeSpec, kwargs: dict[str, Any]) -> None:

@@ -473,7 +473,8 @@ def _layers_before_load(trainer: Trainer, rt: MixedPrecisionRuntime, folder: str
         return  # Trainer's own load reports a damaged file; the runtime state then restores what it can
     if payload:  # a recipe change is decided (or refused) before Trainer loads the weights and optimizer state
         rt.history.check(payload, Path(folder).name, rt.note)
-    storage_at_resume(trainer, rt, folder)  # the optimizer state converted for a storage change, or checked
+    # the optimizer state converted for this checkpoint's storage change, or checked
+    storage_at_resume(trainer, rt, folder, payload.get("recipe") if payload else None)
     if not (getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False)):
         return
     if rt.phases is not None and isinstance(payload.get("phases"), dict):

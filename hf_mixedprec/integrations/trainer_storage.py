@@ -6,6 +6,7 @@ Split from :mod:`hf_mixedprec.integrations.trainer` (which calls these from its 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -124,19 +125,21 @@ def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late
     )
 
 
-def storage_at_resume(trainer: Trainer, rt: MixedPrecisionRuntime, folder: str) -> None:
-    """Before Trainer loads the checkpoint ``folder``: when it loads the optimizer state (after the weights), that
-    state is converted for the storage change the resume decided (:mod:`hf_mixedprec.storage.convert`), or checked
-    to be of the run's optimizer class. FSDP and DeepSpeed load their own sharded states: a change is refused there."""
-    from hf_mixedprec.storage.convert import (
-        checkpoint_fp32_weights,
-        convert_next_load,
-        convert_without_state,
-        read_weights,
-    )
+#: The Trainer attribute holding what the resume in progress converts (set before each resume's load).
+_RESUME = "_hf_mixedprec_storage_resume"
 
-    decision = rt.history.decision
-    pair = decision.storage if decision is not None else None
+
+def storage_at_resume(trainer: Trainer, rt: MixedPrecisionRuntime, folder: str, saved: dict[str, Any] | None) -> None:
+    """Before Trainer loads the checkpoint ``folder`` (recorded as ``saved``, None without a record): when it loads
+    the optimizer state (after the weights), that state is converted for the checkpoint's storage change
+    (:mod:`hf_mixedprec.storage.convert`), or checked to be of the run's optimizer class. Decided for each checkpoint
+    (a later resume from the run's own checkpoint converts nothing); every load of this resume converts (Trainer's
+    retry under ``auto_find_batch_size`` loads again). FSDP and DeepSpeed load their own sharded states: a change is
+    refused there."""
+    from hf_mixedprec.storage.convert import checkpoint_weight_keys
+    from hf_mixedprec.training.recipe_change import storage_change
+
+    pair = storage_change(saved, rt.history.record, Path(folder).name)
     engine = "DeepSpeed" if getattr(trainer, "is_deepspeed_enabled", False) else None
     engine = engine or ("FSDP" if getattr(trainer, "is_fsdp_enabled", False) else None)
     if engine is not None:
@@ -147,34 +150,50 @@ def storage_at_resume(trainer: Trainer, rt: MixedPrecisionRuntime, folder: str) 
                 f"is made for runs that are not sharded (allowed: storage.master {pair[0]} under {engine})"
             )
         return
-    keys = checkpoint_fp32_weights(folder, trainer.model) if pair == ("fp32", "bf16_remainder") else None
+    keys = checkpoint_weight_keys(folder, trainer.model, pair) if pair is not None else None
+    if _RESUME not in trainer.__dict__:
+        wrap_load_optimizer(trainer, lambda load: _converting_load(trainer, rt, load))
+    setattr(trainer, _RESUME, {"folder": os.fspath(folder), "pair": pair, "keys": keys, "cache": {}})
 
-    def make(load: Any) -> Any:
-        def load_optimizer_and_scheduler(checkpoint: str | None) -> None:
-            trainer.__dict__.pop("_load_optimizer_and_scheduler", None)  # once: this resume's load
-            optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-            if checkpoint is None or optimizer is None:
-                return load(checkpoint)
-            weights = (lambda: read_weights(checkpoint, keys)) if keys is not None else None
-            finish = convert_next_load(optimizer, pair, weights)
-            try:
-                load(checkpoint)
-            finally:
-                loaded = finish()
-            if pair is None:
-                return None
-            if not loaded:  # Trainer found no optimizer.pt: the weights are converted, the moments start at zero
-                convert_without_state(optimizer, pair, weights() if weights is not None else None)
-                rt.note(
-                    f"resume: {Path(checkpoint).name} holds no optimizer state: the storage.master {pair[0]} -> "
-                    f"{pair[1]} conversion took the weights alone and the optimizer's moments start at zero"
-                )
-            decision.converted = True
+
+def _converting_load(trainer: Trainer, rt: MixedPrecisionRuntime, load: Any) -> Any:
+    """``Trainer._load_optimizer_and_scheduler`` converting (or checking) what it loads, as :data:`_RESUME` says."""
+    from hf_mixedprec.storage.convert import convert_next_load, convert_without_state, read_weights
+
+    def load_optimizer_and_scheduler(checkpoint: Any) -> None:
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        info = getattr(trainer, _RESUME, None) or {}
+        if checkpoint is None or optimizer is None:
+            return load(checkpoint)
+        pair = info.get("pair") if info.get("folder") == os.fspath(checkpoint) else None
+        keys = info.get("keys")
+        split = pair == ("fp32", "bf16_remainder") and keys is not None
+        weights = (lambda: read_weights(checkpoint, keys)) if split else None
+        notes: list[str] = []
+        finish = convert_next_load(optimizer, pair, weights, cache=info.get("cache"), notes=notes)
+        try:
+            load(checkpoint)
+        finally:
+            loaded = finish()
+        for text in notes:
+            rt.note(text)
+        if pair is None:
             return None
+        if not loaded and "state" not in info["cache"]:
+            # Trainer loads the optimizer state only when optimizer.pt and scheduler.pt are both there
+            convert_without_state(optimizer, pair, weights() if weights is not None else None)
+            info["cache"]["state"] = None
+            rt.note(
+                f"resume: Trainer loaded no optimizer state from {Path(checkpoint).name} (it needs optimizer.pt and "
+                f"scheduler.pt): the storage.master {pair[0]} -> {pair[1]} conversion took the weights alone (a "
+                "checkpoint's remainders or compensation are in its optimizer state) and the moments start at zero"
+            )
+        decision = rt.history.decision
+        if decision is not None and decision.storage == pair:
+            decision.converted = True
+        return None
 
-        return load_optimizer_and_scheduler
-
-    wrap_load_optimizer(trainer, make)
+    return load_optimizer_and_scheduler
 
 
 def storage_converted(rt: MixedPrecisionRuntime) -> None:

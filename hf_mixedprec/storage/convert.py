@@ -37,7 +37,7 @@ from hf_mixedprec.storage.optim import StorageAdamW, _take_pending, pending_stat
 
 __all__ = [
     "TRANSITIONS",
-    "checkpoint_fp32_weights",
+    "checkpoint_weight_keys",
     "convert_next_load",
     "convert_optimizer_state",
     "convert_without_state",
@@ -68,17 +68,20 @@ def storage_transition(saved: Mapping[str, Any], now: Mapping[str, Any]) -> tupl
     return None
 
 
-def checkpoint_fp32_weights(folder: str | os.PathLike[str], model: torch.nn.Module) -> dict[int, str]:
+def checkpoint_weight_keys(
+    folder: str | os.PathLike[str], model: torch.nn.Module, pair: tuple[str, str]
+) -> dict[int, str]:
     """For each trainable parameter of ``model`` (by ``id``): the key the safetensors model files of ``folder`` hold
-    it under (any of a tied parameter's names). Refuses a checkpoint that lacks one (no model file, or an adapter-only
-    save): without the FP32 values the split would not be exact."""
+    it under (any of a tied parameter's names). Refuses the change ``pair`` for a checkpoint that lacks one (no model
+    file, an adapter-only save, or weights transformers converts at load, such as MoE experts saved one tensor per
+    expert): the parameter would not hold the checkpoint's weight when the conversion reads it."""
     from safetensors import safe_open
 
     files = safetensors_files(folder)
-    stored: dict[str, str] = {}
+    stored: set[str] = set()
     for path in files:
         with safe_open(path, framework="pt") as f:
-            stored.update(dict.fromkeys(f.keys(), path))
+            stored.update(f.keys())
     found: dict[int, str] = {}
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -91,15 +94,17 @@ def checkpoint_fp32_weights(folder: str | os.PathLike[str], model: torch.nn.Modu
                 f"the model files of {os.fspath(folder)}" if files else f"{os.fspath(folder)} (no model.safetensors)"
             )
             raise StorageRefusal(
-                f"storage.master fp32 -> bf16_remainder at resume needs every trainable weight's FP32 value, and "
-                f"{aliases[0]} is not in {where} (allowed: resume under storage.master fp32, the checkpoint's)"
+                f"storage.master {pair[0]} -> {pair[1]} at resume needs every trainable weight under its own name in "
+                f"the checkpoint's model files, and {aliases[0]} is not in {where} (a weight transformers converts at "
+                f"load, e.g. MoE experts, or an adapter-only save) (allowed: storage.master {pair[0]}, the "
+                "checkpoint's)"
             )
         found[pid] = key
     return found
 
 
 def read_weights(folder: str | os.PathLike[str], keys: Mapping[int, str]) -> dict[int, torch.Tensor]:
-    """The tensors :func:`checkpoint_fp32_weights` found, as float32, by parameter ``id``."""
+    """The tensors :func:`checkpoint_weight_keys` found, as float32, by parameter ``id``."""
     from safetensors import safe_open
 
     wanted = set(keys.values())
@@ -115,24 +120,29 @@ def convert_optimizer_state(
     optimizer: torch.optim.Optimizer,
     pair: tuple[str, str],
     fp32_weights: Mapping[int, torch.Tensor] | None = None,
+    notes: list[str] | None = None,
 ) -> dict[str, Any]:
     """``saved`` (a checkpoint's optimizer ``state_dict``, written under master ``pair[0]``) in the format of
     ``optimizer`` (built for master ``pair[1]``), with the parameters' values set as the module docs say. The
     parameters must hold the checkpoint's weights already (the Trainer and Accelerate load them first);
-    ``fp32_weights`` (by parameter ``id``) are the checkpoint's FP32 values, needed for ``fp32 -> bf16_remainder``."""
+    ``fp32_weights`` (by parameter ``id``) are the checkpoint's FP32 values, needed for ``fp32 -> bf16_remainder``;
+    what could not be kept (a remainder of a parameter a ``modules:`` rule keeps in BF16) is said in ``notes``."""
     source, target = pair
     if pair not in TRANSITIONS:
-        raise StorageRefusal(f"storage.master {source} -> {target} is not converted at resume")
+        taken = ", ".join(f"{a} -> {b}" for a, b in TRANSITIONS)
+        raise StorageRefusal(f"storage.master {source} -> {target} is not converted at resume (allowed: {taken})")
     groups = list(saved["param_groups"])
-    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+    sizes, own = [len(g["params"]) for g in groups], [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != own:
         raise StorageRefusal(
-            "the optimizer checkpoint's parameter groups do not match this run's optimizer (allowed: the same model "
-            "and trainable parameters as the run that wrote it)"
+            f"the optimizer checkpoint's parameter groups hold {sizes} parameters, this run's optimizer {own} (allowed: "
+            "the same model and trainable parameters as the run that wrote it)"
         )
     state: dict[int, dict[str, Any]] = {}
     old_state = saved.get("state", {})
     params = [p for g in optimizer.param_groups for p in g["params"]]
     pending: list[tuple[torch.nn.Parameter, str, torch.Tensor]] = []
+    dropped = 0
     with torch.no_grad():
         for index, p in enumerate(params):
             entry = {k: v for k, v in dict(old_state.get(index, {})).items() if k not in ("remainder", "compensation")}
@@ -143,10 +153,13 @@ def convert_optimizer_state(
                     p.copy_(combine_remainder(weight, old["remainder"].to(p.device)))
                 elif torch.is_tensor(old.get("compensation")):
                     p.copy_(weight.float() + old["compensation"].to(p.device).float())
+            elif target == "fp32" and any(torch.is_tensor(old.get(k)) for k in ("remainder", "compensation")):
+                dropped += p.numel()  # kept in BF16 by a rule of this run: no FP32 master to take the bits
             elif target == "bf16_remainder" and p.dtype == torch.bfloat16:
                 if fp32_weights is None or id(p) not in fp32_weights:
                     raise StorageRefusal(
-                        "storage.master fp32 -> bf16_remainder: a trainable weight's FP32 value is missing"
+                        f"storage.master fp32 -> bf16_remainder: the FP32 value of the trainable parameter {index} "
+                        f"({tuple(p.shape)}) was not read from the checkpoint (allowed: storage.master fp32)"
                     )
                 upper, rem = split_remainder(fp32_weights[id(p)].to(p.device).contiguous())
                 p.copy_(upper)
@@ -160,6 +173,11 @@ def convert_optimizer_state(
             if entry:
                 state[index] = entry
     pending_state(pending)
+    if dropped and notes is not None:
+        notes.append(
+            f"resume: {dropped:,} trainable parameters this run keeps in BF16 (modules: rules) have no FP32 master to "
+            f"take their storage.master {source} bits: they continue from their BF16 weights"
+        )
     out: dict[str, Any] = {
         "state": state,
         "param_groups": [_group(old, new) for old, new in zip(groups, optimizer.param_groups, strict=True)],
@@ -196,13 +214,18 @@ def convert_next_load(
     pair: tuple[str, str] | None,
     fp32_weights: Callable[[], Mapping[int, torch.Tensor]] | None = None,
     done: Callable[[], None] | None = None,
+    *,
+    cache: dict[str, Any] | None = None,
+    notes: list[str] | None = None,
 ) -> Callable[[], bool]:
     """Make ``optimizer``'s next ``load_state_dict`` (Trainer and Accelerate call it with a checkpoint's state)
     convert that state for the storage change ``pair`` (:func:`convert_optimizer_state`, ``fp32_weights`` read then,
     ``done`` called after),
     or, without one, refuse a state :class:`StorageAdamW` wrote when ``optimizer`` is of another class (torch's
     ``Optimizer.load_state_dict`` would take it with its remainders and the checkpoint's group flags). Once: the
-    wrapper removes itself. Returns ``finish``: removes the wrapper if no load came, and says whether one did."""
+    wrapper removes itself. ``cache``: the converted state is kept there, and a later load with the same ``cache``
+    (Trainer's retry under ``auto_find_batch_size``, after the parameters were converted) loads it as it is. Returns
+    ``finish``: removes the wrapper if no load came, and says whether one did."""
     before = optimizer.__dict__.get("load_state_dict")
     own = optimizer.load_state_dict
     fired: list[bool] = []
@@ -217,8 +240,14 @@ def convert_next_load(
         restore()
         fired.append(True)
         if pair is not None:
+            if cache is not None and "state" in cache:
+                own(cache["state"])
+                return
             weights = fp32_weights() if fp32_weights is not None else None
-            own(convert_optimizer_state(state_dict, optimizer, pair, weights))
+            converted = convert_optimizer_state(state_dict, optimizer, pair, weights, notes)
+            if cache is not None:
+                cache["state"] = converted
+            own(converted)
             if done is not None:
                 done()
             return

@@ -39,6 +39,7 @@ __all__ = [
     "allowed_by_env",
     "decide",
     "recipe_record",
+    "storage_change",
 ]
 
 #: The environment variable that allows a resume under a recipe of other numerics (for Trainer scripts).
@@ -114,8 +115,8 @@ def decide(saved: dict[str, Any] | None, now: dict[str, Any], *, checkpoint: str
             f"{now['name']!r} unchecked"
         )
         return out
-    if saved["storage"] != now["storage"]:
-        out.storage = _storage_change(saved, now, checkpoint)
+    out.storage = storage_change(saved, now, checkpoint)
+    if out.storage is not None:
         out.switched = True
         out.notes.append(
             f"resume: {checkpoint} was written under storage.master {out.storage[0]}; this run keeps storage.master "
@@ -166,9 +167,12 @@ def decide(saved: dict[str, Any] | None, now: dict[str, Any], *, checkpoint: str
     return out
 
 
-def _storage_change(saved: dict[str, Any], now: dict[str, Any], checkpoint: str) -> tuple[str, str]:
-    """The masters of a storage change a resume converts (:func:`hf_mixedprec.storage.convert.storage_transition`);
-    any other is refused in one line, whatever the flag says."""
+def storage_change(saved: dict[str, Any] | None, now: dict[str, Any], checkpoint: str) -> tuple[str, str] | None:
+    """The (checkpoint's, run's) masters of the storage change a resume from a checkpoint recorded as ``saved``
+    converts (:func:`hf_mixedprec.storage.convert.storage_transition`); None for the same storage or no record; any
+    other change is refused in one line, whatever the flag says. Asked for each checkpoint a run loads."""
+    if saved is None or saved.get("storage") == now["storage"]:
+        return None
     pair = storage_transition(saved["storage"], now["storage"])
     if pair is not None:
         return pair

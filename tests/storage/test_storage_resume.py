@@ -326,3 +326,118 @@ def test_finetune_resumes_a_remainder_checkpoint_under_an_fp32_master_and_report
     lines = [line for line in err.strip().splitlines() if line.startswith("hf-mixedprec: error:")]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
     assert "changes storage.master bf16_remainder -> bf16_kahan, which a resume cannot convert" in lines[0]
+
+
+# -- a second load in the same run, and Trainer's retry ------------------------------------------------------------
+class _OutOfMemoryOnce(TrainerCallback):
+    """The first step raises what accelerate's ``find_executable_batch_size`` takes for an out-of-memory error: the
+    Trainer retries its inner loop with a smaller batch and loads the checkpoint's optimizer state again."""
+
+    def __init__(self) -> None:
+        self.fired = False
+        self.states: list[tuple[set[str], list[object], dict[str, torch.Tensor]]] = []
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
+        o = getattr(optimizer, "optimizer", optimizer)
+        keys = {k for s in o.state.values() for k in s}
+        self.states.append((keys, [g.get("decoupled_weight_decay") for g in o.param_groups],
+                            {n: p.detach().clone() for n, p in model.named_parameters()}))  # fmt: skip
+
+    def on_step_begin(self, args, state, control, **kw):
+        if not self.fired:
+            self.fired = True
+            raise RuntimeError("CUDA out of memory. (simulated)")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_trainers_retry_under_auto_find_batch_size_loads_the_converted_state_again(bf16_dir, tmp_path):
+    from accelerate.state import AcceleratorState
+
+    ckpt = _checkpoint(tmp_path, bf16_dir, "bf16_remainder")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    oom = _OutOfMemoryOnce()
+    tr = _train(_recipe("fp32"), AutoModelForCausalLM.from_pretrained(bf16_dir), tmp_path / "b", steps=4, lr=1e-3,
+                auto_find_batch_size=True)  # fmt: skip
+    tr.add_callback(oom)
+    tr.train(resume_from_checkpoint=str(ckpt))
+    assert oom.fired and len(oom.states) == 2 and tr.state.global_step == 4
+    (first_keys, first_flags, first_values), (keys, flags, values) = oom.states
+    assert first_keys == keys == {"step", "exp_avg", "exp_avg_sq"}  # no remainder in torch's AdamW, twice
+    assert first_flags == flags and set(flags) == {True}
+    assert all(torch.equal(first_values[n], values[n]) for n in values)  # the exact masters, not converted twice
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_later_resume_from_the_runs_own_checkpoint_converts_nothing(bf16_dir, tmp_path):
+    """fp32 -> bf16_remainder at the first resume; the same Trainer resumed from its own checkpoint-4 (written under
+    bf16_remainder) takes that checkpoint's remainders as they are (the first decision must not split again)."""
+    from accelerate.state import AcceleratorState
+
+    ckpt = _checkpoint(tmp_path, bf16_dir, "fp32")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    grab = _AtBegin()
+    tr = _train(_recipe("bf16_remainder"), AutoModelForCausalLM.from_pretrained(bf16_dir), tmp_path / "b", steps=4,
+                lr=1e-3, save_strategy="steps", save_steps=4)  # fmt: skip
+    tr.add_callback(grab)
+    tr.train(resume_from_checkpoint=str(ckpt))
+    own = tmp_path / "b" / "checkpoint-4"
+    saved = torch.load(own / "optimizer.pt", weights_only=True)["state"]
+    tr.args.max_steps = 5
+    tr.train(resume_from_checkpoint=str(own))
+    nonzero = 0
+    for i, (_, p) in enumerate(_by_index(grab.optimizer, grab.model)):
+        if "remainder" in saved.get(i, {}):
+            assert torch.equal(grab.remainders[id(p)], saved[i]["remainder"])
+            nonzero += int(saved[i]["remainder"].count_nonzero())
+    assert nonzero > 1000
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_an_own_loop_loading_its_own_state_after_a_conversion_keeps_its_remainders(bf16_dir, tmp_path):
+    data = Bytes(n=8, seq_len=16)
+    batches = [torch.stack([data[2 * i]["input_ids"], data[2 * i + 1]["input_ids"]]) for i in range(3)]
+    _loop(_recipe("fp32"), bf16_dir, batches[:1], save=tmp_path / "fp32")
+    from hf_mixedprec.core._private import reset_accelerate_state
+    from hf_mixedprec.integrations.accelerate_plugin import make_accelerator
+
+    reset_accelerate_state()
+    acc = make_accelerator(_recipe("bf16_remainder"), cpu=True)
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    acc.load_state(str(tmp_path / "fp32"))
+    for x in batches[1:]:
+        acc.backward(model(input_ids=x, labels=x).loss)
+        opt.step()
+        opt.zero_grad()
+    acc.save_state(str(tmp_path / "own"))
+    want = {id(p): st["remainder"].clone() for p, st in opt.optimizer.state.items()}
+    assert sum(int(r.count_nonzero()) for r in want.values()) > 1000
+    acc.load_state(str(tmp_path / "own"))
+    assert all(torch.equal(st["remainder"], want[id(p)]) for p, st in opt.optimizer.state.items())
+    assert "load_state_dict" not in opt.optimizer.__dict__  # no wrapper outlives a load_state
+
+
+def test_a_checkpoint_without_a_trainable_weight_under_its_name_is_refused_before_anything_loads(tmp_path):
+    """transformers 5 saves MoE experts one tensor per expert, which Trainer's load skips: the parameter would hold
+    its initial weight when the conversion reads it, so the change is refused, naming the weight."""
+    from safetensors.torch import save_file
+
+    from hf_mixedprec.storage.convert import checkpoint_weight_keys
+
+    model = tiny_llama(0)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untied: its own key
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    keys = checkpoint_weight_keys(tmp_path, model, ("bf16_remainder", "fp32"))
+    assert len(keys) == len({id(p) for p in model.parameters()})
+    del state["model.layers.0.mlp.up_proj.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(StorageRefusal) as info:
+        checkpoint_weight_keys(tmp_path, model, ("bf16_remainder", "fp32"))
+    msg = str(info.value)
+    assert "storage.master bf16_remainder -> fp32 at resume" in msg and "model.layers.0.mlp.up_proj.weight" in msg
+    assert "(allowed: storage.master bf16_remainder, the checkpoint's)" in msg and "\n" not in msg
+    with pytest.raises(StorageRefusal, match=r"no model.safetensors"):
+        checkpoint_weight_keys(tmp_path / "nothing", model, ("fp32", "bf16_remainder"))
