@@ -15,7 +15,6 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_mixedprec.cli.common import EXIT_STOPPED, LAUNCH_COMMAND_ENV, PROG, _load
+from hf_mixedprec.core._launcher import run_stoppable
 from hf_mixedprec.core.errors import HardwareRefusal, UsageError
 from hf_mixedprec.integrations.recipe import Recipe
 from hf_mixedprec.recipes.hardware import detect
@@ -41,7 +41,7 @@ def _take_moved_script(args: argparse.Namespace, moved_script: Any) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from hf_mixedprec.integrations.launch import child_env, moved_script, plan_launch
+    from hf_mixedprec.integrations.launch import child_env, moved_script, plan_launch, stop_env
 
     recipe = _load(args.recipe)
     _take_moved_script(args, moved_script)
@@ -80,6 +80,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         main_process_ip=args.main_process_ip,
         main_process_port=args.main_process_port,
     )
+    plan.env.update(stop_env(args.grace_s))
     if args.rehearse:
         from hf_mixedprec.recipes.loader import REHEARSE_ENV
 
@@ -115,11 +116,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if argv:  # the user's launch command up to the script, so that `finetune` can print a resume command
         env[LAUNCH_COMMAND_ENV] = shlex.join([PROG, *argv[: len(argv) - len(args.script_args)]])
     try:
-        code = subprocess.call(plan.command, env=env)
+        return run_stoppable(plan.command, env, args.grace_s)  # 128+N for a launcher killed by signal N
     finally:
         if not args.config_dir:  # our own temporary folder: nothing in it outlives the launch
             shutil.rmtree(config_dir, ignore_errors=True)
-    return 128 - code if code < 0 else code  # the launcher itself killed by signal N: 128+N, as a shell says
 
 
 #: In a ``--config-dir``, the list of files ``launch`` wrote there (and so may write again).
@@ -197,6 +197,15 @@ def _add_launch(sub: Any) -> None:
     )
     s.add_argument("--config-dir", metavar="DIR", help="where to write the configs (default: a new temporary folder)")
     s.add_argument("--dry-run", action="store_true", help="print the command, environment and configs; run nothing")
+    s.add_argument(
+        "--grace-s",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="after a SIGINT/SIGTERM (forwarded once to the training processes, which save a checkpoint and stop): "
+        "seconds the job may take to end before it is stopped at once (default 120; keep it under your scheduler's "
+        "kill wait)",
+    )
     s.add_argument("script", metavar="SCRIPT", help="the training script")
     s.add_argument("script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments for the script")
     s.set_defaults(func=cmd_launch)

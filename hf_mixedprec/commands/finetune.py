@@ -414,7 +414,8 @@ def _train(run: RunSettings, prepared: Prepared, loaded: Recipe, resume: str | N
     try:
         trainer, rt, loaded, fallback = _train_with_fallback(run, prepared, loaded, resume, trainer, rt, interrupt)
     finally:
-        interrupt.uninstall()
+        if interrupt.at_step is None:  # stopped by a signal: the handler stays, so a launcher stopping the other
+            interrupt.uninstall()  # ranks (or the signal delivered again) does not cut the report and resume line
     halted = interrupt.at_step is not None or (rt is not None and rt.stop_requested)
     step = trainer.state.global_step
     evaluated = any(r.get("step") == step and "eval_loss" in r for r in trainer.state.log_history[-3:])

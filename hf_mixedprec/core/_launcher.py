@@ -11,20 +11,73 @@ Which rank's code: once one rank fails, ``torch.distributed.run`` stops the othe
 timeout), and those can be reported as failures too. So the rank taken is the lowest one among those that ended
 by themselves (an exit code, or a crash signal such as SIGSEGV or SIGABRT); if there is none, the lowest one
 killed by SIGKILL, then by SIGTERM.
+
+Stopping a job: a SIGINT or SIGTERM this process receives (``hf-mixedprec launch`` forwards its own; a scheduler may
+signal every process of the job) is forwarded once to the training processes, its children (torch.distributed.run
+starts each rank in a session of its own, so a signal to a process group never reaches them), which save a checkpoint
+and stop; the launcher then reports their exit codes as for any end (``finetune``: 130). The same signal again within
+:data:`DUPLICATE_S` is the first one delivered twice and is dropped; later, it stops the ranks at once (SIGKILL).
+``launch`` tells torch.distributed.run to leave SIGINT and SIGTERM to this handler (``PET_SIGNALS_TO_HANDLE``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import runpy
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-__all__ = ["exit_code", "main"]
+__all__ = ["DUPLICATE_S", "children", "exit_code", "main", "run_stoppable"]
 
 PROG = "hf-mixedprec"
+#: Seconds within which a second SIGINT/SIGTERM is the first one delivered again (hf_mixedprec.training.run_control
+#: uses the same rule in each rank).
+DUPLICATE_S = 2.0
+
+
+def children(pid: int) -> list[int]:
+    """The PIDs of ``pid``'s child processes (Linux ``/proc``); empty where the system has no such file."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            found += [int(c) for c in task.read_text().split()]
+    return found
+
+
+class _Forward:
+    """The SIGINT/SIGTERM handler of the launcher process (see the module docs)."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        ranks = children(os.getpid())
+        if self.first is None:
+            self.first = time.monotonic()
+            for pid in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+            print(f"{PROG}: {name} received: forwarded to the {len(ranks)} training processes, which save a checkpoint "
+                  "and stop", file=sys.stderr, flush=True)  # fmt: skip
+            if not ranks:  # no /proc: torch.distributed.run's own shutdown signals its workers once
+                from torch.distributed.elastic.multiprocessing.api import SignalException
+
+                raise SignalException(f"{name} received", sigval=signal.Signals(signum))
+            return
+        if time.monotonic() - self.first < DUPLICATE_S:
+            return
+        print(f"{PROG}: {name} received again: stopping the training processes at once (SIGKILL)", file=sys.stderr,
+              flush=True)  # fmt: skip
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _code(returncode: int) -> int:
@@ -45,6 +98,54 @@ def _how(returncode: int) -> str:
 def _stopped_by_launcher(returncode: int) -> int:
     """0 for a rank that ended by itself; 1 for SIGKILL, 2 for SIGTERM: what the launcher sends the survivors."""
     return {-signal.SIGKILL: 1, -signal.SIGTERM: 2}.get(returncode, 0)
+
+
+def run_stoppable(command: Sequence[str], env: dict[str, str], grace_s: float) -> int:
+    """Run ``command`` (the launcher, through this module) as ``hf-mixedprec launch`` does, and return its exit
+    status. It runs in a session of its own, so that a signal to this process's group (Ctrl-C in a terminal, ``kill
+    -TERM -PGID``) reaches this process alone, which forwards the first SIGINT/SIGTERM to it once (it forwards it to
+    the ranks, which save a checkpoint and stop) and gives the job ``grace_s`` seconds to end; past that, or at a
+    second signal (after :data:`DUPLICATE_S`), the job is stopped at once. On Linux the launcher is also asked to get
+    SIGTERM should this process die first (``PR_SET_PDEATHSIG``)."""
+    proc = subprocess.Popen(list(command), env=env, start_new_session=True, preexec_fn=_term_with_parent)
+    first: list[float] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if not first:
+            first.append(time.monotonic())
+            print(f"{PROG}: {name} received: the training processes save a checkpoint and stop (up to --grace-s "
+                  f"{grace_s:g} s; send it again to stop them at once)", file=sys.stderr, flush=True)  # fmt: skip
+            proc.send_signal(signum)
+        elif time.monotonic() - first[0] >= DUPLICATE_S:
+            proc.send_signal(signum)  # the launcher takes a second one as: stop at once
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                return _code(proc.wait(timeout=0.5))
+            except subprocess.TimeoutExpired:
+                pass
+            if first and time.monotonic() - first[0] > grace_s:
+                print(f"{PROG}: --grace-s {grace_s:g} s passed: stopping the training processes at once",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        return _code(proc.wait(timeout=10.0))
+                    proc.kill()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _term_with_parent() -> None:
+    """In the launcher's process, before it runs: SIGTERM when ``hf-mixedprec launch`` dies (Linux; else nothing)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def exit_code(exc: BaseException) -> tuple[int, str] | None:
@@ -71,6 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     module, rest = args[1], args[2:]
     sys.argv = [module, *rest]
+    forward = _Forward()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
     try:
         # what the launcher itself prints (DeepSpeed's import banner) goes to stderr; the training processes
         # inherit the real stdout, where a script's results (`finetune --json`) stay parseable

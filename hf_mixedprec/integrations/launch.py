@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from hf_mixedprec.core.errors import UsageError
 from hf_mixedprec.fp8.transformer_engine import accelerate_fp8_config
 from hf_mixedprec.integrations.deepspeed import deepspeed_config
 from hf_mixedprec.recipes.schema import ACCELERATE_MIXED_PRECISION, RECIPE_ENV, RecipeSpec
@@ -40,6 +41,7 @@ __all__ = [
     "accelerate_config",
     "fp8_via_accelerate",
     "plan_launch",
+    "stop_env",
     "uses_torch_distributed_run",
 ]
 
@@ -365,6 +367,16 @@ def _cpu_processes(
         "--master_port", str(port),
         *script_argv(script), *script_args,
     ]  # fmt: skip
+
+
+def stop_env(grace_s: float) -> dict[str, str]:
+    """The launcher's environment for stopping a job (``--grace-s``): torch.distributed.run leaves SIGINT and SIGTERM
+    to :mod:`hf_mixedprec.core._launcher`, which forwards them to the ranks once, instead of its own shutdown
+    (``PET_SIGNALS_TO_HANDLE``); when one rank ends and it stops the others, they have ``grace_s`` to finish a save
+    (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, read by torch.distributed.launcher.api)."""
+    if not grace_s > 0:
+        raise UsageError(f"--grace-s: {grace_s:g} is out of range (allowed: > 0 seconds)")
+    return {"PET_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, round(grace_s)))}
 
 
 def child_env(plan: LaunchPlan) -> dict[str, str]:

@@ -5,8 +5,10 @@
 - ``--resume latest`` is the newest ``checkpoint-N`` of the output folder.
 - SIGINT / SIGTERM during training ask Trainer to save a checkpoint at the end of the current step and stop
   (``control.should_save`` / ``should_training_stop``, as ``TrainerControl`` documents); a second signal stops
-  at once. Under several processes the request is agreed over the ranks at logging steps, where Trainer
-  synchronises anyway, so every rank saves the same step.
+  at once, unless it is the same request (within :data:`DUPLICATE_S` of the first: a scheduler signals every
+  process of a job and the launcher forwards the signal too) or the checkpoint is being saved (a launcher stopping
+  the other ranks once one has ended does not cut the save short). Under several processes the request is agreed
+  over the ranks at logging steps, where Trainer synchronises anyway, so every rank saves the same step.
 - Progress lines carry the elapsed time, the ETA and tokens/s, so a slow run does not look like a hung one.
 """
 
@@ -119,6 +121,10 @@ def check_run_folder(out: Path, *, overwrite: bool, resume: str | None) -> None:
     )
 
 
+#: Seconds within which a second SIGINT/SIGTERM is taken for the first one delivered again, not a second request.
+DUPLICATE_S = 2.0
+
+
 class Interrupt(TrainerCallback):
     """SIGINT/SIGTERM -> save a checkpoint at the end of this step and stop; a second signal stops at once."""
 
@@ -127,6 +133,7 @@ class Interrupt(TrainerCallback):
         self.requested: str | None = None
         self.at_step: int | None = None
         self._previous: dict[int, Any] = {}
+        self._first_at = 0.0
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -139,13 +146,23 @@ class Interrupt(TrainerCallback):
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        if self.requested is not None:  # the second one: stop now, without a checkpoint
-            self.uninstall()
+        if self.requested is not None:
+            if time.monotonic() - self._first_at < DUPLICATE_S:
+                return  # the first signal delivered again (by the scheduler and by the launcher)
+            if self.at_step is not None:
+                if os.environ.get("RANK", "0") == "0":
+                    print(f"finetune: {name} received again: the checkpoint of step {self.at_step} is saved first, "
+                          "then the run stops", file=sys.stderr, flush=True)  # fmt: skip
+                return
+            self.uninstall()  # a second request: stop now, without a checkpoint
             raise KeyboardInterrupt
         self.requested = name
+        self._first_at = time.monotonic()
+        if os.environ.get("RANK", "0") != "0":  # every rank of a launch gets it: rank 0 says it
+            return
         print(
             f"finetune: {name} received: saving a checkpoint at the end of this step, then stopping "
-            "(send it again to stop at once, without a checkpoint)",
+            f"(send it again, after {DUPLICATE_S:g} s, to stop at once without a checkpoint)",
             file=sys.stderr,
             flush=True,
         )

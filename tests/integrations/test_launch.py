@@ -69,7 +69,11 @@ def test_h100_fp8_delayed_dry_run(tmp_path):
     assert cmd.endswith(
         f"-m accelerate.commands.launch --config_file {tmp_path}/accelerate_config.yaml train.py --lr 1"
     )
-    assert sections["environment"].strip() == f"{RECIPE_ENV}={tmp_path}/recipe.yaml"
+    assert sections["environment"].strip().splitlines() == [
+        f"{RECIPE_ENV}={tmp_path}/recipe.yaml",
+        "PET_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT",
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120",
+    ]
     acc = yaml.safe_load(sections[f"file: {tmp_path}/accelerate_config.yaml"])
     recipe = load_recipe_file(te)
     assert acc["mixed_precision"] == "fp8" and acc["distributed_type"] == "NO" and acc["num_processes"] == 1
@@ -221,6 +225,8 @@ def test_launch_on_several_machines_dry_run(capsys, monkeypatch):
         (["--num-machines", "2", "--main-process-ip", "h", "--machine-rank", "2"], "--machine-rank: 2 is out of range"),
         (["--main-process-port", "70000"], "--main-process-port: 70000 is out of range (allowed: 1 to 65535)"),
         (["--device", "cuda"], "--device: only plans a launch for other hardware (allowed: with --dry-run)"),
+        (["--grace-s", "0"], "--grace-s: 0 is out of range (allowed: > 0 seconds)"),
+        (["--grace-s", "nan"], "--grace-s: nan is out of range (allowed: > 0 seconds)"),
     ],
 )
 def test_launch_multi_machine_mistakes(capsys, extra, message, tmp_path):
@@ -307,3 +313,13 @@ def test_launcher_exit_code_of_a_failed_job(exitcodes, code, line):
         "the training process exited with code 5",
     )
     assert exit_code(ValueError("not a launcher failure")) is None
+
+
+def test_a_launch_leaves_sigint_and_sigterm_to_hf_mixedprecs_launcher_and_bounds_the_shutdown(capsys):
+    """torch.distributed.run would SIGTERM the ranks itself on a signal (a second one, cutting their save short, when
+    a scheduler signals every process): it is told to handle SIGHUP and SIGQUIT only, and to wait --grace-s."""
+    from hf_mixedprec.cli.app import main
+
+    assert main(["launch", "--recipe", "cpu-bf16", "--num-processes", "2", "--grace-s", "45", "--dry-run", "t.py"]) == 0
+    env = capsys.readouterr().out.split("# environment\n", 1)[1]
+    assert "PET_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT\n" in env and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=45\n" in env

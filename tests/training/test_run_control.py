@@ -56,3 +56,33 @@ def test_run_folders(tmp_path):
     assert latest_checkpoint(out).name == "checkpoint-12"  # by step number, not by name order
     assert sorted(clear_previous_run(out)) == ["checkpoint-12", "checkpoint-4", "summary.json"]
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
+
+
+def test_a_signal_delivered_twice_is_one_request_and_a_save_in_progress_is_not_cut_short(monkeypatch, capsys):
+    """A scheduler signals every process and the launcher forwards the same signal: within DUPLICATE_S it is the first
+    one again; once the checkpoint is being saved a later one waits for it; otherwise a later one stops at once."""
+    import signal
+
+    from hf_mixedprec.training import run_control
+    from hf_mixedprec.training.run_control import DUPLICATE_S, Interrupt
+
+    clock = [100.0]
+    monkeypatch.setattr(run_control.time, "monotonic", lambda: clock[0])
+    monkeypatch.delenv("RANK", raising=False)
+    it = Interrupt()
+    it._handle(signal.SIGTERM, None)
+    assert it.requested == "SIGTERM" and "SIGTERM received: saving a checkpoint" in capsys.readouterr().err
+    clock[0] += DUPLICATE_S / 2
+    it._handle(signal.SIGTERM, None)  # the same request: nothing happens
+    assert capsys.readouterr().err == ""
+    it.at_step = 7
+    clock[0] += DUPLICATE_S
+    it._handle(signal.SIGTERM, None)  # saving: it waits for the save
+    assert "the checkpoint of step 7 is saved first" in capsys.readouterr().err
+    it.at_step = None
+    with pytest.raises(KeyboardInterrupt):
+        it._handle(signal.SIGINT, None)  # a second request, later: at once
+    monkeypatch.setenv("RANK", "1")
+    quiet = Interrupt()
+    quiet._handle(signal.SIGTERM, None)
+    assert quiet.requested == "SIGTERM" and capsys.readouterr().err == ""  # rank 0 says it for the job
