@@ -225,9 +225,14 @@ def _finetune(
         save_total_limit=save_total_limit,
         allow_recipe_change=allow_recipe_change,
     )
-    trained = _train(run, prepared, _sample_fp8_at_every_log(loaded, run), resume)
-    result = summary(run, prepared, trained, save=save, command=command)
-    _write_outputs(run, trained, result, save=save, start=start)
+    from hf_mixedprec.training.run_control import release_signals
+
+    try:
+        trained = _train(run, prepared, _sample_fp8_at_every_log(loaded, run), resume)
+        result = summary(run, prepared, trained, save=save, command=command)
+        _write_outputs(run, trained, result, save=save, start=start)
+    finally:
+        release_signals()  # a run stopped by a signal kept its handler through its report and summary
     return result
 
 
@@ -414,8 +419,8 @@ def _train(run: RunSettings, prepared: Prepared, loaded: Recipe, resume: str | N
     try:
         trainer, rt, loaded, fallback = _train_with_fallback(run, prepared, loaded, resume, trainer, rt, interrupt)
     finally:
-        if interrupt.at_step is None:  # stopped by a signal: the handler stays, so a launcher stopping the other
-            interrupt.uninstall()  # ranks (or the signal delivered again) does not cut the report and resume line
+        if interrupt.at_step is None:  # stopped by a signal: the handler stays until run_finetune returns, so a
+            interrupt.uninstall()  # launcher stopping the other ranks does not cut the report and summary short
     halted = interrupt.at_step is not None or (rt is not None and rt.stop_requested)
     step = trainer.state.global_step
     evaluated = any(r.get("step") == step and "eval_loss" in r for r in trainer.state.log_history[-3:])

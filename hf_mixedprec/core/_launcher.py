@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DUPLICATE_S", "children", "exit_code", "main", "run_stoppable"]
+__all__ = ["DUPLICATE_S", "PARENT_ENV", "children", "exit_code", "main", "run_stoppable", "stop_with_parent"]
 
 PROG = "hf-mixedprec"
 #: Seconds within which a second SIGINT/SIGTERM is the first one delivered again (hf_mixedprec.training.run_control
@@ -50,22 +50,44 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s children, theirs, and so on (Linux ``/proc``)."""
+    out, todo = [], children(pid)
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo += children(child)
+    return out
+
+
+def _say(text: str) -> None:
+    """One line on stderr from a signal handler: a single write that never raises."""
+    with contextlib.suppress(OSError):
+        os.write(2, (text + "\n").encode())
+
+
+def _kill(pids: Sequence[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
 class _Forward:
-    """The SIGINT/SIGTERM handler of the launcher process (see the module docs)."""
+    """The SIGINT/SIGTERM handler of the launcher process (see the module docs). ``killed``: the training processes
+    were stopped at once (the job ends 137 then, whatever a rank that ended first said)."""
 
     def __init__(self) -> None:
         self.first: float | None = None
+        self.killed = False
 
     def __call__(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         ranks = children(os.getpid())
         if self.first is None:
             self.first = time.monotonic()
-            for pid in ranks:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signum)
-            print(f"{PROG}: {name} received: forwarded to the {len(ranks)} training processes, which save a checkpoint "
-                  "and stop", file=sys.stderr, flush=True)  # fmt: skip
+            _kill(ranks, signum)
+            _say(f"{PROG}: {name} received: forwarded to the {len(ranks)} training processes, which save a checkpoint "
+                 "and stop")  # fmt: skip
             if not ranks:  # no /proc: torch.distributed.run's own shutdown signals its workers once
                 from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -73,11 +95,9 @@ class _Forward:
             return
         if time.monotonic() - self.first < DUPLICATE_S:
             return
-        print(f"{PROG}: {name} received again: stopping the training processes at once (SIGKILL)", file=sys.stderr,
-              flush=True)  # fmt: skip
-        for pid in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        self.killed = True
+        _kill(_descendants(os.getpid()), signal.SIGKILL)
+        _say(f"{PROG}: {name} received again: the training processes were stopped at once (SIGKILL)")
 
 
 def _code(returncode: int) -> int:
@@ -100,52 +120,73 @@ def _stopped_by_launcher(returncode: int) -> int:
     return {-signal.SIGKILL: 1, -signal.SIGTERM: 2}.get(returncode, 0)
 
 
+#: The environment variable naming the ``hf-mixedprec launch`` process the launcher stops with (PR_SET_PDEATHSIG).
+PARENT_ENV = "HF_MIXEDPREC_LAUNCH_PID"
+
+
 def run_stoppable(command: Sequence[str], env: dict[str, str], grace_s: float) -> int:
     """Run ``command`` (the launcher, through this module) as ``hf-mixedprec launch`` does, and return its exit
     status. It runs in a session of its own, so that a signal to this process's group (Ctrl-C in a terminal, ``kill
     -TERM -PGID``) reaches this process alone, which forwards the first SIGINT/SIGTERM to it once (it forwards it to
     the ranks, which save a checkpoint and stop) and gives the job ``grace_s`` seconds to end; past that, or at a
-    second signal (after :data:`DUPLICATE_S`), the job is stopped at once. On Linux the launcher is also asked to get
-    SIGTERM should this process die first (``PR_SET_PDEATHSIG``)."""
-    proc = subprocess.Popen(list(command), env=env, start_new_session=True, preexec_fn=_term_with_parent)
+    second signal (after :data:`DUPLICATE_S`), the job is stopped at once and the exit code is 137. On Linux the
+    launcher stops the job the same way should this process die first (:func:`stop_with_parent`)."""
     first: list[float] = []
+    pending: list[int] = []
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            procs[0].send_signal(signum)
 
     def on_signal(signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
         if not first:
             first.append(time.monotonic())
-            print(f"{PROG}: {name} received: the training processes save a checkpoint and stop (up to --grace-s "
-                  f"{grace_s:g} s; send it again to stop them at once)", file=sys.stderr, flush=True)  # fmt: skip
-            proc.send_signal(signum)
-        elif time.monotonic() - first[0] >= DUPLICATE_S:
-            proc.send_signal(signum)  # the launcher takes a second one as: stop at once
+            if procs:
+                forward(signum)
+            else:  # before Popen returned: forwarded once it has
+                pending.append(signum)
+            _say(f"{PROG}: {signal.Signals(signum).name} received: the training processes save a checkpoint and stop "
+                 f"(up to --grace-s {grace_s:g} s; send it again to stop them at once)")  # fmt: skip
+        elif time.monotonic() - first[0] >= DUPLICATE_S and procs:
+            forward(signum)  # the launcher takes a second one as: stop at once
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        procs.append(subprocess.Popen(list(command), env={**env, PARENT_ENV: str(os.getpid())}, start_new_session=True))
+        for signum in pending:
+            forward(signum)
         while True:
             try:
-                return _code(proc.wait(timeout=0.5))
+                code = _code(procs[0].wait(timeout=0.5))
+                return 137 if first and len(first) > 1 else code
             except subprocess.TimeoutExpired:
                 pass
-            if first and time.monotonic() - first[0] > grace_s:
-                print(f"{PROG}: --grace-s {grace_s:g} s passed: stopping the training processes at once",
-                      file=sys.stderr, flush=True)  # fmt: skip
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        return _code(proc.wait(timeout=10.0))
-                    proc.kill()
+            if first and len(first) == 1 and time.monotonic() - first[0] > grace_s:
+                first.append(time.monotonic())  # the grace period is over: the job ends 137
+                _say(f"{PROG}: --grace-s {grace_s:g} s passed: stopping the training processes at once")
+                job = _descendants(procs[0].pid)
+                forward(signal.SIGTERM)  # the launcher takes it as a second signal: SIGKILL to the ranks
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    procs[0].wait(timeout=10.0)
+                _kill([procs[0].pid, *job], signal.SIGKILL)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _term_with_parent() -> None:
-    """In the launcher's process, before it runs: SIGTERM when ``hf-mixedprec launch`` dies (Linux; else nothing)."""
+def stop_with_parent() -> bool:
+    """In the launcher process (first thing): SIGTERM should ``hf-mixedprec launch`` (:data:`PARENT_ENV`) die
+    (Linux ``PR_SET_PDEATHSIG``; nothing elsewhere). True when it has died already (before the call): the job is
+    then not started."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return False
     with contextlib.suppress(Exception):
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    return str(os.getppid()) != parent
 
 
 def exit_code(exc: BaseException) -> tuple[int, str] | None:
@@ -175,21 +216,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     forward = _Forward()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
+    if stop_with_parent():
+        print(f"{PROG}: hf-mixedprec launch ended before the job started; launch exits with 143", file=sys.stderr)
+        return 143
     try:
         # what the launcher itself prints (DeepSpeed's import banner) goes to stderr; the training processes
         # inherit the real stdout, where a script's results (`finetune --json`) stay parseable
         with contextlib.redirect_stdout(sys.stderr):
             runpy.run_module(module, run_name="__main__", alter_sys=True)
     except KeyboardInterrupt:
-        return 130
+        return 137 if forward.killed else 130
     except Exception as exc:
         known = exit_code(exc)
         if known is None:
             raise
         code, why = known
+        if forward.killed:  # a rank that ended first (130) does not make a job stopped at once look saved
+            code, why = 137, f"the training processes were stopped at once (SIGKILL; {why})"
         print(f"{PROG}: {why}; launch exits with {code}", file=sys.stderr, flush=True)
         return code
-    return 0
+    return 137 if forward.killed else 0
 
 
 if __name__ == "__main__":

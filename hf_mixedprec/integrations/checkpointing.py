@@ -149,19 +149,21 @@ def finish_checkpoint(trainer: Any) -> None:
     setattr(trainer, _FOLDER, None)
     if several_ranks():
         dist.barrier()  # the other ranks' files (their RNG states) are written before the manifest lists them
-    if not args.should_save or not Path(folder).is_dir():
-        return
-    write_manifest(folder)
-    limit = getattr(trainer, _DEFERRED, None)
-    if limit:
-        from transformers.trainer_utils import rotate_checkpoints
+    if args.should_save and Path(folder).is_dir():
+        write_manifest(folder)
+        limit = getattr(trainer, _DEFERRED, None)
+        if limit:
+            from transformers.trainer_utils import rotate_checkpoints
 
-        rotate_checkpoints(
-            output_dir=str(Path(folder).parent),
-            save_total_limit=limit,
-            best_model_checkpoint=trainer.state.best_model_checkpoint,
-            use_mtime=True,
-        )
+            rotate_checkpoints(
+                output_dir=str(Path(folder).parent),
+                save_total_limit=limit,
+                best_model_checkpoint=trainer.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+    if several_ranks():
+        # no rank goes on, or ends (a stopped run: torch.distributed.run then stops the others), before the manifest
+        dist.barrier()
 
 
 def resume_target(out: str | os.PathLike[str] | None, wanted: Any, note: Callable[[str], None]) -> Any:

@@ -372,11 +372,15 @@ def _cpu_processes(
 def stop_env(grace_s: float) -> dict[str, str]:
     """The launcher's environment for stopping a job (``--grace-s``): torch.distributed.run leaves SIGINT and SIGTERM
     to :mod:`hf_mixedprec.core._launcher`, which forwards them to the ranks once, instead of its own shutdown
-    (``PET_SIGNALS_TO_HANDLE``); when one rank ends and it stops the others, they have ``grace_s`` to finish a save
-    (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, read by torch.distributed.launcher.api)."""
+    (``PET_SIGNALS_TO_HANDLE``, the user's own list kept but for those two); ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, read by
+    torch.distributed.launcher.api, bounds its own shutdown after a signal it handles. (When one rank ends and it
+    stops the others, it waits 30 s whatever this says: every rank leaves a checkpoint save only after its manifest
+    is written, so no rank is stopped in the middle of one.)"""
     if not grace_s > 0:
         raise UsageError(f"--grace-s: {grace_s:g} is out of range (allowed: > 0 seconds)")
-    return {"PET_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, round(grace_s)))}
+    mine = os.environ.get("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")  # a user's own list (SIGUSR1)
+    kept = [s.strip() for s in mine.split(",") if s.strip() and s.strip() not in ("SIGTERM", "SIGINT")]
+    return {"PET_SIGNALS_TO_HANDLE": ",".join(kept), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, round(grace_s)))}
 
 
 def child_env(plan: LaunchPlan) -> dict[str, str]:

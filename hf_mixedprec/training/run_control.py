@@ -6,14 +6,17 @@
 - SIGINT / SIGTERM during training ask Trainer to save a checkpoint at the end of the current step and stop
   (``control.should_save`` / ``should_training_stop``, as ``TrainerControl`` documents); a second signal stops
   at once, unless it is the same request (within :data:`DUPLICATE_S` of the first: a scheduler signals every
-  process of a job and the launcher forwards the signal too) or the checkpoint is being saved (a launcher stopping
-  the other ranks once one has ended does not cut the save short). Under several processes the request is agreed
+  process of a job and the launcher forwards the signal too; under a launcher always, which itself stops the job at
+  once when asked again) or the checkpoint is being saved (then only a third one does). The handler stays installed
+  through the stopped run's report (:func:`release_signals`), so that torch.distributed.run stopping the other
+  ranks when one has ended cuts nothing short. Under several processes the request is agreed
   over the ranks at logging steps, where Trainer synchronises anyway, so every rank saves the same step.
 - Progress lines carry the elapsed time, the ETA and tokens/s, so a slow run does not look like a hung one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -30,7 +33,7 @@ from hf_mixedprec.core import metrics as M
 from hf_mixedprec.core.checkpoints import newest_verified
 from hf_mixedprec.core.errors import UsageError
 
-__all__ = ["Interrupt", "Progress", "clear_previous_run", "latest_checkpoint", "previous_run_files"]
+__all__ = ["Interrupt", "Progress", "clear_previous_run", "latest_checkpoint", "previous_run_files", "release_signals"]
 
 #: What a ``finetune`` run writes into its output folder (the model files too: ``save_pretrained`` and the
 #: tokenizer's), matched by name; nothing else there is ever touched.
@@ -123,10 +126,33 @@ def check_run_folder(out: Path, *, overwrite: bool, resume: str | None) -> None:
 
 #: Seconds within which a second SIGINT/SIGTERM is taken for the first one delivered again, not a second request.
 DUPLICATE_S = 2.0
+#: The interrupt handlers installed and not yet released (see :func:`release_signals`).
+_INSTALLED: list[Interrupt] = []
+
+
+def _launched() -> bool:
+    """Whether this process is a rank of a launch (torch.distributed.run sets these), where the launcher, asked
+    again, stops the job at once itself (SIGKILL): a repeated signal here is then always the same request."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("WORLD_SIZE", "1") not in ("", "1")
+
+
+def _say(text: str) -> None:
+    """One line on stderr from a signal handler: a single write that never raises (a closed pipe, a write it
+    interrupted)."""
+    with contextlib.suppress(OSError):
+        os.write(2, (text + "\n").encode())
+
+
+def release_signals() -> None:
+    """Give SIGINT/SIGTERM back to the handlers they had before every :class:`Interrupt` still installed (a run
+    stopped by a signal keeps its handler through its report, so that a repeat does not cut it short)."""
+    for interrupt in list(_INSTALLED):
+        interrupt.uninstall()
 
 
 class Interrupt(TrainerCallback):
-    """SIGINT/SIGTERM -> save a checkpoint at the end of this step and stop; a second signal stops at once."""
+    """SIGINT/SIGTERM -> save a checkpoint at the end of this step and stop; a second request stops at once (see the
+    module docs for what is not a second request)."""
 
     def __init__(self, world_size: int = 1) -> None:
         self.world_size = world_size
@@ -134,38 +160,39 @@ class Interrupt(TrainerCallback):
         self.at_step: int | None = None
         self._previous: dict[int, Any] = {}
         self._first_at = 0.0
+        self._later = 0  # signals after the duplicate window
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
+        _INSTALLED.append(self)
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        if self in _INSTALLED:
+            _INSTALLED.remove(self)
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        if self.requested is not None:
-            if time.monotonic() - self._first_at < DUPLICATE_S:
-                return  # the first signal delivered again (by the scheduler and by the launcher)
-            if self.at_step is not None:
-                if os.environ.get("RANK", "0") == "0":
-                    print(f"finetune: {name} received again: the checkpoint of step {self.at_step} is saved first, "
-                          "then the run stops", file=sys.stderr, flush=True)  # fmt: skip
-                return
-            self.uninstall()  # a second request: stop now, without a checkpoint
-            raise KeyboardInterrupt
-        self.requested = name
-        self._first_at = time.monotonic()
-        if os.environ.get("RANK", "0") != "0":  # every rank of a launch gets it: rank 0 says it
+        rank0 = os.environ.get("RANK", "0") == "0"  # every rank of a launch gets it: rank 0 says it
+        if self.requested is None:
+            self.requested, self._first_at = name, time.monotonic()
+            if rank0:
+                _say(f"finetune: {name} received: saving a checkpoint at the end of this step, then stopping (send it "
+                     f"again, after {DUPLICATE_S:g} s, to stop at once without a checkpoint)")  # fmt: skip
             return
-        print(
-            f"finetune: {name} received: saving a checkpoint at the end of this step, then stopping "
-            f"(send it again, after {DUPLICATE_S:g} s, to stop at once without a checkpoint)",
-            file=sys.stderr,
-            flush=True,
-        )
+        if _launched() or time.monotonic() - self._first_at < DUPLICATE_S:
+            return  # the first signal delivered again (by the scheduler and by the launcher)
+        self._later += 1
+        if self.at_step is not None and self._later == 1:
+            if rank0:
+                _say(f"finetune: {name} received again: the checkpoint of step {self.at_step} is saved first, then the "
+                     "run stops (send it once more to stop at once)")  # fmt: skip
+            return
+        self.uninstall()  # a second request: stop now, without a checkpoint
+        raise KeyboardInterrupt
 
     def _agreed(self, control: Any) -> bool:
         if self.world_size == 1:

@@ -58,7 +58,7 @@ def test_run_folders(tmp_path):
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
 
 
-def test_a_signal_delivered_twice_is_one_request_and_a_save_in_progress_is_not_cut_short(monkeypatch, capsys):
+def test_a_signal_delivered_twice_is_one_request_and_a_save_in_progress_is_not_cut_short(monkeypatch, capfd):
     """A scheduler signals every process and the launcher forwards the same signal: within DUPLICATE_S it is the first
     one again; once the checkpoint is being saved a later one waits for it; otherwise a later one stops at once."""
     import signal
@@ -68,21 +68,31 @@ def test_a_signal_delivered_twice_is_one_request_and_a_save_in_progress_is_not_c
 
     clock = [100.0]
     monkeypatch.setattr(run_control.time, "monotonic", lambda: clock[0])
-    monkeypatch.delenv("RANK", raising=False)
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
     it = Interrupt()
     it._handle(signal.SIGTERM, None)
-    assert it.requested == "SIGTERM" and "SIGTERM received: saving a checkpoint" in capsys.readouterr().err
+    assert it.requested == "SIGTERM" and "SIGTERM received: saving a checkpoint" in capfd.readouterr().err
     clock[0] += DUPLICATE_S / 2
     it._handle(signal.SIGTERM, None)  # the same request: nothing happens
-    assert capsys.readouterr().err == ""
+    assert capfd.readouterr().err == ""
     it.at_step = 7
     clock[0] += DUPLICATE_S
     it._handle(signal.SIGTERM, None)  # saving: it waits for the save
-    assert "the checkpoint of step 7 is saved first" in capsys.readouterr().err
-    it.at_step = None
+    assert "the checkpoint of step 7 is saved first" in capfd.readouterr().err
     with pytest.raises(KeyboardInterrupt):
-        it._handle(signal.SIGINT, None)  # a second request, later: at once
+        it._handle(signal.SIGINT, None)  # a third one: at once, even while saving (a hung save)
+    fresh = Interrupt()
+    fresh._handle(signal.SIGINT, None)
+    clock[0] += DUPLICATE_S
+    with pytest.raises(KeyboardInterrupt):
+        fresh._handle(signal.SIGINT, None)  # a second request, later, before any save: at once
+    capfd.readouterr()
     monkeypatch.setenv("RANK", "1")
-    quiet = Interrupt()
-    quiet._handle(signal.SIGTERM, None)
-    assert quiet.requested == "SIGTERM" and capsys.readouterr().err == ""  # rank 0 says it for the job
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    rank = Interrupt()
+    rank._handle(signal.SIGTERM, None)
+    assert rank.requested == "SIGTERM" and capfd.readouterr().err == ""  # rank 0 says it for the job
+    for _ in range(3):  # under a launcher a repeat is never a second request: the launcher stops the job at once
+        clock[0] += DUPLICATE_S
+        rank._handle(signal.SIGTERM, None)
