@@ -1,5 +1,5 @@
-"""A 2-rank ``hf-mixedprec launch`` a scheduler can stop: SIGTERM to the launch process alone, and to every process
-of the job at once, ends in a complete, verified checkpoint of the step the signal came at, exit code 130, no process
+"""A 2-rank ``hf-mixedprec launch`` a scheduler can stop: SIGTERM to the launch process's group, and to every
+process of the job at once, ends in a complete, verified checkpoint of the step the signal came at, exit code 130, no process
 left, and a printed resume command that resumes it (issue: launch died in 0.1 s and forwarded nothing; with every
 process signalled the launcher's own second SIGTERM cut the save short)."""
 
@@ -42,9 +42,11 @@ def _alive(pid: int) -> bool:
 
 
 def _run_until(argv: list[str], after: str, signal_to: str) -> tuple[int, str, list[int]]:
-    """Run ``argv``; once stderr shows ``after``, SIGTERM the launch process (``launch``) or every process of the
-    job (``all``); its exit code, stderr and the job's PIDs."""
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
+    """Run ``argv`` (in a process group of its own, as a shell's job); once stderr shows ``after``, SIGTERM its
+    process group (``group``: ``kill -TERM -PGID``) or every process of the job (``all``: Slurm); its exit code,
+    stderr and the job's PIDs."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(),
+                            start_new_session=True)  # fmt: skip
     lines: list[str] = []
     job: list[int] = []
     for line in proc.stderr:
@@ -54,15 +56,20 @@ def _run_until(argv: list[str], after: str, signal_to: str) -> tuple[int, str, l
             ranks = [r for a in agents for r in children(a)]
             job = [proc.pid, *agents, *ranks]
             assert len(agents) == 1 and len(ranks) == 2, job
-            for pid in job if signal_to == "all" else [proc.pid]:
-                os.kill(pid, signal.SIGTERM)
+            if signal_to == "group":
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                for pid in job:
+                    os.kill(pid, signal.SIGTERM)
             break
     err = "".join(lines) + proc.stderr.read()
     proc.wait(timeout=240)
     return proc.returncode, err, job
 
 
-def test_sigterm_to_launch_or_to_every_process_saves_the_step_and_the_printed_command_resumes_it(tmp_path):
+def test_sigterm_to_launchs_group_or_to_every_process_saves_the_step_and_the_printed_command_resumes_it(tmp_path):
+    """The launch process's group holds launch alone (the launcher runs in a session of its own), so ``kill -TERM
+    -PGID`` is the signal to launch; then the printed command, stopped as Slurm stops a job."""
     from hf_mixedprec.core.demo import tiny_llama
 
     base = tmp_path / "base"
@@ -73,7 +80,7 @@ def test_sigterm_to_launch_or_to_every_process_saves_the_step_and_the_printed_co
     launch = [sys.executable, "-m", "hf_mixedprec.cli", "launch", "--recipe", "cpu-fp32", "--num-processes", "2",
               "--grace-s", "90", FINETUNE]  # fmt: skip
     t0 = time.monotonic()
-    code, err, job = _run_until([*launch, *args], "step 3/2000", "launch")
+    code, err, job = _run_until([*launch, *args], "step 3/2000", "group")
     assert code == 130, err[-4000:]
     assert "SIGTERM received: the training processes save a checkpoint and stop" in err
     assert "SIGTERM received: forwarded to the 2 training processes" in err
