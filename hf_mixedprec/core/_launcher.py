@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hf_mixedprec.core._stdio import say_in_handler
+
 __all__ = ["DUPLICATE_S", "PARENT_ENV", "children", "exit_code", "main", "run_stoppable", "stop_with_parent"]
 
 PROG = "hf-mixedprec"
@@ -60,12 +62,6 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _say(text: str) -> None:
-    """One line on stderr from a signal handler: a single write that never raises."""
-    with contextlib.suppress(OSError):
-        os.write(2, (text + "\n").encode())
-
-
 def _kill(pids: Sequence[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -86,8 +82,10 @@ class _Forward:
         if self.first is None:
             self.first = time.monotonic()
             _kill(ranks, signum)
-            _say(f"{PROG}: {name} received: forwarded to the {len(ranks)} training processes, which save a checkpoint "
-                 "and stop")  # fmt: skip
+            say_in_handler(
+                f"{PROG}: {name} received: forwarded to the {len(ranks)} training processes, which save a checkpoint "
+                "and stop"
+            )
             if not ranks:  # no /proc: torch.distributed.run's own shutdown signals its workers once
                 from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -97,7 +95,7 @@ class _Forward:
             return
         self.killed = True
         _kill(_descendants(os.getpid()), signal.SIGKILL)
-        _say(f"{PROG}: {name} received again: the training processes were stopped at once (SIGKILL)")
+        say_in_handler(f"{PROG}: {name} received again: the training processes were stopped at once (SIGKILL)")
 
 
 def _code(returncode: int) -> int:
@@ -146,8 +144,10 @@ def run_stoppable(command: Sequence[str], env: dict[str, str], grace_s: float) -
                 forward(signum)
             else:  # before Popen returned: forwarded once it has
                 pending.append(signum)
-            _say(f"{PROG}: {signal.Signals(signum).name} received: the training processes save a checkpoint and stop "
-                 f"(up to --grace-s {grace_s:g} s; send it again to stop them at once)")  # fmt: skip
+            say_in_handler(
+                f"{PROG}: {signal.Signals(signum).name} received: the training processes save a checkpoint and stop "
+                f"(up to --grace-s {grace_s:g} s; send it again to stop them at once)"
+            )
         elif time.monotonic() - first[0] >= DUPLICATE_S and procs:
             forward(signum)  # the launcher takes a second one as: stop at once
 
@@ -164,7 +164,7 @@ def run_stoppable(command: Sequence[str], env: dict[str, str], grace_s: float) -
                 pass
             if first and len(first) == 1 and time.monotonic() - first[0] > grace_s:
                 first.append(time.monotonic())  # the grace period is over: the job ends 137
-                _say(f"{PROG}: --grace-s {grace_s:g} s passed: stopping the training processes at once")
+                say_in_handler(f"{PROG}: --grace-s {grace_s:g} s passed: stopping the training processes at once")
                 job = _descendants(procs[0].pid)
                 forward(signal.SIGTERM)  # the launcher takes it as a second signal: SIGKILL to the ranks
                 with contextlib.suppress(subprocess.TimeoutExpired):

@@ -9,6 +9,13 @@ import sys
 from collections.abc import Iterator
 
 
+def say_in_handler(text: str) -> None:
+    """One line on stderr from a signal handler: a single ``write`` that never raises (a closed pipe, or a write the
+    signal interrupted, where ``print`` would raise a reentrant-call error)."""
+    with contextlib.suppress(OSError):
+        os.write(2, (text + "\n").encode())
+
+
 @contextlib.contextmanager
 def stdout_to_stderr() -> Iterator[None]:
     """Send everything printed inside the block to stderr, at the Python and the file-descriptor level

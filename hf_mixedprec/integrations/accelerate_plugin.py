@@ -92,8 +92,8 @@ class MixedPrecisionAccelerator(Accelerator):
         self.mp_log: list[dict[str, Any]] = []
         self._mp_replaced: dict[int, torch.optim.Optimizer] = {}  # id(user's optimizer) -> the storage optimizer
         self._mp_storage_of: torch.nn.Module | None = None  # the model the storage was applied to
-        #: a load_state in progress: the optimizers' conversion wrappers (their finish) and the storage change
-        self._mp_loading: tuple[list[Any], tuple[str, str] | None] = ([], None)
+        #: a load_state in progress: the optimizers' conversion wrappers (their finish), the storage change, its notes
+        self._mp_loading: tuple[list[Any], tuple[str, str] | None, list[str]] = ([], None, [])
         # the runtime's state rides in save_state/load_state; its decisions on the model come before the weights load
         checkpoint = _RuntimeCheckpoint(self)
         self.register_for_checkpointing(checkpoint)
@@ -106,19 +106,22 @@ class MixedPrecisionAccelerator(Accelerator):
         been converted by the time it returns, and no conversion wrapper outlives it, whatever it raised."""
         from hf_mixedprec.training.recipe_change import RecipeChangeRefused
 
-        self._mp_loading = ([], None)
+        self._mp_loading = ([], None, [])
         try:
             result = super().load_state(input_dir, **kwargs)
         finally:
-            finishes, pair = self._mp_loading
+            finishes, pair, notes = self._mp_loading
             loaded = [finish() for finish in finishes]
-            self._mp_loading = ([], None)
+            self._mp_loading = ([], None, [])
+        for text in notes:
+            self.mp.note(text)
         if pair is not None and not any(loaded):
             raise RecipeChangeRefused(
                 f"resume: the checkpoint was written under storage.master {pair[0]}, this run keeps storage.master "
                 f"{pair[1]}, and load_state loaded no optimizer state to convert it with (allowed: prepare() the "
                 f"optimizer before load_state, or storage.master {pair[0]})"
             )
+        self.mp.history.converted(pair)
         return result
 
     def set_max_steps(self, max_steps: int) -> None:
@@ -351,41 +354,23 @@ def _storage_at_load(
     acc: MixedPrecisionAccelerator, models: list[torch.nn.Module], input_dir: str, saved: dict[str, Any] | None
 ) -> None:
     """Before ``load_state`` loads the optimizers (after the weights): each optimizer's state converted for the
-    storage change of this checkpoint (recorded as ``saved``; :mod:`hf_mixedprec.storage.convert`; refused under
-    FSDP or DeepSpeed, which load their own sharded states), or checked to be of its own class."""
+    storage change of this checkpoint, recorded as ``saved``
+    (:func:`hf_mixedprec.training.recipe_change.storage_conversion`), or checked to be of its own class;
+    :meth:`MixedPrecisionAccelerator.load_state` finishes what this starts."""
     from accelerate.utils import DistributedType
 
-    from hf_mixedprec.storage.convert import checkpoint_weight_keys, convert_next_load, read_weights
-    from hf_mixedprec.training.recipe_change import RecipeChangeRefused, storage_change
+    from hf_mixedprec.storage.convert import convert_next_load
+    from hf_mixedprec.training.recipe_change import storage_conversion
 
-    name = os.path.basename(os.path.normpath(input_dir))
-    pair = storage_change(saved, acc.mp.history.record, name)
-    if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        if pair is not None:
-            raise RecipeChangeRefused(
-                f"resume: {name} was written under storage.master {pair[0]}, this run keeps storage.master {pair[1]} "
-                f"under {acc.distributed_type.value}, which loads its own sharded optimizer state: the conversion is "
-                f"made for runs that are not sharded (allowed: storage.master {pair[0]})"
-            )
+    sharded = acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    engine = acc.distributed_type.value if sharded else None
+    model = models[0] if models else None
+    pair, weights = storage_conversion(saved, acc.mp.history.record, input_dir, model, engine)
+    if sharded:
         return
-    keys = checkpoint_weight_keys(input_dir, models[0], pair) if pair is not None and models else None
-    split = pair == ("fp32", "bf16_remainder") and keys is not None
-    weights = (lambda: read_weights(input_dir, keys)) if split else None
-    decision = acc.mp.history.decision
     notes: list[str] = []
-
-    def converted() -> None:
-        for text in notes:
-            acc.mp.note(text)
-        notes.clear()
-        if decision is not None and decision.storage == pair:
-            decision.converted = True
-
-    finishes = [
-        convert_next_load(getattr(o, "optimizer", o), pair, weights, converted if pair else None, notes=notes)
-        for o in acc._optimizers
-    ]
-    acc._mp_loading = (finishes, pair)
+    finishes = [convert_next_load(getattr(o, "optimizer", o), pair, weights, notes=notes) for o in acc._optimizers]
+    acc._mp_loading = (finishes, pair, notes)
 
 
 def _check_deepspeed_plugin(recipe: RecipeSpec, kwargs: dict[str, Any]) -> None:

@@ -132,43 +132,32 @@ _RESUME = "_hf_mixedprec_storage_resume"
 def storage_at_resume(trainer: Trainer, rt: MixedPrecisionRuntime, folder: str, saved: dict[str, Any] | None) -> None:
     """Before Trainer loads the checkpoint ``folder`` (recorded as ``saved``, None without a record): when it loads
     the optimizer state (after the weights), that state is converted for the checkpoint's storage change
-    (:mod:`hf_mixedprec.storage.convert`), or checked to be of the run's optimizer class. Decided for each checkpoint
-    (a later resume from the run's own checkpoint converts nothing); every load of this resume converts (Trainer's
-    retry under ``auto_find_batch_size`` loads again). FSDP and DeepSpeed load their own sharded states: a change is
-    refused there."""
-    from hf_mixedprec.storage.convert import checkpoint_weight_keys
-    from hf_mixedprec.training.recipe_change import storage_change
+    (:func:`hf_mixedprec.training.recipe_change.storage_conversion`), or checked to be of the run's optimizer class.
+    Decided for each checkpoint (a later resume from the run's own checkpoint converts nothing); every load of this
+    resume converts (Trainer's retry under ``auto_find_batch_size`` loads again)."""
+    from hf_mixedprec.training.recipe_change import storage_conversion
 
-    pair = storage_change(saved, rt.history.record, Path(folder).name)
     engine = "DeepSpeed" if getattr(trainer, "is_deepspeed_enabled", False) else None
     engine = engine or ("FSDP" if getattr(trainer, "is_fsdp_enabled", False) else None)
+    pair, weights = storage_conversion(saved, rt.history.record, folder, trainer.model, engine)
     if engine is not None:
-        if pair is not None:
-            raise RecipeChangeRefused(
-                f"resume: {Path(folder).name} was written under storage.master {pair[0]}, this run keeps "
-                f"storage.master {pair[1]} under {engine}, which loads its own sharded optimizer state: the conversion "
-                f"is made for runs that are not sharded (allowed: storage.master {pair[0]} under {engine})"
-            )
         return
-    keys = checkpoint_weight_keys(folder, trainer.model, pair) if pair is not None else None
     if _RESUME not in trainer.__dict__:
         wrap_load_optimizer(trainer, lambda load: _converting_load(trainer, rt, load))
-    setattr(trainer, _RESUME, {"folder": os.fspath(folder), "pair": pair, "keys": keys, "cache": {}})
+    setattr(trainer, _RESUME, {"folder": os.fspath(folder), "pair": pair, "weights": weights, "cache": {}})
 
 
 def _converting_load(trainer: Trainer, rt: MixedPrecisionRuntime, load: Any) -> Any:
     """``Trainer._load_optimizer_and_scheduler`` converting (or checking) what it loads, as :data:`_RESUME` says."""
-    from hf_mixedprec.storage.convert import convert_next_load, convert_without_state, read_weights
+    from hf_mixedprec.storage.convert import convert_next_load, convert_without_state
 
     def load_optimizer_and_scheduler(checkpoint: Any) -> None:
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         info = getattr(trainer, _RESUME, None) or {}
         if checkpoint is None or optimizer is None:
             return load(checkpoint)
-        pair = info.get("pair") if info.get("folder") == os.fspath(checkpoint) else None
-        keys = info.get("keys")
-        split = pair == ("fp32", "bf16_remainder") and keys is not None
-        weights = (lambda: read_weights(checkpoint, keys)) if split else None
+        ours = info.get("folder") == os.fspath(checkpoint)
+        pair, weights = (info["pair"], info["weights"]) if ours else (None, None)
         notes: list[str] = []
         finish = convert_next_load(optimizer, pair, weights, cache=info.get("cache"), notes=notes)
         try:
@@ -188,9 +177,7 @@ def _converting_load(trainer: Trainer, rt: MixedPrecisionRuntime, load: Any) -> 
                 f"scheduler.pt): the storage.master {pair[0]} -> {pair[1]} conversion took the weights alone (a "
                 "checkpoint's remainders or compensation are in its optimizer state) and the moments start at zero"
             )
-        decision = rt.history.decision
-        if decision is not None and decision.storage == pair:
-            decision.converted = True
+        rt.history.converted(pair)
         return None
 
     return load_optimizer_and_scheduler

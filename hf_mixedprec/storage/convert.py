@@ -145,8 +145,8 @@ def convert_optimizer_state(
     dropped = 0
     with torch.no_grad():
         for index, p in enumerate(params):
-            entry = {k: v for k, v in dict(old_state.get(index, {})).items() if k not in ("remainder", "compensation")}
             old = old_state.get(index, {})
+            entry = {k: v for k, v in old.items() if k not in ("remainder", "compensation")}
             if target == "fp32" and p.dtype == torch.float32:
                 weight = p.detach().to(torch.bfloat16)  # the checkpoint's BF16 weight, loaded exactly into FP32
                 if torch.is_tensor(old.get("remainder")):
@@ -213,14 +213,12 @@ def convert_next_load(
     optimizer: torch.optim.Optimizer,
     pair: tuple[str, str] | None,
     fp32_weights: Callable[[], Mapping[int, torch.Tensor]] | None = None,
-    done: Callable[[], None] | None = None,
     *,
     cache: dict[str, Any] | None = None,
     notes: list[str] | None = None,
 ) -> Callable[[], bool]:
     """Make ``optimizer``'s next ``load_state_dict`` (Trainer and Accelerate call it with a checkpoint's state)
-    convert that state for the storage change ``pair`` (:func:`convert_optimizer_state`, ``fp32_weights`` read then,
-    ``done`` called after),
+    convert that state for the storage change ``pair`` (:func:`convert_optimizer_state`, ``fp32_weights`` read then),
     or, without one, refuse a state :class:`StorageAdamW` wrote when ``optimizer`` is of another class (torch's
     ``Optimizer.load_state_dict`` would take it with its remainders and the checkpoint's group flags). Once: the
     wrapper removes itself. ``cache``: the converted state is kept there, and a later load with the same ``cache``
@@ -248,8 +246,6 @@ def convert_next_load(
             if cache is not None:
                 cache["state"] = converted
             own(converted)
-            if done is not None:
-                done()
             return
         ours = state_dict.get("hf_mixedprec") if isinstance(state_dict, Mapping) else None
         if isinstance(ours, Mapping) and not isinstance(optimizer, StorageAdamW):

@@ -23,6 +23,7 @@ A checkpoint written before the record existed resumes unchecked, with a note th
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ __all__ = [
     "decide",
     "recipe_record",
     "storage_change",
+    "storage_conversion",
 ]
 
 #: The environment variable that allows a resume under a recipe of other numerics (for Trainer scripts).
@@ -191,6 +193,30 @@ def storage_change(saved: dict[str, Any] | None, now: dict[str, Any], checkpoint
     )
 
 
+def storage_conversion(
+    saved: dict[str, Any] | None, now: dict[str, Any], folder: str, model: Any, engine: str | None
+) -> tuple[tuple[str, str] | None, Callable[[], Any] | None]:
+    """What a resume from the checkpoint ``folder`` (recorded as ``saved``) into ``model`` converts: the storage
+    change (:func:`storage_change`; None for none) and the reader of the checkpoint's FP32 weights that ``fp32 ->
+    bf16_remainder`` splits (None otherwise). Under a sharding ``engine`` (FSDP, DeepSpeed: they load their own sharded
+    optimizer states) a change is refused; every trainable weight must be in the checkpoint's model files under its
+    own name (:func:`hf_mixedprec.storage.convert.checkpoint_weight_keys`)."""
+    from hf_mixedprec.storage.convert import checkpoint_weight_keys, read_weights
+
+    name = os.path.basename(os.path.normpath(folder))
+    pair = storage_change(saved, now, name)
+    if pair is None:
+        return None, None
+    if engine is not None:
+        raise RecipeChangeRefused(
+            f"resume: {name} was written under storage.master {pair[0]}, this run keeps storage.master {pair[1]} "
+            f"under {engine}, which loads its own sharded optimizer state: the conversion is made for runs that are "
+            f"not sharded (allowed: storage.master {pair[0]} under {engine})"
+        )
+    keys = checkpoint_weight_keys(folder, model, pair) if model is not None else {}
+    return pair, ((lambda: read_weights(folder, keys)) if pair == ("fp32", "bf16_remainder") else None)
+
+
 def _fp8_text(fp8: dict[str, Any] | None) -> str:
     if fp8 is None:
         return "none"
@@ -218,6 +244,11 @@ class RecipeHistory:
                 note(text)
             self.decision = got
         return self.decision
+
+    def converted(self, pair: tuple[str, str] | None) -> None:
+        """A load converted the storage change ``pair``: when it is the decided one, the decision says so."""
+        if pair is not None and self.decision is not None and self.decision.storage == pair:
+            self.decision.converted = True
 
     def resumed(self, state: dict[str, Any], steps: int) -> None:
         """The entries after a resume at ``steps`` from ``state``: the checkpoint's, and this run's recipe from the

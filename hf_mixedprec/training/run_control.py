@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -30,6 +29,8 @@ from typing import Any
 from transformers import TrainerCallback
 
 from hf_mixedprec.core import metrics as M
+from hf_mixedprec.core._launcher import DUPLICATE_S  # the launcher's rule for a signal delivered twice
+from hf_mixedprec.core._stdio import say_in_handler
 from hf_mixedprec.core.checkpoints import newest_verified
 from hf_mixedprec.core.errors import UsageError
 
@@ -124,23 +125,8 @@ def check_run_folder(out: Path, *, overwrite: bool, resume: str | None) -> None:
     )
 
 
-#: Seconds within which a second SIGINT/SIGTERM is taken for the first one delivered again, not a second request.
-DUPLICATE_S = 2.0
 #: The interrupt handlers installed and not yet released (see :func:`release_signals`).
 _INSTALLED: list[Interrupt] = []
-
-
-def _launched() -> bool:
-    """Whether this process is a rank of a launch (torch.distributed.run sets these), where the launcher, asked
-    again, stops the job at once itself (SIGKILL): a repeated signal here is then always the same request."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("WORLD_SIZE", "1") not in ("", "1")
-
-
-def _say(text: str) -> None:
-    """One line on stderr from a signal handler: a single write that never raises (a closed pipe, a write it
-    interrupted)."""
-    with contextlib.suppress(OSError):
-        os.write(2, (text + "\n").encode())
 
 
 def release_signals() -> None:
@@ -180,16 +166,23 @@ class Interrupt(TrainerCallback):
         if self.requested is None:
             self.requested, self._first_at = name, time.monotonic()
             if rank0:
-                _say(f"finetune: {name} received: saving a checkpoint at the end of this step, then stopping (send it "
-                     f"again, after {DUPLICATE_S:g} s, to stop at once without a checkpoint)")  # fmt: skip
+                say_in_handler(
+                    f"finetune: {name} received: saving a checkpoint at the end of this step, then stopping (send it "
+                    f"again, after {DUPLICATE_S:g} s, to stop at once without a checkpoint)"
+                )
             return
-        if _launched() or time.monotonic() - self._first_at < DUPLICATE_S:
+        # a rank of a launch (torch.distributed.run sets TORCHELASTIC_RUN_ID): the launcher, asked again, stops the
+        # job at once itself (SIGKILL), so a repeat here is always the first signal delivered again
+        launched = self.world_size > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+        if launched or time.monotonic() - self._first_at < DUPLICATE_S:
             return  # the first signal delivered again (by the scheduler and by the launcher)
         self._later += 1
         if self.at_step is not None and self._later == 1:
             if rank0:
-                _say(f"finetune: {name} received again: the checkpoint of step {self.at_step} is saved first, then the "
-                     "run stops (send it once more to stop at once)")  # fmt: skip
+                say_in_handler(
+                    f"finetune: {name} received again: the checkpoint of step {self.at_step} is saved first, then "
+                    "the run stops (send it once more to stop at once)"
+                )
             return
         self.uninstall()  # a second request: stop now, without a checkpoint
         raise KeyboardInterrupt

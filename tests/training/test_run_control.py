@@ -68,7 +68,7 @@ def test_a_signal_delivered_twice_is_one_request_and_a_save_in_progress_is_not_c
 
     clock = [100.0]
     monkeypatch.setattr(run_control.time, "monotonic", lambda: clock[0])
-    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+    for name in ("RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     it = Interrupt()
     it._handle(signal.SIGTERM, None)
@@ -89,8 +89,7 @@ def test_a_signal_delivered_twice_is_one_request_and_a_save_in_progress_is_not_c
         fresh._handle(signal.SIGINT, None)  # a second request, later, before any save: at once
     capfd.readouterr()
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    rank = Interrupt()
+    rank = Interrupt(world_size=2)
     rank._handle(signal.SIGTERM, None)
     assert rank.requested == "SIGTERM" and capfd.readouterr().err == ""  # rank 0 says it for the job
     for _ in range(3):  # under a launcher a repeat is never a second request: the launcher stops the job at once
