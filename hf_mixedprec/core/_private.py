@@ -35,13 +35,16 @@ __all__ = [
     "ensure_scale_tensor",
     "fake_tensor_mode",
     "find_trainer",
+    "foreach_add_",
     "foreach_copy_",
     "foreach_mul_",
     "foreach_norm",
+    "foreach_sub_",
     "foreach_zero_",
     "found_inf_handed_to",
     "fsdp2_on_cpu",
     "fsdp2_possible_on_cpu",
+    "fused_adamw_",
     "give_scaler",
     "grouped_mm_as_fallback",
     "has_scaled_mm",
@@ -87,6 +90,27 @@ def foreach_copy_(dst: Any, src: Any) -> None:
 
 def foreach_zero_(tensors: Any) -> None:
     torch._foreach_zero_(tensors)
+
+
+def foreach_add_(tensors: list[torch.Tensor], other: Any) -> None:
+    torch._foreach_add_(tensors, other)
+
+
+def foreach_sub_(tensors: list[torch.Tensor], other: Any) -> None:
+    torch._foreach_sub_(tensors, other)
+
+
+def fused_adamw_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    **hyper: Any,
+) -> None:
+    """torch's fused AdamW kernel (aten/src/ATen/native/FusedAdam.cpp, cuda/FusedAdamKernel.cu), the one behind
+    ``AdamW(fused=True)``: one call for a list of tensors, skipping on ``found_inf`` on the device."""
+    torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, maximize=False, **hyper)
 
 
 def has_scaled_mm() -> bool:
@@ -533,6 +557,9 @@ PRIVATES: tuple[Private, ...] = (
     Private("torch:_foreach_mul_", "torch 2.13", "per-list in-place scaling (clipping)"),
     Private("torch:_foreach_copy_", "torch 2.13", "per-list copies (FP8 amax history updates)"),
     Private("torch:_foreach_zero_", "torch 2.13", "per-list zeroing (FP8 amax history updates)"),
+    Private("torch:_foreach_add_", "torch 2.13", "StorageAdamW's step counters"),
+    Private("torch:_foreach_sub_", "torch 2.13", "StorageAdamW's step counters back on a skipped step"),
+    Private("torch:_fused_adamw_", "torch 2.13", "StorageAdamW's update (AdamW(fused=True)'s kernel)"),
     Private("torch:_scaled_mm", "torch 2.13", "the FP8 GEMM of fp8.backend native"),
     Private("torch._subclasses.fake_tensor:FakeTensorMode", "torch 2.13", "estimate's data-free training step"),
     Private(

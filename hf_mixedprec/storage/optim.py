@@ -1,9 +1,15 @@
 """``StorageAdamW``: AdamW whose master weights and moments are stored as a recipe's ``storage:`` section says.
 
-The update is AdamW's (Loshchilov & Hutter 2019; torch ``AdamW`` semantics: decoupled weight decay, bias-corrected
-moments, ``eps`` outside the square root), computed in FP32 one parameter at a time: the extra memory during a step
-is a few FP32 temporaries (gradient, moments, master, new value) of the largest parameter, not of the model. What is
-stored between steps is per parameter dtype:
+The update is torch's fused AdamW kernel (``torch._fused_adamw_``, the kernel behind ``AdamW(fused=True)`` and
+Trainer's ``adamw_torch_fused``: decoupled weight decay, bias-corrected moments, ``eps`` outside the square root)
+run on FP32 masters, gradients and moments, so an FP32 master ends bit for bit where ``AdamW(fused=True)`` ends.
+Parameters are updated in runs (one device, one dtype, at most ``chunk_elements`` elements): a run's BF16 weights,
+remainders and moments are gathered into flat FP32 buffers with one copy each, the kernel updates them, and one
+copy each writes them back. A step's operations grow with its runs, not with the parameters in them (on a GPU a
+kernel launch per operation per run, where a per-parameter loop launches one per operation per parameter: many
+small parameters, LoRA adapters or norms, cost what one large one does), and the extra memory during a step is a
+few FP32 buffers of one run (:data:`CHUNK_ELEMENTS`, or the largest parameter), not of the model. What is stored between steps is per
+parameter dtype:
 
 * FP32 parameters are their own master (``master: fp32``);
 * BF16 parameters get the master their recipe chose: ``bf16_remainder`` (the BF16 weight plus the 16 bits BF16
@@ -27,13 +33,19 @@ from typing import Any
 
 import torch
 
+from hf_mixedprec.core._private import foreach_add_, foreach_copy_, foreach_sub_, fused_adamw_
 from hf_mixedprec.core.errors import StorageRefusal
 from hf_mixedprec.storage.bits import combine_remainder, kahan_store, split_remainder, stochastic_round_bf16
 
-__all__ = ["MASTER_MODES", "StorageAdamW", "keeps_updates", "pending_state"]
+__all__ = ["CHUNK_ELEMENTS", "MASTER_MODES", "StorageAdamW", "keeps_updates", "pending_state"]
 
 #: How a BF16 parameter's master is kept (``storage.master`` minus ``fp32``, which upcasts the parameter itself).
 MASTER_MODES: tuple[str, ...] = ("fp32", "bf16_remainder", "bf16_kahan", "bf16_stochastic", "none")
+
+#: Elements of one run of parameters updated together, by device type (4 bytes each in every FP32 temporary of a
+#: step; a larger parameter is a run of its own). On a CPU a run's buffers stay in cache (measured fastest at 2**18 by
+#: ``scripts/bench_storage_step.py``); on a GPU a run is a few kernel launches, so runs are long.
+CHUNK_ELEMENTS: dict[str, int] = {"cpu": 1 << 18, "default": 1 << 22}
 
 #: Remainders / compensations made when FP32 weights were split into BF16 before the optimizer existed (the Trainer
 #: builds it later); the optimizer takes each into its state at the parameter's first step. Weak: an entry goes with
@@ -74,6 +86,7 @@ class StorageAdamW(torch.optim.Optimizer):
         master: str = "fp32",
         state_dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        chunk_elements: int | None = None,
     ) -> None:
         if master not in MASTER_MODES:
             raise ValueError(f"master {master!r} (allowed: {', '.join(MASTER_MODES)})")
@@ -83,12 +96,15 @@ class StorageAdamW(torch.optim.Optimizer):
             raise ValueError(f"lr {lr} (allowed: >= 0)")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"betas {betas} (allowed: each in [0, 1))")
+        if chunk_elements is not None and chunk_elements < 1:
+            raise ValueError(f"chunk_elements {chunk_elements} (allowed: >= 1)")
         if eps < 0.0 or weight_decay < 0.0:
             raise ValueError(f"eps {eps}, weight_decay {weight_decay} (allowed: >= 0)")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.master = master
         self.state_dtype = state_dtype
         self.seed = seed
+        self.chunk_elements = chunk_elements
         self._generators: dict[torch.device, torch.Generator] = {}
         self._saved_generators: dict[str, torch.Tensor] = {}  # device type -> state, from a checkpoint
 
@@ -142,7 +158,6 @@ class StorageAdamW(torch.optim.Optimizer):
         self._generators = {}
         self._saved_generators = {t: st.cpu() for t, st in (ours or {}).get("generators", {}).items()}
 
-    # -- the step -----------------------------------------------------------------------------------------------
     def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -156,44 +171,37 @@ class StorageAdamW(torch.optim.Optimizer):
             state["compensation"] = comp.to(p.device) if comp is not None else torch.zeros_like(p)
         return state
 
-    def _master_of(self, p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
-        """The FP32 value the update starts from."""
-        if p.dtype == torch.float32:
-            return p.detach().clone()
-        if "remainder" in state:
-            return combine_remainder(p.detach(), state["remainder"])
-        if "compensation" in state:
-            return p.detach().float() + state["compensation"].float()
-        return p.detach().float()
-
-    def _store(self, p: torch.Tensor, state: dict[str, Any], master: torch.Tensor) -> None:
-        """Write the updated FP32 master back in the parameter's storage."""
-        if p.dtype == torch.float32:
-            p.data.copy_(master)
-        elif "remainder" in state:
-            upper, rem = split_remainder(master)
-            p.data.copy_(upper)
-            state["remainder"].copy_(rem)
-        elif "compensation" in state:
-            weight, comp = kahan_store(master)
-            p.data.copy_(weight)
-            state["compensation"].copy_(comp)
-        elif p.dtype == torch.bfloat16 and self.master == "bf16_stochastic":
-            p.data.copy_(stochastic_round_bf16(master, self._generator(p.device)))
-        else:
-            p.data.copy_(master)  # round to nearest (master none, or another dtype)
-
-    def _store_moments(self, p: torch.Tensor, state: dict[str, Any], m: torch.Tensor, v: torch.Tensor) -> None:
-        """The updated moments in ``state_dtype``. BF16 moments are stochastically rounded: with beta2 = 0.999 the
-        decay of ``exp_avg_sq`` is 0.1% a step, under half a BF16 ulp (0.2-0.4%), so round-to-nearest would hold it
-        at its largest value and shrink every later step."""
-        if self.state_dtype == torch.bfloat16:
-            gen = self._generator(p.device)
-            state["exp_avg"].copy_(stochastic_round_bf16(m, gen))
-            state["exp_avg_sq"].copy_(stochastic_round_bf16(v, gen))
-        else:
-            state["exp_avg"].copy_(m)
-            state["exp_avg_sq"].copy_(v)
+    # -- the step -----------------------------------------------------------------------------------------------
+    def _chunks(self, group: dict[str, Any]) -> list[list[torch.Tensor]]:
+        """The group's parameters that have a gradient, by device and dtype, cut into runs of at most
+        ``chunk_elements`` elements (default by device type: :data:`CHUNK_ELEMENTS`; a larger parameter is a run of
+        its own): a step's FP32 temporaries are those of one run. FP32 weights with FP32 moments need none: they
+        are one run."""
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("StorageAdamW does not support sparse gradients")
+            if not self.state[p]:
+                self._init_state(p)
+            by_kind.setdefault((p.device, p.dtype), []).append(p)
+        runs: list[list[torch.Tensor]] = []
+        for (device, dtype), params in by_kind.items():
+            if dtype == torch.float32 and self.state_dtype == torch.float32:
+                runs.append(params)
+                continue
+            limit = self.chunk_elements or CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["default"])
+            run: list[torch.Tensor] = []
+            size = 0
+            for p in params:
+                if run and size + p.numel() > limit:
+                    runs.append(run)
+                    run, size = [], 0
+                run.append(p)
+                size += p.numel()
+            runs.append(run)
+        return runs
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -201,39 +209,112 @@ class StorageAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for group in self.param_groups:
+            for run in self._chunks(group):
+                self._step_run(group, run)
+        return loss
+
+    def _step_run(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """One AdamW step of ``params`` (one device, one dtype): their FP32 masters, gradients and moments as flat
+        FP32 buffers (or the tensors themselves where they are FP32 already), torch's fused AdamW kernel over them,
+        and the results written back in the storage the recipe chose. The number of operations does not depend on
+        the number of parameters."""
+        device, dtype = params[0].device, params[0].dtype
+        states = [self.state[p] for p in params]
+        sizes = [p.numel() for p in params]
         grad_scale: torch.Tensor | None = getattr(self, "grad_scale", None)
         found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("StorageAdamW does not support sparse gradients")
-                state = self.state[p] if self.state[p] else self._init_state(p)
-                skip = None if found_inf is None else (found_inf.to(p.device) > 0)
-                grad = p.grad.float()
-                if grad_scale is not None:
-                    grad = grad / grad_scale.to(p.device)
-                master = self._master_of(p, state)
-                step = state["step"] + 1
-                new = master * (1 - lr * wd) if wd != 0 else master
-                m = state["exp_avg"].float().lerp(grad, 1 - beta1)
-                v = state["exp_avg_sq"].float().mul(beta2).addcmul_(grad, grad, value=1 - beta2)
-                bias1 = 1 - beta1**step
-                bias2_sqrt = (1 - beta2**step).sqrt()
-                denom = (v.sqrt() / bias2_sqrt).add_(eps)
-                new = new - (lr / bias1) * (m / denom)
-                if skip is not None:  # a flagged step changes nothing, on the device
-                    new = torch.where(skip, master, new)
-                    m = torch.where(skip, state["exp_avg"].float(), m)
-                    v = torch.where(skip, state["exp_avg_sq"].float(), v)
-                    step = torch.where(skip, state["step"], step)
-                self._store_moments(p, state, m, v)
-                state["step"].copy_(step)
-                self._store(p, state, new)
-        return loss
+        grad_scale = None if grad_scale is None else grad_scale.to(device=device, dtype=torch.float32)
+        found_inf = None if found_inf is None else found_inf.to(device=device, dtype=torch.float32)
+
+        grads = [p.grad for p in params]
+        avgs = [st["exp_avg"] for st in states]
+        sqs = [st["exp_avg_sq"] for st in states]
+        mode = "fp32" if dtype == torch.float32 else (self.master if dtype == torch.bfloat16 else "none")
+        direct = mode == "fp32" and self.state_dtype == torch.float32
+        if direct:  # FP32 weights and moments: the kernel updates them where they are (torch's fused AdamW)
+            k_master, k_grads, k_avgs, k_sqs = params, grads, avgs, sqs
+            flat_master = flat_avgs = flat_sqs = None
+        else:
+            flat_master = self._gather_master(params, states, mode)
+            flat_avgs, flat_sqs = _gather(avgs, torch.float32), _gather(sqs, torch.float32)
+            k_master, k_avgs, k_sqs = (flat.split(sizes) for flat in (flat_master, flat_avgs, flat_sqs))
+            k_grads = _gather(grads, torch.float32).split(sizes)
+
+        steps = [st["step"] for st in states]
+        foreach_add_(steps, 1)
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        if torch.is_tensor(lr):
+            lr = float(lr) if lr.device.type == "cpu" else lr.to(device)  # a host value is no sync
+        fused_adamw_(
+            list(k_master),
+            list(k_grads),
+            list(k_avgs),
+            list(k_sqs),
+            steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
+        if found_inf is not None:  # the kernel skipped a flagged step; so does the step count, on the device
+            foreach_sub_(steps, [found_inf] * len(steps))
+        if direct:
+            return
+        assert flat_master is not None and flat_avgs is not None and flat_sqs is not None
+        gen = self._generator(device) if self.state_dtype == torch.bfloat16 or mode == "bf16_stochastic" else None
+        for flat, store in ((flat_avgs, avgs), (flat_sqs, sqs)):
+            # BF16 moments are stochastically rounded: with beta2 = 0.999 the decay of exp_avg_sq is 0.1% a step,
+            # under half a BF16 ulp (0.2-0.4%), so round-to-nearest would hold it at its largest value
+            _scatter(stochastic_round_bf16(flat, gen) if self.state_dtype == torch.bfloat16 else flat, store, sizes)
+        self._store_master(params, states, mode, flat_master, sizes, gen)
+
+    def _gather_master(self, params: list[torch.Tensor], states: list[dict[str, Any]], mode: str) -> torch.Tensor:
+        """The FP32 masters of ``params``, flat: the update starts from them."""
+        if mode == "bf16_remainder":
+            return combine_remainder(_gather(params), _gather([st["remainder"] for st in states]))
+        flat = _gather(params, torch.float32)
+        if mode == "bf16_kahan":
+            flat += _gather([st["compensation"] for st in states], torch.float32)
+        return flat
+
+    def _store_master(
+        self,
+        params: list[torch.Tensor],
+        states: list[dict[str, Any]],
+        mode: str,
+        master: torch.Tensor,
+        sizes: list[int],
+        gen: torch.Generator | None,
+    ) -> None:
+        """Write the updated FP32 masters back in the parameters' storage."""
+        if mode == "bf16_remainder":
+            upper, rem = split_remainder(master)
+            _scatter(upper, params, sizes)
+            _scatter(rem, [st["remainder"] for st in states], sizes)
+        elif mode == "bf16_kahan":
+            weight, comp = kahan_store(master)
+            _scatter(weight, params, sizes)
+            _scatter(comp, [st["compensation"] for st in states], sizes)
+        elif mode == "bf16_stochastic":
+            _scatter(stochastic_round_bf16(master, gen), params, sizes)
+        else:
+            _scatter(master, params, sizes)  # round to nearest (master none, or another dtype)
+
+
+def _gather(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``tensors`` one after another in one new flat tensor (of ``dtype``): one copy, whatever their number."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    return flat if dtype is None or flat.dtype == dtype else flat.to(dtype)
+
+
+def _scatter(flat: torch.Tensor, tensors: list[torch.Tensor], sizes: list[int]) -> None:
+    """Copy the pieces of ``flat`` back into ``tensors`` (cast to their dtype: round to nearest), one operation."""
+    foreach_copy_(tensors, [piece.view(t.shape) for piece, t in zip(flat.split(sizes), tensors)])
 
 
 def keeps_updates(optimizer: Any, p: torch.Tensor) -> bool:

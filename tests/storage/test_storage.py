@@ -118,18 +118,134 @@ def test_remainder_master_equals_the_fp32_master_bit_for_bit_after_many_steps():
     assert not torch.equal(ref.data, w0)  # it trained
 
 
-def test_fp32_mode_follows_torch_adamw():
+def test_fp32_mode_is_torch_fused_adamw_bit_for_bit():
+    """FP32 weights and moments: the same kernel as ``AdamW(fused=True)`` (Trainer's ``adamw_torch_fused``)."""
     torch.manual_seed(0)
-    a = torch.nn.Parameter(torch.randn(32, 16))
-    b = torch.nn.Parameter(a.detach().clone())
-    ours = StorageAdamW([a], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    theirs = torch.optim.AdamW([b], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    a = [torch.nn.Parameter(torch.randn(32, 16)) for _ in range(3)]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    ours = StorageAdamW(a, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    theirs = torch.optim.AdamW(b, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     for _ in range(50):
-        g = torch.randn(32, 16)
-        a.grad, b.grad = g.clone(), g.clone()
+        for p, q in zip(a, b):
+            p.grad = torch.randn(32, 16)
+            q.grad = p.grad.clone()
         ours.step()
         theirs.step()
-    assert torch.allclose(a, b, rtol=0, atol=1e-6)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    assert all(torch.equal(ours.state[p]["exp_avg_sq"], theirs.state[q]["exp_avg_sq"]) for p, q in zip(a, b))
+
+
+def _fused_twin(shapes, masters, steps, chunk):
+    """BF16 parameters of ``shapes`` under StorageAdamW (``chunk`` elements a run, so they split into several runs)
+    beside FP32 copies under torch's fused AdamW; a parameter without a gradient every third step."""
+    torch.manual_seed(3)
+    w0 = [torch.randn(s) for s in shapes]
+    ref = [torch.nn.Parameter(w.clone()) for w in w0]
+    low = []
+    for w in w0:
+        upper, rem = split_remainder(w.clone())
+        p = torch.nn.Parameter(upper)
+        pending_state([(p, "remainder", rem)]) if masters == "bf16_remainder" else None
+        low.append(p)
+    o_ref = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.01, fused=True)
+    o_low = StorageAdamW(low, lr=1e-3, weight_decay=0.01, master=masters, chunk_elements=chunk)
+    for i in range(steps):
+        for j, (r, q) in enumerate(zip(ref, low)):
+            g = None if (i + j) % 3 == 2 else (torch.randn(r.shape) * 1e-2).to(torch.bfloat16)
+            q.grad = g
+            r.grad = None if g is None else g.float()
+        o_ref.step()
+        o_low.step()
+    return ref, low, o_low
+
+
+def test_remainder_masters_end_on_torch_fused_adamw_bit_for_bit_across_runs():
+    """Runs of several parameters, a parameter larger than a run, parameters skipped on some steps: every FP32
+    master rebuilt from its BF16 weight and remainder equals torch's fused AdamW on FP32 weights, bit for bit."""
+    ref, low, opt = _fused_twin([(64, 48), (7,), (300, 11), (5, 5), (2, 3, 4)], "bf16_remainder", 40, chunk=3000)
+    for j, (r, q) in enumerate(zip(ref, low)):
+        master = combine_remainder(q.data, opt.state[q]["remainder"])
+        assert torch.equal(master.view(torch.int32), r.data.view(torch.int32))
+        assert float(opt.state[q]["step"]) == sum((i + j) % 3 != 2 for i in range(40))
+    for q in low:
+        q.grad = torch.zeros_like(q)
+    assert [len(run) for run in opt._chunks(opt.param_groups[0])] == [1, 1, 1, 2]  # 3072 | 7 | 3300 | 25 + 24
+
+
+@pytest.mark.parametrize("master", ["bf16_kahan", "bf16_stochastic", "none"])
+def test_each_bf16_master_is_its_rule_applied_to_the_fused_update(master):
+    """One step of one run written out: torch's fused AdamW on the FP32 master, then the rule of ``master`` (Kahan:
+    nearest BF16 and the BF16 compensation; stochastic: noise drawn for the whole run from the optimizer's generator,
+    seeded with ``seed``; none: nearest BF16)."""
+    from hf_mixedprec.storage.bits import kahan_store
+
+    torch.manual_seed(1)
+    shapes = [(16, 8), (33,), (4, 4, 2)]
+    low = [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in shapes]
+    opt = StorageAdamW(low, lr=1e-2, weight_decay=0.1, master=master, seed=7)
+    grads = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().float()) for p in low]
+    for p, r, g in zip(low, ref, grads):
+        p.grad, r.grad = g, g.float()
+    torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True).step()
+    opt.step()
+    flat = torch.cat([r.detach().reshape(-1) for r in ref])
+    if master == "bf16_kahan":
+        want, comp = kahan_store(flat)
+        got_comp = torch.cat([opt.state[p]["compensation"].reshape(-1) for p in low])
+        assert torch.equal(got_comp.view(torch.int16), comp.view(torch.int16))
+    elif master == "bf16_stochastic":
+        want = stochastic_round_bf16(flat, torch.Generator().manual_seed(7))
+    else:
+        want = flat.to(torch.bfloat16)
+    got = torch.cat([p.detach().reshape(-1) for p in low])
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert not torch.equal(got, torch.cat([r.detach().reshape(-1) for r in ref]).to(torch.bfloat16)) or (
+        master != "bf16_stochastic"
+    )
+
+
+def _kernel_ops(opt: torch.optim.Optimizer) -> int:
+    """Operations of one ``opt.step()`` that run a kernel (views, which only describe memory, are not counted)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        opt.step()
+    return Count.n
+
+
+@pytest.mark.parametrize(
+    ("master", "states"),
+    [("fp32", torch.float32), ("fp32", torch.bfloat16), ("bf16_remainder", torch.float32)]
+    + [(m, torch.bfloat16) for m in ("bf16_remainder", "bf16_kahan", "bf16_stochastic", "none")],
+)
+def test_operations_per_step_do_not_grow_with_the_number_of_parameters(master, states):
+    """10, 100 and 1000 parameters (one run): the same number of kernel-launching operations per step, where the
+    per-parameter loop took ~20 per parameter."""
+    counts = []
+    for n in (10, 100, 1000):
+        dtype = torch.float32 if master == "fp32" else torch.bfloat16
+        params = [torch.nn.Parameter(torch.randn(8, 4).to(dtype)) for _ in range(n)]
+        opt = StorageAdamW(params, lr=1e-3, master=master, state_dtype=states)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()  # the first step makes the state
+        counts.append(_kernel_ops(opt))
+    assert counts[0] == counts[1] == counts[2], counts
+    assert counts[0] < 60, counts
+
+
+def test_chunk_elements_is_checked():
+    with pytest.raises(ValueError, match=r"chunk_elements 0 \(allowed: >= 1\)"):
+        StorageAdamW([torch.nn.Parameter(torch.ones(2))], chunk_elements=0)
 
 
 @pytest.mark.parametrize("master", ["bf16_kahan", "bf16_stochastic", "none"])
@@ -625,14 +741,14 @@ def test_adamw_parity_where_eps_dominates():
     b = torch.nn.Parameter(a.detach().clone())
     start = a.detach().clone()
     ours = StorageAdamW([a], lr=1e-3, eps=1e-8, weight_decay=0.0)
-    theirs = torch.optim.AdamW([b], lr=1e-3, eps=1e-8, weight_decay=0.0, foreach=False)
+    theirs = torch.optim.AdamW([b], lr=1e-3, eps=1e-8, weight_decay=0.0, fused=True)
     for _ in range(20):
         g = torch.randn(32, 16) * 1e-9
         a.grad, b.grad = g.clone(), g.clone()
         ours.step()
         theirs.step()
     assert (b.detach() - start).abs().max().item() > 1e-4  # it moved (about lr * g / (|g| + eps) a step)
-    assert (b.detach() - a.detach()).abs().max().item() < 1e-7  # without eps, or inside the sqrt, ~1e-2 apart
+    assert torch.equal(a, b)  # without eps, or inside the sqrt, ~1e-2 apart
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
@@ -739,3 +855,26 @@ def test_the_plan_reports_no_adamw_states_for_a_trainer_running_sgd(bf16_dir, tm
     plan = runtime_of(tr).plan
     assert {p.states for p in plan.params} == {None}
     assert set(plan.bytes_by_component()) == {"weights", "gradients"}  # Trainer's SGD keeps no momentum
+
+
+def test_the_step_benchmark_counts_what_the_step_launches(monkeypatch):
+    """``scripts/bench_storage_step.py`` on a few tiny parameters: the reference row is 1.0x, FP32 weights and moments
+    launch what torch's fused AdamW launches, and each storage choice the same count for 3 and 30 parameters."""
+    import pathlib
+    import sys
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
+    sys.modules.pop("bench_storage_step", None)
+    import bench_storage_step as bench
+
+    small, large = (
+        {r["variant"]: r for r in bench.measure(n, 4, 4, repeats=1, warmup=0, legacy=None)} for n in (3, 30)
+    )
+    assert small["torch AdamW(fused=True)"]["x_fused_adamw"] == 1.0
+    assert (
+        small["fp32 master, fp32 states"]["kernel_ops_per_step"]
+        == small["torch AdamW(fused=True)"]["kernel_ops_per_step"]
+    )
+    for name in bench.VARIANTS:
+        assert small[name]["kernel_ops_per_step"] == large[name]["kernel_ops_per_step"], name
+    assert large["bf16_remainder"]["kernel_ops_per_step"] > large["none"]["kernel_ops_per_step"]

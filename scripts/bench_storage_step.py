@@ -1,0 +1,155 @@
+"""The optimizer step alone: ``StorageAdamW`` in each storage choice beside torch's fused AdamW, by parameter count.
+
+For each count of parameters (``--params``, each ``--rows`` x ``--cols``) every variant gets its own parameters
+(FP32 for the reference and ``master: fp32``, BF16 for the BF16 masters), the same gradients, and steps in
+lockstep: one step of each variant in turn, the order rotated every repeat, so load on a shared machine hits them
+alike. A step's time is wall time (``time.perf_counter``) around ``optimizer.step()``; the first ``--warmup`` steps
+are discarded. The table gives the median step and its ratio to torch's ``AdamW(fused=True)`` on FP32 parameters
+(Trainer's ``adamw_torch_fused``), and the operations of one step that launch a kernel (aten operations seen by a
+``TorchDispatchMode``, views not counted): what a GPU would launch.
+
+``--legacy FILE`` adds a row for another ``StorageAdamW`` implementation loaded from a file (for instance the
+per-parameter one of an earlier commit: ``git show REV:hf_mixedprec/storage/optim.py > /tmp/old_optim.py``).
+
+    python scripts/bench_storage_step.py                               # 10, 100, 1000 parameters of 256 x 256
+    python scripts/bench_storage_step.py --params 100 --repeats 50 --out step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_mixedprec.storage import StorageAdamW
+
+#: name -> (parameter dtype, StorageAdamW keyword arguments); None: torch's fused AdamW (the reference).
+VARIANTS: dict[str, tuple[torch.dtype, dict[str, Any] | None]] = {
+    "torch AdamW(fused=True)": (torch.float32, None),
+    "fp32 master, fp32 states": (torch.float32, {"master": "fp32"}),
+    "fp32 master, bf16 states": (torch.float32, {"master": "fp32", "state_dtype": torch.bfloat16}),
+    "bf16_remainder": (torch.bfloat16, {"master": "bf16_remainder"}),
+    "bf16_kahan": (torch.bfloat16, {"master": "bf16_kahan"}),
+    "bf16_stochastic": (torch.bfloat16, {"master": "bf16_stochastic"}),
+    "none": (torch.bfloat16, {"master": "none"}),
+}
+
+
+class _CountKernels(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if not func.is_view:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def kernel_ops(opt: torch.optim.Optimizer) -> int:
+    """Kernel-launching aten operations of one ``opt.step()``."""
+    with _CountKernels() as count:
+        opt.step()
+    return count.n
+
+
+def build(name: str, n: int, rows: int, cols: int, legacy: type | None) -> tuple[list[torch.Tensor], Any]:
+    dtype, kwargs = VARIANTS.get(name, (torch.bfloat16, {"master": "bf16_remainder"}))
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(rows, cols, generator=gen).to(dtype)) for _ in range(n)]
+    if kwargs is None:
+        return params, torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+    cls = legacy if name.startswith("legacy") else StorageAdamW
+    return params, cls(params, lr=1e-4, weight_decay=0.01, **kwargs)
+
+
+def measure(n: int, rows: int, cols: int, repeats: int, warmup: int, legacy: type | None) -> list[dict[str, Any]]:
+    names = list(VARIANTS) + ([f"legacy {legacy.__module__}"] if legacy else [])
+    runs = {name: build(name, n, rows, cols, legacy) for name in names}
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(rows, cols, generator=gen) * 1e-2 for _ in range(n)]
+    for params, _ in runs.values():
+        for p, g in zip(params, grads):
+            p.grad = g.to(p.dtype)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(warmup + repeats):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            opt = runs[name][1]
+            start = time.perf_counter()
+            opt.step()
+            took = time.perf_counter() - start
+            if r >= warmup:
+                times[name].append(took)
+    ref = statistics.median(times[names[0]])
+    rows_out = []
+    for name in names:
+        med = statistics.median(times[name])
+        rows_out.append(
+            {
+                "parameters": n,
+                "elements": n * rows * cols,
+                "variant": name,
+                "ms_per_step": med * 1e3,
+                "x_fused_adamw": med / ref,
+                "kernel_ops_per_step": kernel_ops(runs[name][1]),
+            }
+        )
+    return rows_out
+
+
+def load_legacy(path: str) -> type:
+    spec = importlib.util.spec_from_file_location("legacy_optim", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--legacy {path!r}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.StorageAdamW
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", default="10,100,1000", help="parameter counts, comma-separated")
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--cols", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=20, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=3, help="steps discarded first")
+    parser.add_argument("--legacy", metavar="FILE", help="a file defining another StorageAdamW, timed beside")
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    try:
+        counts = [int(c) for c in args.params.split(",")]
+    except ValueError:
+        parser.error(f"--params {args.params!r}: comma-separated integers (e.g. 10,100,1000)")
+    legacy = load_legacy(args.legacy) if args.legacy else None
+    print(
+        f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"{torch.get_num_threads()} threads",
+        file=sys.stderr,
+    )
+    rows: list[dict[str, Any]] = []
+    print("| parameters | variant | ms/step | x fused AdamW | kernel ops/step |")
+    print("| ---: | --- | ---: | ---: | ---: |")
+    for n in counts:
+        for row in measure(n, args.rows, args.cols, args.repeats, args.warmup, legacy):
+            rows.append(row)
+            print(
+                f"| {n} | {row['variant']} | {row['ms_per_step']:.2f} | {row['x_fused_adamw']:.3f} | "
+                f"{row['kernel_ops_per_step']} |",
+                flush=True,
+            )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
