@@ -22,6 +22,8 @@ cut short keeps what it finished; ``--budget-s`` skips a section that would star
     python scripts/gpu_acceptance.py --out runs/gpu_acceptance       # on one CUDA GPU, about 8 minutes
     python scripts/gpu_acceptance.py --cpu-smoke --out /tmp/smoke    # tiny shapes anywhere: checks the kit only
 
+Then, to see where an FP8 step spends its time: ``python scripts/profile_fp8_step.py --out runs/profile``.
+
 Exit status: 0 when every promise checked holds, 1 when one does not (a sync from hf_mixedprec, an error row),
 2 for a mistake in the input (or no GPU without ``--cpu-smoke``).
 """

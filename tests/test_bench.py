@@ -227,3 +227,36 @@ def test_bench_overhead_hooks_reports_us_and_ops_per_hook():
     for kind in ("non-logging", "fp8-sampled"):  # FP8 state and hooks: as many operations for 14 as for 28 Linears
         assert rows[("h100-fp8-delayed", 2, kind)]["ops"] == rows[("h100-fp8-delayed", 4, kind)]["ops"]
     assert rows[("h100-fp8-delayed", 4, "non-logging")]["fp8_layers"] == 28
+
+
+def test_profile_fp8_step_cpu_smoke(tmp_path, monkeypatch):
+    """The profiling command issue 49 prepares for a GPU session runs here on tiny shapes: every default variant
+    profiled, its operations ranked by time with shares that add up, and the native FP8 row's GEMMs are torch's FP8
+    ``_scaled_mm`` (three per linear layer and step: forward, input gradient, weight gradient), the others' are not."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    sys.modules.pop("profile_fp8_step", None)
+    import bench_gpu_variants
+    import profile_fp8_step
+
+    monkeypatch.setattr(bench_gpu_variants, "timed", bench_gpu_variants.timed)  # the script swaps it; put it back
+    args = ["--cpu-smoke", "--warmup", "1", "--steps", "2", "--top", "1000", "--out", str(tmp_path)]
+    assert profile_fp8_step.main(args) == 0
+    doc = json.loads((tmp_path / "profile.json").read_text())
+    rows = {r["key"]: r for r in doc["variants"]}
+    assert tuple(rows) == profile_fp8_step.DEFAULT_VARIANTS
+    linears = 7 * bench_gpu_variants.TINY["num_hidden_layers"]  # q, k, v, o, gate, up, down per layer
+    for key, row in rows.items():
+        assert row["status"] == "ok", (key, row.get("reason"))
+        ms = [r["ms_per_step"] for r in row["top"]]
+        assert ms == sorted(ms, reverse=True) and ms[0] > 0
+        assert math.isclose(sum(r["share"] for r in row["top"]), 1.0, rel_tol=1e-6)
+        scaled = [r for r in row["top"] if r["name"] == "aten::_scaled_mm"]
+        if key == "fp8-native-delayed":
+            assert len(scaled) == 1 and scaled[0]["calls_per_step"] == 3 * linears, scaled
+        else:
+            assert scaled == [], key
+    md = (tmp_path / "profile.md").read_text()
+    assert "### fp8 native delayed" in md and "| operation | calls/step | ms/step | share |" in md
+    with pytest.raises(SystemExit) as bad:
+        profile_fp8_step.main(["--cpu-smoke", "--steps", "0"])
+    assert bad.value.code == 2

@@ -49,7 +49,7 @@ from hf_mixedprec.scaling import (
     quantize_fp8,
     quantize_mxfp8,
 )
-from hf_mixedprec.scaling.fp8 import abs_and_amax
+from hf_mixedprec.scaling.fp8 import abs_and_amax, tensor_amax
 from hf_mixedprec.scaling.stats import raw_from_tensorwise, raw_operand_stats, tensorwise_operand_stats
 
 __all__ = [
@@ -171,8 +171,14 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
         return self.bwd_fmt if role == 2 else self.fwd_fmt
 
     def _qdq_tensorwise(self, t: Tensor, role: int) -> _Quantized:
+        """Per-tensor quantization of ``t`` (float32, or the operand's own BF16/FP16: the native backend quantizes
+        it without an FP32 copy, and the amax of a 16-bit tensor is the amax of its FP32 upcast exactly). The
+        magnitudes the statistics read are kept on a sampled step only."""
         fmt = self._fmt(role)
-        mag, amax = abs_and_amax(t)
+        if self.record_stats:
+            mag, amax = abs_and_amax(t.float())
+        else:
+            mag, amax = None, tensor_amax(t)
         if self.spec.scaling == "delayed":
             if self.training:
                 pending = self.fp8_amax_pending
@@ -218,6 +224,7 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
         the last dim), the ones the forward GEMM and the output gradient's dgrad GEMM use.
         """
         fmt = self._fmt(role)
+        t = t.float()  # the native backend quantizes 16-bit operands as they are; the statistics compare in FP32
         if self._tensorwise_stats and q.amax is not None and q.scale is not None:
             top = _K(fmt.max, t.device) * torch.reciprocal(q.scale)  # what an FP8 value of fmt.max dequantizes to
             return tensorwise_operand_stats(t, q.deq, amax=q.amax, top=top, magnitude=q.magnitude)

@@ -5,7 +5,9 @@ change: the three GEMMs of a linear layer (output ``y = x @ W.T``, input gradien
 ``dW = dy.T @ x``) multiply the FP8 operands themselves with ``torch._scaled_mm`` (FP32 accumulation), passing each
 operand's ``1 / scale`` as the GEMM's dequantization scale, instead of multiplying dequantized copies in float32.
 Everything else is the emulated layer's: the same quantizers (so the FP8 values and scales fed to the GEMM are
-bit for bit the rehearsal's), the same buffers (``fp8_amax_history``, ``fp8_scale``: a checkpoint moves between
+bit for bit the rehearsal's), applied to the operands as they come (a BF16 input, weight or output gradient is
+quantized without an FP32 copy of it: under ``torch.compile`` the amax and the cast read it in place, and on a step
+that does not sample statistics nothing else is kept), the same buffers (``fp8_amax_history``, ``fp8_scale``: a checkpoint moves between
 ``emulated`` and ``native`` in both directions), the same delayed-scaling update (:func:`fp8_step`) and the same
 sampled health statistics. A rehearsal on a CPU and a run on a GPU then differ only in GEMM accumulation order.
 
@@ -95,6 +97,11 @@ class _NativeGEMM:
     def _gemm(self: Any, x: Tensor, out_dtype: torch.dtype) -> Tensor:
         return self._run(_NativeFP8Fn, x, out_dtype)
 
+    def native_weight(self: Any, weight: Tensor) -> Tensor:
+        """The GEMM's weight operand ``W`` ([out, in]) in the stored weight's own dtype: a view, no FP32 copy (the
+        quantization computes in FP32 element by element, as the emulated layer's upcast copy does)."""
+        return weight.t() if self.kind == "Conv1D" else weight
+
 
 def _inv(scale: Tensor) -> Tensor:
     return torch.reciprocal(scale.float()).reshape(())
@@ -105,12 +112,14 @@ class _NativeFP8Fn(torch.autograd.Function):
     def forward(
         ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, mod: EmulatedFP8GEMM, out_dtype: torch.dtype
     ) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        w = mod.gemm_weight(weight)
+        x2 = x.reshape(-1, x.shape[-1])  # as it came (BF16 under autocast): quantized without an FP32 copy
+        w = mod.native_weight(weight)
         xq = mod.quantize_for(x2, 0, gemm="fprop", src_dtype=x.dtype)
         wq = mod.quantize_for(w, 1, gemm="fprop", src_dtype=weight.dtype)
         x_inv, w_inv = _inv(xq.scale), _inv(wq.scale)
-        y = fp8_mm(xq.data, wq.data.t(), x_inv, w_inv, torch.float32)
+        # without a bias the GEMM writes the output dtype itself (its FP32 accumulator rounded once, as a separate
+        # cast would): no FP32 [tokens, out_features] buffer
+        y = fp8_mm(xq.data, wq.data.t(), x_inv, w_inv, torch.float32 if bias is not None else out_dtype)
         if bias is not None:
             y = y + bias.float()
         ctx.save_for_backward(xq.data, wq.data, x_inv, w_inv)
@@ -124,7 +133,7 @@ class _NativeFP8Fn(torch.autograd.Function):
         xd, wd, x_inv, w_inv = ctx.saved_tensors
         mod: EmulatedFP8GEMM = ctx.mod
         lead, x_dtype, w_dtype, has_bias, b_dtype = ctx.meta
-        g2 = gy.reshape(-1, gy.shape[-1]).float()
+        g2 = gy.reshape(-1, gy.shape[-1])
         gq = mod.quantize_for(g2, 2, gemm="dgrad", src_dtype=gy.dtype)
         mod.grad_record(ctx, g2, gq)
         g_inv = _inv(gq.scale)
@@ -134,7 +143,7 @@ class _NativeFP8Fn(torch.autograd.Function):
         gw = None
         if ctx.needs_input_grad[1]:
             gw = mod.weight_grad(fp8_mm(gq.data.t(), xd, g_inv, x_inv, torch.float32).to(w_dtype))
-        gb = g2.sum(0).to(b_dtype) if has_bias and ctx.needs_input_grad[2] else None
+        gb = g2.float().sum(0).to(b_dtype) if has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None
 
 

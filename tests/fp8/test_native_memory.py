@@ -1,0 +1,102 @@
+"""What the native FP8 backend allocates and keeps: no FP32 copy of an activation in a compiled step (read from
+inductor's generated code on this CPU), and FP8, not BF16, saved for the backward pass."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from hf_mixedprec.fp8.emulated import EmulationSpec
+from hf_mixedprec.fp8.native import NativeFP8Linear
+
+M, K, N = 320, 96, 80  # tokens, in_features, out_features: three distinct sizes, so a buffer's shape says what it is
+
+
+def _fp32_buffers(code: str) -> set[tuple[int, ...]]:
+    found = re.findall(r"empty_strided_cpu\(\(([\d, ]+)\), \([\d, ]*\), torch\.float32\)", code)
+    return {tuple(int(d) for d in dims.split(",") if d.strip()) for dims in found}
+
+
+def _kernels_reading(code: str, buffer: str) -> int:
+    """How many generated kernels of ``code`` take ``buffer`` as an argument."""
+    calls = re.findall(r"\n\s+(cpp_fused_\w+)\(([^)]*)\)", code)
+    return sum(buffer in [a.strip() for a in args.split(",")] for _, args in calls)
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_a_compiled_native_layer_keeps_no_fp32_copy_of_its_activations(scaling):
+    """A BF16 input through a compiled native FP8 Linear, forward and backward: inductor allocates no FP32 buffer of
+    the input's [tokens, in] shape, nor of the output's or output gradient's [tokens, out] (the GEMM writes BF16
+    itself; the GEMM's FP32 output was one before). Each pass over the input is a generated kernel of its own, not
+    counted here: amax and cast in one, and inductor re-reads the input for the FP8 copy the weight-gradient GEMM
+    wants transposed (the next thing to fuse, docs/benchmarks.md)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    layer = NativeFP8Linear(torch.nn.Linear(K, N, bias=False), EmulationSpec(scaling=scaling)).train()
+    x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().sum().backward()
+        return y
+
+    torch._dynamo.reset()
+    y, (forward, backward) = run_and_get_code(torch.compile(step), x)
+    assert y.dtype == torch.bfloat16 and x.grad is not None and layer.weight.grad is not None
+    for code in (forward, backward):
+        assert not _fp32_buffers(code) & {(M, K), (M, N), (K, M), (N, M)}, _fp32_buffers(code)
+    (name,) = re.findall(r"assert_size_stride\((\w+), \(320, 96\)", forward)  # the input's buffer
+    assert 1 <= _kernels_reading(forward, name) <= 2
+    assert "extern_kernels._scaled_mm" in forward and "extern_kernels._scaled_mm" in backward
+
+
+def _saved_bytes(model: torch.nn.Module, batch: torch.Tensor) -> int:
+    """Bytes of the tensors autograd saves for the backward pass of one forward, parameters not counted."""
+    params = {p.data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=batch, labels=batch).loss.backward()
+    return sum(seen.values())
+
+
+def test_native_fp8_saves_less_for_backward_than_bf16():
+    """The same tiny Llama and batch under BF16 autocast, then with its Linears in native FP8: the layers save their
+    FP8 input and weight (1 byte an element) where BF16 saves the BF16 input and the weight's BF16 copy (2), so the
+    model saves less in all, and each Linear about half."""
+    from hf_mixedprec.core.demo import tiny_llama
+    from hf_mixedprec.fp8 import convert
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+
+    batch = torch.randint(0, 256, (4, 64))
+    model = tiny_llama()
+    bf16 = _saved_bytes(model, batch)
+    recipe = resolve_recipe({"name": "native", "extends": "h100-fp8-delayed", "fp8": {"backend": "native"}})
+    convert(model, recipe, backend="native")
+    fp8 = _saved_bytes(model, batch)
+    assert fp8 < bf16, (fp8, bf16)
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(K, N, bias=False)
+    x = torch.randn(M, K, requires_grad=True)
+
+    def one(layer: torch.nn.Module) -> int:
+        seen: list[int] = []
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t.nbytes) or t, lambda t: t)
+        with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(x).float().sum().backward()
+        return sum(seen)
+
+    plain = one(linear)
+    native = one(NativeFP8Linear(linear, EmulationSpec(scaling="delayed")))
+    assert plain == 2 * (M * K + N * K)
+    assert native == M * K + N * K + 2 * 4  # the FP8 input and weight, and their two FP32 dequantization scales
