@@ -4,6 +4,8 @@
   delayed scaling (TE DelayedScaling), NaN-ignoring amax.
 * :mod:`.mx` MXFP8 blocks with E8M0 scales (OCP MX v1.0 FLOOR, TE/hardware RCEIL).
 * :mod:`.blockwise` 1x128 / 128x128 tiles (TE Float8BlockScaling, DeepSeek-V3).
+* :mod:`.nvfp4` NVFP4: FP4 E2M1 values, E4M3 scales per 1x16 / 16x16 block and an FP32 scale per tensor (TE
+  NVFP4BlockScaling), the random Hadamard transform and stochastic rounding of its training recipe.
 * :mod:`.stats` saturation, underflow, SQNR and MX clamp fractions, and the per-layer :class:`LayerStats`.
 """
 
