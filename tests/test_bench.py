@@ -238,7 +238,10 @@ def test_profile_fp8_step_cpu_smoke(tmp_path, monkeypatch):
     import bench_gpu_variants
     import profile_fp8_step
 
+    import bench_harness
+
     monkeypatch.setattr(bench_gpu_variants, "timed", bench_gpu_variants.timed)  # the script swaps it; put it back
+    monkeypatch.setattr(bench_harness, "quiet", lambda *a, **k: None)  # it would silence our logger in this worker
     args = ["--cpu-smoke", "--warmup", "1", "--steps", "2", "--top", "1000", "--out", str(tmp_path)]
     assert profile_fp8_step.main(args) == 0
     doc = json.loads((tmp_path / "profile.json").read_text())
