@@ -236,9 +236,8 @@ def test_profile_fp8_step_cpu_smoke(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     sys.modules.pop("profile_fp8_step", None)
     import bench_gpu_variants
-    import profile_fp8_step
-
     import bench_harness
+    import profile_fp8_step
 
     monkeypatch.setattr(bench_gpu_variants, "timed", bench_gpu_variants.timed)  # the script swaps it; put it back
     monkeypatch.setattr(bench_harness, "quiet", lambda *a, **k: None)  # it would silence our logger in this worker
