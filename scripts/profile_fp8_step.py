@@ -71,7 +71,14 @@ class _Profiled:
 def top_ops(events: Any, steps: int, top: int, cuda: bool) -> dict[str, Any]:
     """The ``top`` operations by self device time (CPU time without CUDA), per step."""
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    rows = [e for e in events if getattr(e, key, 0) > 0]
+    if cuda:  # the kernels themselves: a CPU op and a user annotation also report the device time they launched
+        rows = [
+            e
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation and getattr(e, key) > 0
+        ]
+    else:
+        rows = [e for e in events if getattr(e, key, 0) > 0]
     total = sum(getattr(e, key) for e in rows)
     rows.sort(key=lambda e: getattr(e, key), reverse=True)
     return {

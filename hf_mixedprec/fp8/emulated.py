@@ -281,7 +281,7 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def quantize_for(self, t: Tensor, role: int, *, gemm: str, src_dtype: torch.dtype | None = None) -> _Quantized:
-        """Quantize ``t`` (2-D, float32) for one GEMM operand.
+        """Quantize ``t`` (2-D; float32, or the operand's own 16-bit dtype on the native backend) for one GEMM operand.
 
         ``gemm`` is "fprop" (contraction over the last dim of x and W), "dgrad" (over the last dim of dy and
         the first dim of W) or "wgrad" (over the first, token dim of dy and x). ``src_dtype``: the operand's type

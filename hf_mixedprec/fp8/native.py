@@ -6,8 +6,8 @@ change: the three GEMMs of a linear layer (output ``y = x @ W.T``, input gradien
 operand's ``1 / scale`` as the GEMM's dequantization scale, instead of multiplying dequantized copies in float32.
 Everything else is the emulated layer's: the same quantizers (so the FP8 values and scales fed to the GEMM are
 bit for bit the rehearsal's), applied to the operands as they come (a BF16 input, weight or output gradient is
-quantized without an FP32 copy of it: under ``torch.compile`` the amax and the cast read it in place, and on a step
-that does not sample statistics nothing else is kept), the same buffers (``fp8_amax_history``, ``fp8_scale``: a checkpoint moves between
+quantized with one FP32 temporary, none under ``torch.compile``, instead of an FP32 copy kept for the whole pass;
+on a step that does not sample statistics nothing else is kept), the same buffers (``fp8_amax_history``, ``fp8_scale``: a checkpoint moves between
 ``emulated`` and ``native`` in both directions), the same delayed-scaling update (:func:`fp8_step`) and the same
 sampled health statistics. A rehearsal on a CPU and a run on a GPU then differ only in GEMM accumulation order.
 
@@ -142,7 +142,7 @@ class _NativeFP8Fn(torch.autograd.Function):
             gx = fp8_mm(gq.data, wd, g_inv, w_inv, x_dtype).reshape(*lead, wd.shape[1])
         gw = None
         if ctx.needs_input_grad[1]:
-            gw = mod.weight_grad(fp8_mm(gq.data.t(), xd, g_inv, x_inv, torch.float32).to(w_dtype))
+            gw = mod.weight_grad(fp8_mm(gq.data.t(), xd, g_inv, x_inv, w_dtype))  # the GEMM rounds to w_dtype once
         gb = g2.float().sum(0).to(b_dtype) if has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None
 

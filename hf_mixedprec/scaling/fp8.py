@@ -123,8 +123,9 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float, fmt: FP8Format) -
     Returns a tensor of ``fmt``'s float8 dtype.
     """
     f = _fp8_format(fmt)
-    y = x.to(torch.float32) * _as_scale(scale)
-    return torch.clamp(y, -f.max, f.max).to(f.dtype)
+    y = x.to(torch.float32, copy=True)  # one FP32 temporary, scaled and clamped in place
+    y.mul_(_as_scale(scale)).clamp_(-f.max, f.max)
+    return y.to(f.dtype)
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -175,8 +175,8 @@ class StorageAdamW(torch.optim.Optimizer):
     def _chunks(self, group: dict[str, Any]) -> list[list[torch.Tensor]]:
         """The group's parameters that have a gradient, by device and dtype, cut into runs of at most
         ``chunk_elements`` elements (default by device type: :data:`CHUNK_ELEMENTS`; a larger parameter is a run of
-        its own): a step's FP32 temporaries are those of one run. FP32 weights with FP32 moments need none: they
-        are one run."""
+        its own): a step's FP32 temporaries are those of one run. FP32 weights whose gradients and moments the
+        kernel can update where they are (:func:`_in_place`) need none: they are one run."""
         by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for p in group["params"]:
             if p.grad is None:
@@ -187,10 +187,15 @@ class StorageAdamW(torch.optim.Optimizer):
                 self._init_state(p)
             by_kind.setdefault((p.device, p.dtype), []).append(p)
         runs: list[list[torch.Tensor]] = []
+        scaled = getattr(self, "grad_scale", None) is not None
         for (device, dtype), params in by_kind.items():
-            if dtype == torch.float32 and self.state_dtype == torch.float32:
-                runs.append(params)
-                continue
+            if dtype == torch.float32 and self.state_dtype == torch.float32 and not scaled:
+                st = self.state
+                whole = [p for p in params if _in_place([p, p.grad, st[p]["exp_avg"], st[p]["exp_avg_sq"]])]
+                if whole:
+                    runs.append(whole)
+                taken = {id(p) for p in whole}
+                params = [p for p in params if id(p) not in taken]
             limit = self.chunk_elements or CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["default"])
             run: list[torch.Tensor] = []
             size = 0
@@ -200,7 +205,8 @@ class StorageAdamW(torch.optim.Optimizer):
                     run, size = [], 0
                 run.append(p)
                 size += p.numel()
-            runs.append(run)
+            if run:
+                runs.append(run)
         return runs
 
     @torch.no_grad()
@@ -215,31 +221,33 @@ class StorageAdamW(torch.optim.Optimizer):
         return loss
 
     def _step_run(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        """One AdamW step of ``params`` (one device, one dtype): their FP32 masters, gradients and moments as flat
-        FP32 buffers (or the tensors themselves where they are FP32 already), torch's fused AdamW kernel over them,
-        and the results written back in the storage the recipe chose. The number of operations does not depend on
-        the number of parameters."""
+        """One AdamW step of ``params`` (one device, one dtype): torch's fused AdamW kernel over their FP32 masters,
+        gradients and moments. A list whose tensors are FP32 and contiguous goes to the kernel as it is (updated in
+        place; gradients only when there is no ``grad_scale`` to divide by, so a gradient is never changed); any
+        other is gathered into one flat FP32 buffer and, after the kernel, written back in the storage the recipe
+        chose. The number of operations does not depend on the number of parameters."""
         device, dtype = params[0].device, params[0].dtype
         states = [self.state[p] for p in params]
         sizes = [p.numel() for p in params]
         grad_scale: torch.Tensor | None = getattr(self, "grad_scale", None)
         found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
         grad_scale = None if grad_scale is None else grad_scale.to(device=device, dtype=torch.float32)
-        found_inf = None if found_inf is None else found_inf.to(device=device, dtype=torch.float32)
+        if found_inf is not None:
+            # GradScaler sums the flags of every device the gradients were on (2 for two GPUs); the kernel skips on 1
+            found_inf = (found_inf.to(device) > 0).to(torch.float32)
+        mode = "fp32" if dtype == torch.float32 else (self.master if dtype == torch.bfloat16 else "none")
+        _check_master_state(params, states, mode)
 
         grads = [p.grad for p in params]
         avgs = [st["exp_avg"] for st in states]
         sqs = [st["exp_avg_sq"] for st in states]
-        mode = "fp32" if dtype == torch.float32 else (self.master if dtype == torch.bfloat16 else "none")
-        direct = mode == "fp32" and self.state_dtype == torch.float32
-        if direct:  # FP32 weights and moments: the kernel updates them where they are (torch's fused AdamW)
-            k_master, k_grads, k_avgs, k_sqs = params, grads, avgs, sqs
-            flat_master = flat_avgs = flat_sqs = None
-        else:
-            flat_master = self._gather_master(params, states, mode)
-            flat_avgs, flat_sqs = _gather(avgs, torch.float32), _gather(sqs, torch.float32)
-            k_master, k_avgs, k_sqs = (flat.split(sizes) for flat in (flat_master, flat_avgs, flat_sqs))
-            k_grads = _gather(grads, torch.float32).split(sizes)
+        flat_master = None if mode == "fp32" and _in_place(params) else self._gather_master(params, states, mode)
+        flat_avgs = None if _in_place(avgs) else _gather(avgs)
+        flat_sqs = None if _in_place(sqs) else _gather(sqs)
+        direct_grads = grad_scale is None and _in_place(grads)
+
+        def listed(flat: torch.Tensor | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [t.view(-1) for t in tensors] if flat is None else list(flat.split(sizes))
 
         steps = [st["step"] for st in states]
         foreach_add_(steps, 1)
@@ -248,10 +256,10 @@ class StorageAdamW(torch.optim.Optimizer):
         if torch.is_tensor(lr):
             lr = float(lr) if lr.device.type == "cpu" else lr.to(device)  # a host value is no sync
         fused_adamw_(
-            list(k_master),
-            list(k_grads),
-            list(k_avgs),
-            list(k_sqs),
+            listed(flat_master, params),
+            listed(None, grads) if direct_grads else listed(_gather(grads), grads),
+            listed(flat_avgs, avgs),
+            listed(flat_sqs, sqs),
             steps,
             lr=lr,
             beta1=beta1,
@@ -263,23 +271,23 @@ class StorageAdamW(torch.optim.Optimizer):
         )
         if found_inf is not None:  # the kernel skipped a flagged step; so does the step count, on the device
             foreach_sub_(steps, [found_inf] * len(steps))
-        if direct:
-            return
-        assert flat_master is not None and flat_avgs is not None and flat_sqs is not None
         gen = self._generator(device) if self.state_dtype == torch.bfloat16 or mode == "bf16_stochastic" else None
         for flat, store in ((flat_avgs, avgs), (flat_sqs, sqs)):
-            # BF16 moments are stochastically rounded: with beta2 = 0.999 the decay of exp_avg_sq is 0.1% a step,
-            # under half a BF16 ulp (0.2-0.4%), so round-to-nearest would hold it at its largest value
-            _scatter(stochastic_round_bf16(flat, gen) if self.state_dtype == torch.bfloat16 else flat, store, sizes)
-        self._store_master(params, states, mode, flat_master, sizes, gen)
+            if flat is not None:
+                # BF16 moments are stochastically rounded: with beta2 = 0.999 the decay of exp_avg_sq is 0.1% a
+                # step, under half a BF16 ulp (0.2-0.4%), so round-to-nearest would hold it at its largest value
+                bf16 = self.state_dtype == torch.bfloat16
+                _scatter(stochastic_round_bf16(flat, gen) if bf16 else flat, store, sizes)
+        if flat_master is not None:
+            self._store_master(params, states, mode, flat_master, sizes, gen)
 
     def _gather_master(self, params: list[torch.Tensor], states: list[dict[str, Any]], mode: str) -> torch.Tensor:
         """The FP32 masters of ``params``, flat: the update starts from them."""
         if mode == "bf16_remainder":
-            return combine_remainder(_gather(params), _gather([st["remainder"] for st in states]))
-        flat = _gather(params, torch.float32)
+            return combine_remainder(_gather(params, None), _gather([st["remainder"] for st in states], None))
+        flat = _gather(params)
         if mode == "bf16_kahan":
-            flat += _gather([st["compensation"] for st in states], torch.float32)
+            flat += _gather([st["compensation"] for st in states])
         return flat
 
     def _store_master(
@@ -306,10 +314,33 @@ class StorageAdamW(torch.optim.Optimizer):
             _scatter(master, params, sizes)  # round to nearest (master none, or another dtype)
 
 
-def _gather(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``tensors`` one after another in one new flat tensor (of ``dtype``): one copy, whatever their number."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    return flat if dtype is None or flat.dtype == dtype else flat.to(dtype)
+def _in_place(tensors: list[torch.Tensor]) -> bool:
+    """Whether the fused kernel can update ``tensors`` where they are: FP32, contiguous (so a flat view of each
+    walks the tensor's own elements, in the order of the other lists' views)."""
+    return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+def _check_master_state(params: list[torch.Tensor], states: list[dict[str, Any]], mode: str) -> None:
+    """A BF16 parameter's state holds the master its mode keeps; one without (its state was made while it was
+    FP32) would lose its master silently."""
+    key = {"bf16_remainder": "remainder", "bf16_kahan": "compensation"}.get(mode)
+    missing = [i for i, st in enumerate(states) if key is not None and key not in st]
+    if missing:
+        shape = tuple(params[missing[0]].shape)
+        raise StorageRefusal(
+            f"storage.master {mode}: {len(missing)} BF16 parameter(s) (the first of shape {shape}) have no {key} in "
+            "the optimizer state (their state was made while they were FP32): build the optimizer after the "
+            "parameters took their storage dtype"
+        )
+
+
+def _gather(tensors: list[torch.Tensor], dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    """``tensors`` one after another in one new flat tensor of ``dtype`` (None: theirs): one copy, whatever their
+    number, converted on the way."""
+    pieces = [t.reshape(-1) for t in tensors]
+    out_dtype = pieces[0].dtype if dtype is None else dtype
+    out = torch.empty(sum(p.numel() for p in pieces), dtype=out_dtype, device=pieces[0].device)
+    return torch.cat(pieces, out=out)
 
 
 def _scatter(flat: torch.Tensor, tensors: list[torch.Tensor], sizes: list[int]) -> None:

@@ -100,3 +100,30 @@ def test_native_fp8_saves_less_for_backward_than_bf16():
     native = one(NativeFP8Linear(linear, EmulationSpec(scaling="delayed")))
     assert plain == 2 * (M * K + N * K)
     assert native == M * K + N * K + 2 * 4  # the FP8 input and weight, and their two FP32 dequantization scales
+
+
+def test_an_eager_native_step_makes_one_fp32_temporary_of_the_input():
+    """Eager mode, BF16 input: the only FP32 tensor of the input's shape is the quantizer's one temporary (upcast,
+    scaled and clamped in place); before, the input was upcast for the whole forward and the quantizer made three."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    layer = NativeFP8Linear(torch.nn.Linear(K, N, bias=False), EmulationSpec(scaling="delayed")).train()
+    x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+
+    class Fp32Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                fresh = not func.is_view and not any(t is a for a in args)  # an in-place op returns its input
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == 2 and fresh:
+                    shapes.append((str(func), tuple(t.shape)))
+            return out
+
+    with Fp32Outputs(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    forward = [name for name, shape in shapes if shape in ((M, K), (M, N))]
+    assert y.dtype == torch.bfloat16
+    assert forward == ["aten._to_copy.default"], shapes

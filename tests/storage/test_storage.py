@@ -878,3 +878,65 @@ def test_the_step_benchmark_counts_what_the_step_launches(monkeypatch):
     for name in bench.VARIANTS:
         assert small[name]["kernel_ops_per_step"] == large[name]["kernel_ops_per_step"], name
     assert large["bf16_remainder"]["kernel_ops_per_step"] > large["none"]["kernel_ops_per_step"]
+
+
+def test_a_flag_summed_over_two_devices_still_skips_the_step():
+    """GradScaler hands the sum of every device's found-inf flag (2 with gradients on two GPUs); torch's fused kernel
+    skips on exactly 1, so the flag is made 0/1 first: nothing moves and the step count stays."""
+    for master, dtype in (("fp32", torch.float32), ("bf16_remainder", torch.bfloat16)):
+        p = torch.nn.Parameter(torch.randn(8, 8).to(dtype))
+        opt = StorageAdamW([p], lr=1e-2, master=master)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        before = p.detach().clone()
+        p.grad = torch.full_like(p, float("inf"))
+        opt.found_inf, opt.grad_scale = torch.tensor(2.0), None
+        opt.step()
+        del opt.found_inf, opt.grad_scale
+        assert torch.equal(p.detach(), before), master
+        assert float(opt.state[p]["step"]) == 1.0, master
+
+
+def test_layouts_the_kernel_cannot_walk_in_place_are_gathered():
+    """A transposed FP32 weight with a contiguous gradient, and a strided view of a larger tensor: each ends where
+    torch's per-parameter AdamW ends, and the storage around the view is untouched (the kernel walks memory from the
+    data pointer: handed either in place, it would update the wrong elements)."""
+    torch.manual_seed(4)
+    base = torch.randn(6, 10)
+    cases = [torch.nn.Parameter(torch.randn(12, 5).t()), torch.nn.Parameter(base[:, ::2])]
+    twins = [torch.nn.Parameter(p.detach().clone().contiguous()) for p in cases]
+    grads = [torch.randn(p.shape) for p in cases]
+    untouched = base[:, 1::2].clone()
+    ours = StorageAdamW(cases, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(twins, lr=1e-2, weight_decay=0.1, foreach=False)
+    for _ in range(3):
+        for p, q, g in zip(cases, twins, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    for p, q in zip(cases, twins):
+        assert torch.allclose(p.detach(), q.detach(), atol=1e-6)
+    assert torch.equal(base[:, 1::2], untouched)
+
+
+def test_a_gradient_is_not_changed_by_the_step_whatever_its_path():
+    """With a GradScaler's ``grad_scale`` the kernel would divide a gradient it is handed in place; every path hands
+    it a copy then, so what the caller reads after the step is what backward wrote."""
+    a = torch.nn.Parameter(torch.ones(4, 4))
+    b = torch.nn.Parameter(torch.ones(4, 4).to(torch.bfloat16))
+    opt = StorageAdamW([a, b], lr=1e-2, master="bf16_remainder")
+    a.grad, b.grad = torch.full((4, 4), 8.0), torch.full((4, 4), 8.0).to(torch.bfloat16)
+    opt.grad_scale, opt.found_inf = torch.tensor(4.0), torch.zeros(())
+    opt.step()
+    assert float(a.grad.max()) == 8.0 and float(b.grad.float().max()) == 8.0
+
+
+def test_a_bf16_parameter_without_its_remainder_is_refused_not_rounded():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    opt = StorageAdamW([p], lr=1e-2, master="bf16_remainder")
+    p.grad = torch.ones_like(p)
+    opt.step()  # its state made while FP32: no remainder
+    p.data = p.data.to(torch.bfloat16)
+    p.grad = torch.ones_like(p)
+    with pytest.raises(StorageRefusal, match=r"storage.master bf16_remainder: 1 BF16 parameter\(s\) .* no remainder"):
+        opt.step()
