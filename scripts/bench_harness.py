@@ -388,14 +388,17 @@ def reset_peak_rss() -> None:
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts tensor operations while active: one per aten call (a foreach op counts once)."""
+    """Counts tensor operations while active: one per aten call (a foreach op counts once); ``views=False`` leaves
+    out the views, which only describe memory: what is left launches a kernel each (what a GPU would launch)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, views: bool = True) -> None:
         super().__init__()
         self.n = 0
+        self.views = views
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.n += 1
+        if self.views or not func.is_view:
+            self.n += 1
         return func(*args, **(kwargs or {}))
 
 

@@ -25,8 +25,8 @@ import sys
 import time
 from typing import Any
 
+import bench_harness as bh
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_mixedprec.storage import StorageAdamW
 
@@ -42,20 +42,9 @@ VARIANTS: dict[str, tuple[torch.dtype, dict[str, Any] | None]] = {
 }
 
 
-class _CountKernels(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if not func.is_view:
-            self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def kernel_ops(opt: torch.optim.Optimizer) -> int:
     """Kernel-launching aten operations of one ``opt.step()``."""
-    with _CountKernels() as count:
+    with bh.OpCounter(views=False) as count:
         opt.step()
     return count.n
 

@@ -97,9 +97,9 @@ class _NativeGEMM:
     def _gemm(self: Any, x: Tensor, out_dtype: torch.dtype) -> Tensor:
         return self._run(_NativeFP8Fn, x, out_dtype)
 
-    def native_weight(self: Any, weight: Tensor) -> Tensor:
-        """The GEMM's weight operand ``W`` ([out, in]) in the stored weight's own dtype: a view, no FP32 copy (the
-        quantization computes in FP32 element by element, as the emulated layer's upcast copy does)."""
+    def gemm_weight(self: Any, weight: Tensor) -> Tensor:
+        """The GEMM's weight operand ``W`` ([out, in]) in the stored weight's own dtype: a view, not the emulated
+        layer's FP32 copy (the quantization computes in FP32 element by element, as on that copy)."""
         return weight.t() if self.kind == "Conv1D" else weight
 
 
@@ -113,7 +113,7 @@ class _NativeFP8Fn(torch.autograd.Function):
         ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, mod: EmulatedFP8GEMM, out_dtype: torch.dtype
     ) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # as it came (BF16 under autocast): quantized without an FP32 copy
-        w = mod.native_weight(weight)
+        w = mod.gemm_weight(weight)
         xq = mod.quantize_for(x2, 0, gemm="fprop", src_dtype=x.dtype)
         wq = mod.quantize_for(w, 1, gemm="fprop", src_dtype=weight.dtype)
         x_inv, w_inv = _inv(xq.scale), _inv(wq.scale)

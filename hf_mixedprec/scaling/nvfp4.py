@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hf_mixedprec.core.formats import E4M3, FLOAT32_MAX
+
 __all__ = [
     "E2M1_MAX",
     "E2M1_VALUES",
@@ -61,15 +63,18 @@ NVFP4_BLOCK = 16
 #: (``get_wgrad_sign_vector`` in ``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``).
 TE_RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
-_E4M3_MAX = 448.0
-_F32_MAX = torch.finfo(torch.float32).max
 #: Where round-to-nearest-even moves from one E2M1 code to the next, and whether the boundary itself goes up
 #: (``>=``: the upper neighbour's code is even) or stays (``>``).
 _RNE_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
-def _table(device: torch.device) -> Tensor:
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+def _magnitude(code: Tensor) -> Tensor:
+    """:data:`E2M1_VALUES` ``[code]`` for codes 0-7, computed on the codes' device (a table built from a Python list
+    would be a host-to-device copy, a sync on a GPU): exponent ``code >> 1``, mantissa bit ``code & 1``; exponent 0
+    is subnormal (0 or 0.5), exponent e >= 1 is ``2**(e - 1) * (1 + mantissa / 2)``."""
+    e = (code >> 1).float()
+    m = (code & 1).float()
+    return torch.where(e == 0, m * 0.5, torch.exp2(e - 1) * (1 + m * 0.5))
 
 
 def e2m1_codes(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -82,13 +87,12 @@ def e2m1_codes(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
         for edge, up in _RNE_STEPS:
             code += (mag >= edge if up else mag > edge).to(torch.uint8)
     else:
-        table = _table(x.device)
         low = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
         for value in E2M1_VALUES[1:]:
             low += (mag >= value).to(torch.int64)
-        high = (low + 1).clamp(max=len(E2M1_VALUES) - 1)
-        gap = table[high] - table[low]
-        frac = torch.where(gap > 0, (mag - table[low]) / torch.where(gap > 0, gap, 1.0), 0.0)
+        base = _magnitude(low)
+        gap = _magnitude((low + 1).clamp(max=len(E2M1_VALUES) - 1)) - base
+        frac = torch.where(gap > 0, (mag - base) / torch.where(gap > 0, gap, 1.0), 0.0)
         draw = torch.rand(x.shape, generator=generator, device=x.device)
         code = (low + (draw < frac).to(torch.int64)).to(torch.uint8)
     code = torch.where(torch.isnan(x), 0, code).to(torch.uint8)  # torch.where promotes: back to uint8
@@ -97,7 +101,7 @@ def e2m1_codes(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
 
 def e2m1_values(codes: Tensor) -> Tensor:
     """The float32 values of E2M1 ``codes`` (-0.0 for code 8)."""
-    mag = _table(codes.device)[(codes & 7).long()]
+    mag = _magnitude((codes & 7).long())
     return torch.where((codes & 8) > 0, -mag, mag)
 
 
@@ -130,8 +134,8 @@ class NVFP4Quantized:
 
 def global_encode_scale(amax: Tensor) -> Tensor:
     """TE's per-tensor encode scale ``(448 * 6) / amax`` (float32), at most FLT_MAX, 1 where it is 0."""
-    g = torch.div(torch.full_like(amax.float(), _E4M3_MAX * E2M1_MAX), amax.float())
-    g = torch.clamp(g, max=_F32_MAX)
+    g = torch.div(torch.full_like(amax.float(), E4M3.max * E2M1_MAX), amax.float())
+    g = torch.clamp(g, max=FLOAT32_MAX)
     return torch.where(g == 0, torch.ones_like(g), g)
 
 
@@ -161,10 +165,10 @@ def nvfp4_quantize(
         tiles = x.view(m // NVFP4_BLOCK, NVFP4_BLOCK, n // NVFP4_BLOCK, NVFP4_BLOCK).abs().amax(dim=(1, 3))
         block_amax = tiles.repeat_interleave(NVFP4_BLOCK, dim=0).unsqueeze(-1)
     multiplier = g * torch.reciprocal(torch.full_like(g, E2M1_MAX))
-    decode = torch.clamp(block_amax * multiplier, max=_F32_MAX)
-    decode = torch.clamp(decode, -_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+    decode = torch.clamp(block_amax * multiplier, max=FLOAT32_MAX)
+    decode = torch.clamp(decode, -E4M3.max, E4M3.max).to(torch.float8_e4m3fn)
     global_decode = torch.div(torch.ones_like(g), g)
-    encode = torch.clamp(torch.div(1.0, decode.float() * global_decode), max=_F32_MAX)
+    encode = torch.clamp(torch.div(1.0, decode.float() * global_decode), max=FLOAT32_MAX)
     codes = e2m1_codes((blocks * encode).view(m, n), generator)
     return NVFP4Quantized(codes, decode.squeeze(-1), global_decode)
 
@@ -175,10 +179,10 @@ def hadamard_matrix(signs: tuple[int, ...] | Tensor = TE_RHT_SIGNS, device: torc
     h = torch.ones((1, 1), dtype=torch.float32, device=device)
     while h.shape[0] < NVFP4_BLOCK:
         h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
-    s = torch.as_tensor(signs, dtype=torch.float32, device=device)
+    s = torch.as_tensor(signs, dtype=torch.float32, device="cpu")  # checked on the host, then moved once
     if s.shape != (NVFP4_BLOCK,) or not bool(((s == 1) | (s == -1)).all()):
         raise ValueError(f"signs: 16 values, each 1 or -1 (got {s.tolist()})")
-    return (s[:, None] * h) * 0.25
+    return (s.to(h.device)[:, None] * h) * 0.25
 
 
 def random_hadamard_transform(x: Tensor, signs: tuple[int, ...] | Tensor = TE_RHT_SIGNS) -> Tensor:

@@ -172,11 +172,11 @@ class StorageAdamW(torch.optim.Optimizer):
         return state
 
     # -- the step -----------------------------------------------------------------------------------------------
-    def _chunks(self, group: dict[str, Any]) -> list[list[torch.Tensor]]:
+    def _chunks(self, group: dict[str, Any]) -> list[tuple[list[torch.Tensor], bool]]:
         """The group's parameters that have a gradient, by device and dtype, cut into runs of at most
         ``chunk_elements`` elements (default by device type: :data:`CHUNK_ELEMENTS`; a larger parameter is a run of
         its own): a step's FP32 temporaries are those of one run. FP32 weights whose gradients and moments the
-        kernel can update where they are (:func:`_in_place`) need none: they are one run."""
+        kernel can update where they are (:func:`_in_place`) need none: they are one run, marked True."""
         by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for p in group["params"]:
             if p.grad is None:
@@ -186,14 +186,14 @@ class StorageAdamW(torch.optim.Optimizer):
             if not self.state[p]:
                 self._init_state(p)
             by_kind.setdefault((p.device, p.dtype), []).append(p)
-        runs: list[list[torch.Tensor]] = []
+        runs: list[tuple[list[torch.Tensor], bool]] = []
         scaled = getattr(self, "grad_scale", None) is not None
         for (device, dtype), params in by_kind.items():
             if dtype == torch.float32 and self.state_dtype == torch.float32 and not scaled:
                 st = self.state
                 whole = [p for p in params if _in_place([p, p.grad, st[p]["exp_avg"], st[p]["exp_avg_sq"]])]
                 if whole:
-                    runs.append(whole)
+                    runs.append((whole, True))
                 taken = {id(p) for p in whole}
                 params = [p for p in params if id(p) not in taken]
             limit = self.chunk_elements or CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["default"])
@@ -201,12 +201,12 @@ class StorageAdamW(torch.optim.Optimizer):
             size = 0
             for p in params:
                 if run and size + p.numel() > limit:
-                    runs.append(run)
+                    runs.append((run, False))
                     run, size = [], 0
                 run.append(p)
                 size += p.numel()
             if run:
-                runs.append(run)
+                runs.append((run, False))
         return runs
 
     @torch.no_grad()
@@ -216,16 +216,17 @@ class StorageAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for run in self._chunks(group):
-                self._step_run(group, run)
+            for run, in_place in self._chunks(group):
+                self._step_run(group, run, in_place)
         return loss
 
-    def _step_run(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+    def _step_run(self, group: dict[str, Any], params: list[torch.Tensor], in_place: bool) -> None:
         """One AdamW step of ``params`` (one device, one dtype): torch's fused AdamW kernel over their FP32 masters,
         gradients and moments. A list whose tensors are FP32 and contiguous goes to the kernel as it is (updated in
         place; gradients only when there is no ``grad_scale`` to divide by, so a gradient is never changed); any
         other is gathered into one flat FP32 buffer and, after the kernel, written back in the storage the recipe
-        chose. The number of operations does not depend on the number of parameters."""
+        chose. ``in_place``: :meth:`_chunks` found every list of the run so already. The number of operations does
+        not depend on the number of parameters."""
         device, dtype = params[0].device, params[0].dtype
         states = [self.state[p] for p in params]
         sizes = [p.numel() for p in params]
@@ -241,10 +242,12 @@ class StorageAdamW(torch.optim.Optimizer):
         grads = [p.grad for p in params]
         avgs = [st["exp_avg"] for st in states]
         sqs = [st["exp_avg_sq"] for st in states]
-        flat_master = None if mode == "fp32" and _in_place(params) else self._gather_master(params, states, mode)
-        flat_avgs = None if _in_place(avgs) else _gather(avgs)
-        flat_sqs = None if _in_place(sqs) else _gather(sqs)
-        direct_grads = grad_scale is None and _in_place(grads)
+        flat_master = (
+            None if in_place or (mode == "fp32" and _in_place(params)) else self._gather_master(params, states, mode)
+        )
+        flat_avgs = None if in_place or _in_place(avgs) else _gather(avgs)
+        flat_sqs = None if in_place or _in_place(sqs) else _gather(sqs)
+        direct_grads = in_place or (grad_scale is None and _in_place(grads))
 
         def listed(flat: torch.Tensor | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             return [t.view(-1) for t in tensors] if flat is None else list(flat.split(sizes))
