@@ -161,13 +161,13 @@ def resume_command(command: list[str] | None, resume_from: str | None, fallback:
 
 def _estimated_memory(trainer: Any, recipe: Recipe, run: RunSettings, rt: Any) -> dict[str, float] | None:
     """What ``hf-mixedprec estimate`` predicts for this run, in MiB by component (None, said loudly, if it cannot)."""
-    from hf_mixedprec.commands.estimate import estimate_memory
+    from hf_mixedprec.commands.estimate import recipe_memory
 
     device = trainer.args.device
     try:
-        est = estimate_memory(
+        mem = recipe_memory(
             trainer.model.config,
-            [recipe],
+            recipe,
             batch_size=run.batch_size,
             seq_len=run.seq_len,
             gradient_checkpointing=bool(trainer.args.gradient_checkpointing),
@@ -181,8 +181,7 @@ def _estimated_memory(trainer: Any, recipe: Recipe, run: RunSettings, rt: Any) -
         else:
             logging.getLogger("hf_mixedprec").warning("hf_mixedprec: %s", note)
         return None
-    top = max(est.recipes, key=lambda r: r.memory.total)  # a phased recipe: its largest phase sets the peak
-    return {k: round(v / 2**20, 1) for k, v in top.memory.to_dict().items()}
+    return {k: round(v / 2**20, 1) for k, v in mem.to_dict().items()}
 
 
 def _estimate_line(s: dict[str, Any]) -> str | None:

@@ -235,24 +235,27 @@ def build_plots(run_dir: str | Path, doc: dict[str, Any] | None = None) -> list[
     ``skipped_steps.png`` (each skipped step marked where it happened) and ``fp8_saturation.png`` (FP8 with
     sampled per-layer statistics); a plot is written only when the run has its series.
     """
-    matplotlib = require("matplotlib", "finetune", "the run report's plots")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    require("matplotlib", "finetune", "the run report's plots")
+    # a Figure on its own Agg canvas, not pyplot: no global backend switched in the user's process (a notebook keeps
+    # its own), no figure manager to close, and half a second less per run than pyplot's import and tight layout
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     run_dir = Path(run_dir)
     if doc is None:
         doc = json.loads((run_dir / HEALTH_FILE).read_text())
     written: list[Path] = []
     for name, draw in _PLOTS:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
+        fig = Figure(figsize=(7, 3.5))
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
         if draw(ax, doc):
             _mark_phases(ax, doc)
             ax.set_xlabel("optimizer step")
             ax.grid(alpha=0.3)
-            fig.tight_layout()
+            fig.subplots_adjust(left=0.11, right=0.98, bottom=0.14, top=0.91)
             fig.savefig(run_dir / name, dpi=100)
             written.append(run_dir / name)
-        plt.close(fig)
     return written
 
 
