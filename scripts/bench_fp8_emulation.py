@@ -9,7 +9,8 @@ our ``mxfp8`` (E4M3 everywhere, as torchao) against torchao's MXFP8 training Lin
 (``MXFP8Linear(kernel_preference=EMULATED)``, same RCEIL rule, block 32), and, if that cannot train here, our
 ``quantize_mxfp8``/``dequantize_mxfp8`` against torchao's ``to_mx`` + dequantize of the same tensors. torchao has
 no emulation of TE's blockwise rule (1x128 / 128x128 tiles), so ``blockwise`` is set against our own current
-scaling. ``--torch-threads`` sets torch's thread count (default: torch's own).
+scaling; ``nvfp4`` (TE's NVFP4BlockScaling) is set against our MXFP8 rehearsal, what a Blackwell user rehearses
+otherwise. ``--torch-threads`` sets torch's thread count (default: torch's own).
 
     python scripts/bench_fp8_emulation.py [--tokens 2048] [--features 1024] [--rounds 7] [--torch-threads N]
         [--json out.json]
@@ -79,9 +80,9 @@ def _variants(features: int) -> tuple[nn.Sequential, dict[str, nn.Module], str |
     bh.seed_all(0)
     base = nn.Sequential(nn.Linear(features, features))
     variants: dict[str, nn.Module] = {"bf16 nn.Linear (autocast)": copy.deepcopy(base)}
-    for scaling in ("delayed", "current", "mxfp8", "blockwise"):
+    for scaling in ("delayed", "current", "mxfp8", "blockwise", "nvfp4"):
         m = copy.deepcopy(base)
-        convert(m, _recipe(scaling))
+        convert(m, _recipe(scaling, fmt="E4M3" if scaling == "nvfp4" else None))
         variants[f"emulated {scaling}"] = m
     m = copy.deepcopy(base)
     convert(m, _recipe("current", backend="torchao"))
@@ -104,6 +105,11 @@ def _reference_rows(ms: dict[str, float], ao_name: str | None) -> list[dict]:
     if ao_name is not None:
         refs.append(("MXFP8 (E4M3, block 32, RCEIL)", "emulated mxfp8, E4M3 all operands", ao_name))
     refs.append(("blockwise (1x128 / 128x128)", "emulated blockwise", "emulated current"))
+    # the NVFP4 rehearsal against the MXFP8 one: what 16-element E4M3 scales, the Hadamard transform and the
+    # stochastic-rounding draws cost over 32-element E8M0 scales
+    refs.append(
+        ("NVFP4 (1x16 E4M3 scales, 16x16 weights, RHT, SR)", "emulated nvfp4", "emulated mxfp8, E4M3 all operands")
+    )
     rows = []
     cells = []
     for rule, ours, ref in refs:

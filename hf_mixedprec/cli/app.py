@@ -35,7 +35,7 @@ from hf_mixedprec.cli.inspect_cmds import (
 from hf_mixedprec.cli.run_cmds import _add_compare, _add_finetune, _add_launch, cmd_compare, cmd_finetune, cmd_launch
 from hf_mixedprec.cli.run_cmds import _finetune_command as _finetune_command
 from hf_mixedprec.core.disk import DiskFull
-from hf_mixedprec.core.errors import MixedPrecisionError, Problem, RecipeError, UsageError
+from hf_mixedprec.core.errors import HardwareRefusal, MixedPrecisionError, Problem, RecipeError, UsageError
 from hf_mixedprec.integrations.recipe import Recipe, builtin_recipe_names, load_recipe_file
 from hf_mixedprec.recipes.hardware import detect
 
@@ -130,6 +130,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
     info = detect()
     name, notes = resolve_auto(info)
     sup = support_for(info.device_type, info.capability, info.cuda_version)
+    also = _also_runs(info, name)
     as_dict = info.to_dict()
     out = {
         "device": info.device_type,
@@ -145,6 +146,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
         "cpu_capability": info.cpu_capability,
         "cpu_bf16": as_dict["cpu_bf16"],
         "recipe": name,
+        "also_runs": also,
         "notes": notes,
     }
     if args.json:
@@ -162,9 +164,27 @@ def cmd_detect(args: argparse.Namespace) -> int:
         f"torchao {info.torchao_version or 'not installed'}"
     )
     print(f"recipe:      {name}")
+    print(f"also runs:   {', '.join(also) or 'none'} (--recipe NAME; auto picks the one above)")
     for note in notes:
         print(f"note:        {note}")
     return 0
+
+
+def _also_runs(info: Any, chosen: str) -> list[str]:
+    """The other built-in recipes this machine runs natively (no rehearsal): the opt-in ones such as b200-nvfp4,
+    which ``auto`` never picks, are offered here."""
+    from hf_mixedprec.recipes.hardware import check_recipe
+
+    out = []
+    for n in builtin_recipe_names():
+        if n == chosen:
+            continue
+        try:
+            check_recipe(load_recipe_file(n), info)
+        except HardwareRefusal:
+            continue
+        out.append(n)
+    return out
 
 
 # -- parser ----------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@
 scaling, format and keep rules, exact quantization), and the same steps in BF16 for reference. Every few
 steps it samples each FP8 layer's amax, saturation (values clipped at the FP8 max), underflow (non-zero
 values that quantize to zero), SQNR of quantize-dequantize and, for MXFP8, the fraction of blocks whose
-E8M0 scale sits at the clamp (each layer's ``LayerStats``). Layers that cross the recipe's ``health.detectors``
+E8M0 scale sits at the clamp, for NVFP4 the fraction of 16-element blocks whose E4M3 scale saturated or flushed
+(each layer's ``LayerStats``). Layers that cross the recipe's ``health.detectors``
 thresholds for ``fp8_saturation``, ``fp8_underflow``, ``fp8_sqnr`` or ``mx_clamp`` (decided by
 :func:`hf_mixedprec.training.health.layer_breaches`, as in training) are recommended for an ``fp8: off`` rule in ``modules:``.
 Published FP8 divergences start from outliers that saturate E4M3 first, so saturation leads the list.
@@ -151,7 +152,7 @@ class SimulationResult:
         lines = []
         width = max([len(layer.name) for layer in self.layers] + [5])
         hdr = f"{'layer':<{width}}  {'amax in/w/grad':>26}  {'sat% in/w/grad':>20}  {'undfl% in/w/grad':>20}  {'SQNR dB min':>11}"
-        if self.scaling == "mxfp8":
+        if self.scaling in ("mxfp8", "nvfp4"):
             hdr += f"  {'clamp%':>6}"
         lines += [hdr + "  keep?"]
         for layer in self.layers:
@@ -161,7 +162,7 @@ class SimulationResult:
             und = "/".join(f"{100 * s[r]['underflow']:.1f}" for r in ROLES)
             sq = min(s[r]["sqnr_db"] for r in ROLES)
             row = f"{layer.name:<{width}}  {amax:>26}  {sat:>20}  {und:>20}  {sq:>11.1f}"
-            if self.scaling == "mxfp8":
+            if self.scaling in ("mxfp8", "nvfp4"):
                 row += f"  {100 * max(s[r].get('mx_clamp', 0.0) for r in ROLES):>6.2f}"
             lines.append(row + ("  KEEP" if layer.keep_reasons else "  -"))
         return lines
@@ -233,7 +234,7 @@ def _flow(rule: dict[str, Any]) -> str:
     return "{" + ", ".join(f"{k}: {text(k, v)}" for k, v in rule.items()) + "}"
 
 
-def _reason(b: LayerBreach) -> str:
+def _reason(b: LayerBreach, scaling: str = "mxfp8") -> str:
     """Why a layer is recommended for ``keep_in_bf16``, in the words of the table."""
     if b.metric == "saturation":
         return f"{b.role} saturation {100 * b.value:.3f}% > {100 * b.threshold:g}%"
@@ -241,6 +242,8 @@ def _reason(b: LayerBreach) -> str:
         return f"{b.role} underflow {100 * b.value:.1f}% > {100 * b.threshold:g}%"
     if b.metric == "sqnr_db":
         return f"{b.role} SQNR {b.value:.1f} dB < {b.threshold:g} dB"
+    if scaling == "nvfp4":
+        return f"{b.role} NVFP4 blocks whose E4M3 scale saturated or flushed {100 * b.value:.2f}%"
     return f"{b.role} MX blocks at the E8M0 clamp {100 * b.value:.2f}%"
 
 
@@ -304,7 +307,8 @@ def simulate(
     fp8_losses = _train(model, batches, lr, sample_at, collect)
     det = recipe.health.detectors
     layers = [
-        LayerNumerics(name, roles, [_reason(b) for b in layer_breaches(roles, det)]) for name, roles in agg.items()
+        LayerNumerics(name, roles, [_reason(b, recipe.fp8.scaling) for b in layer_breaches(roles, det)])
+        for name, roles in agg.items()
     ]
     return SimulationResult(
         recipe=recipe.name,

@@ -80,6 +80,9 @@ BF16 = _from_finfo("bf16", torch.bfloat16, emax=127)
 FP32 = _from_finfo("fp32", torch.float32, emax=127)
 
 FORMATS: dict[str, NumberFormat] = {f.name: f for f in (E4M3, E5M2, FP16, BF16, FP32)}
+#: FP4 E2M1 (OCP MX v1.0, Sec. 5.3.3; NVFP4's values): ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}. torch has no unpacked FP4
+#: dtype; its codes are held as uint8 (``hf_mixedprec.scaling.nvfp4``). Not in :data:`FORMATS`: no tensor is cast to it.
+E2M1 = NumberFormat(name="e2m1", dtype=torch.uint8, max=6.0, min_normal=1.0, min_subnormal=0.5, mantissa_bits=1, emax=2)
 
 
 def get_format(fmt: str | torch.dtype | NumberFormat) -> NumberFormat:
@@ -118,4 +121,15 @@ FP8_SCALING_DEFAULTS: dict[str, dict[str, Any]] = {
     "mxfp8": {"mx_rounding": "rceil", "block_size": 32, "margin": 0},
     # TE Float8BlockScaling: 1x128 activation/grad tiles, 128x128 weight blocks, pow-2 scales by default.
     "blockwise": {"block_size": 128, "power_2_scales": True},
+    # TE NVFP4BlockScaling: E2M1 values, an E4M3 scale per 16 elements and an FP32 one per tensor; 16x16 weight
+    # blocks, a random Hadamard transform on the wgrad GEMM's inputs and stochastic rounding of gradients, each on by
+    # default there (disable_2d_quantization, disable_rht, disable_stochastic_rounding). rht_signs None: TE's vector.
+    "nvfp4": {
+        "block_size": 16,
+        "weight_2d": True,
+        "rht": True,
+        "rht_signs": None,
+        "stochastic_rounding": True,
+        "sr_seed": 0,
+    },
 }

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import warnings
+import zlib
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -241,7 +242,9 @@ def convert(
         for d in decisions:
             if d.to_swap and d.kind != EXPERTS_KIND:
                 cls = EmulatedFP8Conv1D if d.kind == "Conv1D" else EmulatedFP8Linear
-                replace_module(model, d.name, cls(model.get_submodule(d.name), spec))
+                layer = cls(model.get_submodule(d.name), spec)
+                layer.sr_stream = zlib.crc32(d.name.encode())  # the same draws in every process and after a resume
+                replace_module(model, d.name, layer)
     elif backend == "native":
         from hf_mixedprec.fp8.native import native_available, native_layer
 

@@ -16,7 +16,13 @@ ranks, as TE's ``reduce_amax``);
 *current* scales each tensor by its amax now; *mxfp8* gives every 32 elements along each GEMM's contraction
 dim an E8M0 scale, so the backward GEMMs need columnwise blocks quantized again from high precision (as TE
 does); *blockwise* uses 1x128 tiles for activations and gradients (columnwise 1x128 for the wgrad GEMM)
-and 128x128 blocks for weights. The GEMMs run in float32, like an FP8 tensor-core GEMM with FP32
+and 128x128 blocks for weights; *nvfp4* (TE's ``NVFP4BlockScaling``, :mod:`hf_mixedprec.scaling.nvfp4`) gives every
+16 elements along the contraction dim an E4M3 scale under an FP32 tensor scale, weights 16x16 blocks (``weight_2d``),
+the weight-gradient GEMM's inputs a 16-point Hadamard transform along the token dim (``rht``: both operands get
+the same orthogonal transform, so the product is unchanged in exact arithmetic and only the quantization sees it)
+and gradients stochastic rounding (``stochastic_rounding``, reproducible: :func:`~hf_mixedprec.scaling.nvfp4.
+hashed_uniform` keyed by a per-layer call counter, the ``nvfp4_sr_calls`` buffer a checkpoint keeps). Dims that are
+not multiples of 16 are padded with zeros, as TE pads. The GEMMs run in float32, like an FP8 tensor-core GEMM with FP32
 accumulation, and the output is cast to the autocast (or input) dtype.
 
 Health statistics (amax, saturation, underflow, SQNR, MX clamp) are recorded as device tensors only when
@@ -36,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from hf_mixedprec.core._device import Constants
-from hf_mixedprec.core.formats import FP8_SCALING_DEFAULTS, NumberFormat, get_format
+from hf_mixedprec.core.formats import E2M1, FP8_SCALING_DEFAULTS, NumberFormat, get_format
 from hf_mixedprec.fp8.stats import SampledStats, StatsRecord, held_row, hold
 from hf_mixedprec.fp8.swap import linear_holding
 from hf_mixedprec.recipes.schema import FP8Config
@@ -50,6 +56,15 @@ from hf_mixedprec.scaling import (
     quantize_mxfp8,
 )
 from hf_mixedprec.scaling.fp8 import abs_and_amax, tensor_amax
+from hf_mixedprec.scaling.nvfp4 import (
+    E2M1_MAX,
+    NVFP4_BLOCK,
+    TE_RHT_SIGNS,
+    e2m1_values,
+    hadamard_matrix,
+    hashed_uniform,
+    nvfp4_quantize,
+)
 from hf_mixedprec.scaling.stats import raw_from_tensorwise, raw_operand_stats, tensorwise_operand_stats
 
 __all__ = [
@@ -59,7 +74,7 @@ __all__ = [
     "EmulationSpec",
 ]
 
-_DELAYED, _CURRENT, _MX = (FP8_SCALING_DEFAULTS[s] for s in ("delayed", "current", "mxfp8"))
+_DELAYED, _CURRENT, _MX, _NV = (FP8_SCALING_DEFAULTS[s] for s in ("delayed", "current", "mxfp8", "nvfp4"))
 _K = Constants()
 
 
@@ -80,10 +95,17 @@ class EmulationSpec:
     power_2_scales: bool = _CURRENT["power_2_scales"]
     mx_rounding: str = _MX["mx_rounding"]
     block_size: int = _MX["block_size"]
+    weight_2d: bool = _NV["weight_2d"]
+    rht: bool = _NV["rht"]
+    rht_signs: tuple[int, ...] = TE_RHT_SIGNS
+    stochastic_rounding: bool = _NV["stochastic_rounding"]
+    sr_seed: int = _NV["sr_seed"]
 
     @classmethod
     def from_config(cls, cfg: FP8Config) -> EmulationSpec:
         opts = cfg.options()
+        if opts.get("rht_signs") is not None:
+            opts["rht_signs"] = tuple(opts["rht_signs"])
         return cls(
             scaling=cfg.scaling,
             fwd_format="e4m3",
@@ -105,7 +127,7 @@ def _pad_to(t: Tensor, dim: int, multiple: int) -> tuple[Tensor, int]:
 class _Quantized:
     """A quantize-dequantize result with what the health statistics need."""
 
-    __slots__ = ("amax", "codes", "data", "deq", "magnitude", "scale")
+    __slots__ = ("amax", "clamp", "codes", "data", "deq", "magnitude", "scale")
 
     def __init__(
         self,
@@ -116,8 +138,10 @@ class _Quantized:
         scale: Tensor | None = None,
         magnitude: Tensor | None = None,
         amax: Tensor | None = None,
+        clamp: Tensor | None = None,
     ) -> None:
         self.deq, self.data, self.codes = deq, data, codes
+        self.clamp = clamp  # NVFP4: the share of 16-element blocks whose E4M3 scale saturated or flushed to zero
         # per-tensor scalings: the scale, |x| as the amax saw it, and the amax
         self.scale, self.magnitude, self.amax = scale, magnitude, amax
 
@@ -153,21 +177,35 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
         # the output gradient's row is written in place by the backward (grad_record), NaN until then
         self.start_records()
         self.register_buffer("fp8_grad_stats", held_row(dev), persistent=False)
+        if spec.scaling == "nvfp4":
+            # how many stochastically rounded quantizations this layer has made: the key of the next one's draws
+            self.register_buffer("nvfp4_sr_calls", torch.zeros((), dtype=torch.int64, device=dev))
+            self.register_buffer("nvfp4_rht", hadamard_matrix(spec.rht_signs, dev), persistent=False)
+        #: tells this layer's stochastic-rounding draws from other layers' (set from the module name at conversion)
+        self.sr_stream = 0
         # per-tensor scales with a finite reciprocal take the cheap statistics (tensorwise_operand_stats): current
         # scales are at least fmt.max / FLT_MAX, delayed ones fmt.max * 2**-margin / FLT_MAX, above 2**-128 up to 8
         self._tensorwise_stats = spec.scaling == "current" or (spec.scaling == "delayed" and spec.margin <= 8)
 
     def extra_repr(self) -> str:
-        fmt = f"{self.spec.fwd_format}/{self.spec.bwd_format}"
+        fmt = "e2m1/e4m3 blocks" if self.spec.scaling == "nvfp4" else f"{self.spec.fwd_format}/{self.spec.bwd_format}"
         return f"in_features={self.in_features}, out_features={self.out_features}, scaling={self.spec.scaling}, {fmt}"
 
     @property
     def mx_clamp(self) -> bool:  # type: ignore[override]
-        """MXFP8 layers measure how many blocks' E8M0 scales sit at the clamp."""
-        return self.spec.scaling == "mxfp8"
+        """MXFP8 layers measure how many blocks' E8M0 scales sit at the clamp, NVFP4 ones how many blocks' E4M3
+        scales saturated or flushed to zero."""
+        return self.spec.scaling in ("mxfp8", "nvfp4")
+
+    @property
+    def weight_serves_dgrad(self) -> bool:
+        """The forward's quantized weight is also the dgrad GEMM's (orientation-free 2-D blocks)."""
+        return self.spec.scaling == "blockwise" or (self.spec.scaling == "nvfp4" and self.spec.weight_2d)
 
     # -- quantization ------------------------------------------------------------------------------
     def _fmt(self, role: int) -> NumberFormat:
+        if self.spec.scaling == "nvfp4":
+            return E2M1
         return self.bwd_fmt if role == 2 else self.fwd_fmt
 
     def _qdq_tensorwise(self, t: Tensor, role: int) -> _Quantized:
@@ -217,6 +255,45 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
             deq, data = deq.transpose(0, 1), data.transpose(0, 1)
         return _Quantized(deq, data)
 
+    def _qdq_nvfp4(self, t: Tensor, role: int, gemm: str) -> _Quantized:
+        """NVFP4 quantize-dequantize of one 2-D GEMM operand as TE's ``NVFP4BlockScaling`` quantizes it: 1x16 blocks
+        along the GEMM's contraction dim (16x16 for a weight with ``weight_2d``), a tensor scale from the operand's
+        amax, the Hadamard transform on the wgrad GEMM's operands first (``rht``; the amax is the transformed
+        tensor's, as TE takes it), stochastic rounding for the output gradient. A wgrad operand comes back with its
+        token dim padded to 16 (the transform mixes the padding in; both operands carry it, so their product is
+        whole); the others in ``t``'s shape."""
+        spec = self.spec
+        two_d = role == 1 and spec.weight_2d
+        transposed = not two_d and (gemm == "wgrad" or (gemm == "dgrad" and role == 1))
+        src = t.t() if transposed else t
+        rows, cols = src.shape
+        pad_r = (-rows) % NVFP4_BLOCK if two_d else 0
+        pad_c = (-cols) % NVFP4_BLOCK
+        if pad_r or pad_c:
+            src = torch.nn.functional.pad(src, (0, pad_c, 0, pad_r))
+        if gemm == "wgrad" and spec.rht:
+            src = (src.reshape(-1, NVFP4_BLOCK) @ self.nvfp4_rht.float()).reshape(src.shape)
+        noise = None
+        if role == 2 and spec.stochastic_rounding:
+            stream = (self.sr_stream * 0x9E3779B1 + spec.sr_seed) & 0xFFFFFFFF
+            noise = hashed_uniform(src.shape, self.nvfp4_sr_calls, stream)
+            self.nvfp4_sr_calls.add_(1)
+        q = nvfp4_quantize(src, tile=(NVFP4_BLOCK, NVFP4_BLOCK) if two_d else (1, NVFP4_BLOCK), noise=noise)
+        deq = q.dequantize()
+        clamp = None
+        if self.record_stats and gemm != "wgrad":
+            block_amax = src.abs().reshape(src.shape[0], -1, NVFP4_BLOCK).amax(-1)
+            unclamped = block_amax * (torch.reciprocal(q.global_decode) / E2M1_MAX)
+            flushed = (q.block_scales.float() == 0) & (block_amax > 0)
+            clamp = (flushed | (unclamped > get_format("e4m3").max)).float().mean()
+        codes = q.codes
+        if gemm == "wgrad":
+            return _Quantized(deq.t(), codes.t())
+        deq, codes = deq[:rows, :cols], codes[:rows, :cols]
+        if transposed:
+            deq, codes = deq.t(), codes.t()
+        return _Quantized(deq, codes, amax=None, clamp=clamp)
+
     def operand_record(self, role: int, t: Tensor, q: _Quantized) -> StatsRecord:
         """Device-side health statistics of one quantization (no host sync), from the tensors the quantization
         made: a :func:`~hf_mixedprec.scaling.stats.tensorwise_operand_stats` list for per-tensor scales, else a
@@ -225,6 +302,8 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
         """
         fmt = self._fmt(role)
         t = t.float()  # the native backend quantizes 16-bit operands as they are; the statistics compare in FP32
+        if self.spec.scaling == "nvfp4":
+            return raw_operand_stats(t, e2m1_values(q.data), q.deq, fmt, block_clamp=q.clamp)
         if self._tensorwise_stats and q.amax is not None and q.scale is not None:
             top = _K(fmt.max, t.device) * torch.reciprocal(q.scale)  # what an FP8 value of fmt.max dequantizes to
             return tensorwise_operand_stats(t, q.deq, amax=q.amax, top=top, magnitude=q.magnitude)
@@ -289,6 +368,8 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
         """
         if self.spec.scaling in ("delayed", "current"):
             return self._qdq_tensorwise(t, role)
+        if self.spec.scaling == "nvfp4":
+            return self._qdq_nvfp4(t, role, gemm)
         weight_block = role == 1 and self.spec.scaling == "blockwise"
         dim = 0 if (gemm == "wgrad" or (gemm == "dgrad" and role == 1)) else -1
         return self._qdq_blocked(t, role, dim, weight_block, src_dtype)
@@ -390,11 +471,7 @@ class _EmulatedFP8Fn(torch.autograd.Function):
             x_w, w_d = xq, wq  # a per-tensor scale serves both orientations
         else:
             x_w = mod.quantize_for(x2, 0, gemm="wgrad", src_dtype=x.dtype).deq
-            w_d = (
-                wq
-                if mod.spec.scaling == "blockwise"
-                else mod.quantize_for(w, 1, gemm="dgrad", src_dtype=weight.dtype).deq
-            )
+            w_d = wq if mod.weight_serves_dgrad else mod.quantize_for(w, 1, gemm="dgrad", src_dtype=weight.dtype).deq
         ctx.save_for_backward(x_w, w_d)
         remember_gemm(ctx, mod, x, weight, bias)
         records = mod.forward_records(ctx, x2, xquant, w, wquant)

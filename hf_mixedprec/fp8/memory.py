@@ -12,7 +12,9 @@ Read from Transformer Engine's PyTorch sources:
   ``amax_history[amax_history_len, n]``.
 - Scale layouts: per-tensor FP8 (delayed, current) has one float32 scale per tensor; MXFP8 one E8M0 byte per
   32 values along the block direction (OCP MX v1.0); ``Float8BlockScaling`` one float32 scale per 1x128
-  tile of activations and per 128x128 tile of weights.
+  tile of activations and per 128x128 tile of weights; NVFP4 (``NVFP4BlockScaling``) half a byte per value (two E2M1
+  codes per byte), one E4M3 byte per 16 values along the block direction and a float32 scale per tensor
+  (``transformer_engine/pytorch/tensor/nvfp4_tensor.py``); a 16x16 weight block still stores a scale per row of 16.
 
 Padding of scale tensors to TE's kernel alignment is left out (under 1% for the layer sizes of LLMs).
 """
@@ -39,12 +41,19 @@ def _scale_bytes(scaling: str, rows: int, cols: int, *, weight: bool) -> int:
         if weight:
             return 4 * math.ceil(rows / 128) * math.ceil(cols / 128)
         return 4 * rows * math.ceil(cols / 128)
-    raise ValueError(f"scaling: {scaling!r} is not allowed (allowed: delayed, current, mxfp8, blockwise)")
+    if scaling == "nvfp4":
+        return rows * math.ceil(cols / 16) + 4
+    raise ValueError(f"scaling: {scaling!r} is not allowed (allowed: delayed, current, mxfp8, blockwise, nvfp4)")
+
+
+def _data_bytes(scaling: str, numel: int) -> int:
+    """Bytes of the low-precision values of one copy: one per FP8 value, half a byte per FP4 value."""
+    return math.ceil(numel / 2) if scaling == "nvfp4" else numel
 
 
 def te_weight_bytes(out_features: int, in_features: int, scaling: str) -> int:
     """The FP8 copies TE holds of one Linear's weight between its forward and backward (row- and column-wise)."""
-    data = 2 * out_features * in_features
+    data = 2 * _data_bytes(scaling, out_features * in_features)
     return (
         data
         + _scale_bytes(scaling, out_features, in_features, weight=True)
@@ -53,8 +62,8 @@ def te_weight_bytes(out_features: int, in_features: int, scaling: str) -> int:
 
 
 def te_saved_input_bytes(tokens: int, in_features: int, scaling: str) -> int:
-    """The column-wise FP8 copy of a ``[tokens, in_features]`` input TE saves for the wgrad GEMM."""
-    return tokens * in_features + _scale_bytes(scaling, in_features, tokens, weight=False)
+    """The column-wise FP8 (or FP4) copy of a ``[tokens, in_features]`` input TE saves for the wgrad GEMM."""
+    return _data_bytes(scaling, tokens * in_features) + _scale_bytes(scaling, in_features, tokens, weight=False)
 
 
 def te_meta_bytes(scaling: str, amax_history_len: int) -> int:
@@ -82,7 +91,8 @@ class _SavesLikeTE(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
         saved, weight = ctx.saved_tensors
-        x = saved[: math.prod(ctx.x_shape)].to(gy.dtype).reshape(ctx.x_shape)
+        del saved  # only its size mattered (an FP4 copy holds two values per byte): the GEMM needs x's shape
+        x = torch.zeros(ctx.x_shape, dtype=gy.dtype, device=gy.device)
         gx = (gy @ weight.to(gy.dtype)).to(ctx.x_dtype)
         gw = (gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
         gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias else None

@@ -175,7 +175,7 @@ def _experts_keep_reason(name: str, hidden: int, inter: int, device: torch.devic
         return why
     if cfg.scaling not in EXPERTS_SCALINGS:
         return (
-            f"experts: {cfg.scaling} scaling has no per-expert amax history yet (fp8.scaling "
+            f"experts: {cfg.scaling} scaling has no grouped-GEMM quantization for experts yet (fp8.scaling "
             f"{', '.join(EXPERTS_SCALINGS)} run the experts in FP8)"
         )
     if ctx.backend != "any" and ctx.backend not in EXPERTS_BACKENDS:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hf_mixedprec.core._device import wrap_forward
+from hf_mixedprec.core.formats import E2M1
 from hf_mixedprec.fp8.policy import LayerDecision
 from hf_mixedprec.fp8.probe import QuantizeRule, attach_probe
 from hf_mixedprec.fp8.swap import linear_holding, replace_module
@@ -37,6 +38,7 @@ from hf_mixedprec.scaling import (
     tensor_amax,
 )
 from hf_mixedprec.scaling.fp8 import FP8Format
+from hf_mixedprec.scaling.nvfp4 import NVFP4_BLOCK, e2m1_values, nvfp4_quantize
 
 __all__ = [
     "TE_INSTALL_HINT",
@@ -103,6 +105,21 @@ def te_recipe_spec(recipe: RecipeSpec) -> tuple[str, dict[str, Any]]:
             "w_block_scaling_dim": 2,
             "grad_block_scaling_dim": 1,
         }
+    if fp8.scaling == "nvfp4":
+        if fp8.rht_signs is not None:
+            raise ValueError(
+                "fp8.rht_signs: Transformer Engine applies its own fixed sign vector (get_wgrad_sign_vector) "
+                "(allowed: null with backend transformer_engine; use backend emulated to study other signs)"
+            )
+        # TE's NVFP4BlockScaling (transformer_engine/common/recipe/__init__.py): the published recipe's techniques,
+        # each on unless disabled; its values are E2M1 and its block scales E4M3, neither a choice
+        return "NVFP4BlockScaling", {
+            "disable_rht": not fp8.rht,
+            "disable_stochastic_rounding": not fp8.stochastic_rounding,
+            "disable_2d_quantization": not fp8.weight_2d,
+            "fp8_dpa": False,
+            "fp8_mha": False,
+        }
     raise ValueError(f"fp8.scaling: {fp8.scaling!r} has no Transformer Engine recipe")
 
 
@@ -113,6 +130,8 @@ def accelerate_fp8_config(recipe: RecipeSpec) -> dict[str, Any] | None:
     builds only ``DelayedScaling`` and ``MXFP8BlockScaling`` (Accelerate 1.15); ``None`` for other classes.
     """
     cls_name, kwargs = te_recipe_spec(recipe)
+    if "fp8_format" not in kwargs:  # NVFP4BlockScaling: Accelerate's TERecipeKwargs cannot build it
+        return None
     cfg: dict[str, Any] = {"backend": "TE", "fp8_format": kwargs["fp8_format"], "use_autocast_during_eval": False}
     if cls_name == "DelayedScaling":
         cfg.update({k: kwargs[k] for k in ("amax_history_len", "amax_compute_algo", "margin")})
@@ -143,7 +162,8 @@ def build_te_recipe(recipe: RecipeSpec) -> Any:
     _, te_recipe = _import_te()
     cls_name, kwargs = te_recipe_spec(recipe)
     kwargs = dict(kwargs)
-    kwargs["fp8_format"] = getattr(te_recipe.Format, kwargs["fp8_format"])
+    if "fp8_format" in kwargs:
+        kwargs["fp8_format"] = getattr(te_recipe.Format, kwargs["fp8_format"])
     rec = getattr(te_recipe, cls_name)(**kwargs)
     qparams = getattr(te_recipe, "QParams", None)
     if qparams is not None and cls_name in ("Float8CurrentScaling", "Float8BlockScaling"):
@@ -221,6 +241,8 @@ def convert_te(
 def te_probe_formats(recipe: RecipeSpec) -> dict[str, FP8Format]:
     """The FP8 format of each operand under TE's ``Format``: HYBRID is E4M3 forward and E5M2 for gradients."""
     assert recipe.fp8 is not None
+    if recipe.fp8.scaling == "nvfp4":
+        return {"input": E2M1, "weight": E2M1, "grad": E2M1}  # type: ignore[dict-item]
     grad: FP8Format = "e5m2" if recipe.fp8.format == "HYBRID" else "e4m3"
     return {"input": "e4m3", "weight": "e4m3", "grad": grad}
 
@@ -233,7 +255,10 @@ def te_quantize_rule(recipe: RecipeSpec, delayed_scale: Any = None) -> QuantizeR
     * current: ``compute_scale_from_amax`` with epsilon 0 (TE forwards none) and the recipe's power-of-2 setting;
     * mxfp8: 32-element E8M0 blocks along the last dim, RCEIL (the only rule TE and the hardware use);
     * blockwise: 1x128 tiles for input and gradient, 128x128 blocks for the weight, the overflow value of the
-      operand's own type (``transformer_engine/common/recipe/recipe_common.cuh``).
+      operand's own type (``transformer_engine/common/recipe/recipe_common.cuh``);
+    * nvfp4: 1x16 E4M3 blocks along the last dim under the tensor's FP32 scale, 16x16 for the weight with
+      ``weight_2d`` (``reference_nvfp4.py``); the probe rounds the gradient to nearest, where TE's backward rounds it
+      stochastically, so its gradient statistics are those of the expected value.
     """
     fp8 = recipe.fp8
     assert fp8 is not None
@@ -250,6 +275,12 @@ def te_quantize_rule(recipe: RecipeSpec, delayed_scale: Any = None) -> QuantizeR
                 scale = current_scale(tensor_amax(t), fmt=fmt, power_2=bool(fp8.power_2_scales))
             data = quantize_fp8(t, scale, fmt)
             return data, dequantize_fp8(data, scale)
+        if fp8.scaling == "nvfp4":
+            tile = (NVFP4_BLOCK, NVFP4_BLOCK) if role == "weight" and fp8.weight_2d else (1, NVFP4_BLOCK)
+            if t.dim() != 2 or t.shape[0] % tile[0] or t.shape[1] % tile[1]:
+                return None
+            q = nvfp4_quantize(t.float(), tile=tile)
+            return e2m1_values(q.codes), q.dequantize()
         if fp8.scaling == "mxfp8":
             bs = fp8.block_size or 32
             if t.shape[-1] % bs:

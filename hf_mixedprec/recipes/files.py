@@ -272,14 +272,18 @@ def _cycle_text(chain: list[str]) -> str:
 
 def _drop_switched_options(parent: dict[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
     """A child that switches ``clipping.method`` or ``fp8.scaling`` does not inherit the parent's options for
-    the old method/scaling (``alpha`` of zclip under ``norm``, ``amax_history_len`` of delayed under mxfp8)."""
+    the old method/scaling (``alpha`` of zclip under ``norm``, ``amax_history_len`` of delayed under mxfp8; the
+    ``format`` across nvfp4 and an FP8 scaling)."""
     out = dict(parent)
     for section, selector, options in (("clipping", "method", _CLIP_PARAMS), ("fp8", "scaling", _FP8_SCALING_ONLY)):
         mine, theirs = child.get(section), out.get(section)
         if not (isinstance(mine, Mapping) and isinstance(theirs, Mapping)):
             continue
         if selector in mine and mine[selector] != theirs.get(selector):
-            out[section] = {k: v for k, v in theirs.items() if k not in options}
+            dropped = set(options)
+            if "nvfp4" in (mine[selector], theirs.get(selector)):
+                dropped.add("format")  # E2M1 with E4M3 block scales: an FP8 format does not carry over, either way
+            out[section] = {k: v for k, v in theirs.items() if k not in dropped}
     return out
 
 

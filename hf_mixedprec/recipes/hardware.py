@@ -3,8 +3,9 @@
 Facts (Transformer Engine's own checks: ``check_fp8_support``, ``check_mxfp8_support`` and
 ``check_fp8_block_scaling_support`` in ``transformer_engine/pytorch/fp8.py``): FP8 delayed/current scaling needs compute
 capability >= 8.9 (Ada also needs CUDA >= 12.1); blockwise FP8 needs >= 9.0 and CUDA >= 12.9; MXFP8 needs
-10.x (not 12.x); V100 (7.0) and T4 (7.5) have no BF16 and no FP8; A100 (8.0) has BF16 and TF32 but no FP8.
-TE's default recipe is MXFP8 on 10.x, current scaling on 12.x and delayed scaling otherwise.
+10.x (not 12.x); NVFP4 (``check_nvfp4_support``) needs >= 10.0; V100 (7.0) and T4 (7.5) have no BF16 and no FP8; A100 (8.0) has BF16 and TF32 but no FP8.
+TE's default recipe is MXFP8 on 10.x, current scaling on 12.x and delayed scaling otherwise; NVFP4 is never a
+default (``auto`` does not pick it; ``detect`` lists the built-in recipes that also run here).
 
 :func:`detect` is the only function here that looks at the machine; everything else is pure, so every
 generation is tested without its hardware. Nothing here ever falls back silently: a recipe the hardware
@@ -291,7 +292,7 @@ def support_for(
     """What precisions and FP8 scalings this (device, capability, CUDA version) supports natively."""
     gen = generation_of(device_type, capability)
     lacks: dict[str, str] = {}
-    fp8_all = ("delayed", "current", "mxfp8", "blockwise")
+    fp8_all = ("delayed", "current", "mxfp8", "blockwise", "nvfp4")
     if gen in ("cpu", "mps"):
         precisions: tuple[str, ...] = ("fp32", "bf16") if gen == "cpu" else ("fp32", "fp16", "bf16")
         if gen == "cpu":
@@ -327,6 +328,10 @@ def support_for(
             scalings.append("mxfp8")
         else:
             lacks["mxfp8"] = "MXFP8 block scaling (needs compute capability 10.x, datacenter Blackwell such as B200)"
+        if cc >= (10, 0):  # TE's check_nvfp4_support (transformer_engine/pytorch/quantization.py): 10.0 and above
+            scalings.append("nvfp4")
+        else:
+            lacks["nvfp4"] = "NVFP4 (FP4 tensor cores: needs compute capability >= 10.0, Blackwell such as B200)"
     if scalings:
         precisions += ("fp8",)
     for s in fp8_all:

@@ -218,9 +218,16 @@ _FP8_SCALING_ONLY = (
     "power_2_scales",
     "mx_rounding",
     "block_size",
+    "weight_2d",
+    "rht",
+    "rht_signs",
+    "stochastic_rounding",
+    "sr_seed",
 )
-_ALLOWED_BLOCK_SIZE = {"mxfp8": (32,), "blockwise": (128,)}
-_DELAYED, _CURRENT, _MX, _BLOCKWISE = (FP8_SCALING_DEFAULTS[s] for s in ("delayed", "current", "mxfp8", "blockwise"))
+_ALLOWED_BLOCK_SIZE = {"mxfp8": (32,), "blockwise": (128,), "nvfp4": (16,)}
+_DELAYED, _CURRENT, _MX, _BLOCKWISE, _NVFP4 = (
+    FP8_SCALING_DEFAULTS[s] for s in ("delayed", "current", "mxfp8", "blockwise", "nvfp4")
+)
 
 # Options more than one scaling has (each kind sets its own default).
 _Margin = Annotated[
@@ -233,7 +240,8 @@ _Margin = Annotated[
 ]
 _Power2 = Annotated[bool | None, Field(description="current/blockwise: round scales down to a power of two.")]
 _BlockSize = Annotated[
-    int | None, Field(ge=1, le=4096, description="mxfp8: 32 (OCP MX); blockwise: 128 (TE); at most 4096.")
+    int | None,
+    Field(ge=1, le=4096, description="mxfp8: 32 (OCP MX); blockwise: 128 (TE); nvfp4: 16 (TE); at most 4096."),
 ]
 # Declared in each kind, after its options, so that a section's fields (and its errors) keep the flat order.
 _Align = Annotated[
@@ -245,7 +253,8 @@ class FP8Config(_Kinded):
     """FP8 training settings (only with ``precision: fp8``).
 
     Any ``fp8:`` section: one of :class:`DelayedFP8Config`, :class:`CurrentFP8Config`, :class:`MXFP8Config`,
-    :class:`BlockwiseFP8Config` by ``scaling`` (delayed when absent); ``FP8Config(...)`` builds that kind."""
+    :class:`BlockwiseFP8Config`, :class:`NVFP4Config` by ``scaling`` (delayed when absent); ``FP8Config(...)``
+    builds that kind."""
 
     SELECTOR: ClassVar[str] = "scaling"
     SECTION_KEYS: ClassVar[tuple[str, ...]] = (
@@ -264,9 +273,10 @@ class FP8Config(_Kinded):
         "else refuses loudly; native: hf_mixedprec's quantizers on torch._scaled_mm (delayed, current); emulated: "
         "exact FP8 values with float32 GEMMs, anywhere.",
     )
-    scaling: Literal["delayed", "current", "mxfp8", "blockwise"] = Field(
+    scaling: Literal["delayed", "current", "mxfp8", "blockwise", "nvfp4"] = Field(
         "delayed",
-        description="How scales are chosen: amax history, amax now, per-32-block E8M0, or 1x128/128x128 tiles.",
+        description="How scales are chosen: amax history, amax now, per-32-block E8M0, 1x128/128x128 tiles, or "
+        "NVFP4 (FP4 E2M1 values, an E4M3 scale per 16 and an FP32 one per tensor).",
     )
     format: Literal["HYBRID", "E4M3"] = Field(
         "HYBRID", description="HYBRID = E4M3 forward, E5M2 gradients; E4M3 = E4M3 everywhere. Pure E5M2 is refused."
@@ -290,6 +300,13 @@ class FP8Config(_Kinded):
         backend = data.get("backend", "auto")
         if backend == "torchao":
             _torchao_rules(data, scaling)
+        elif backend == "native" and scaling == "nvfp4":
+            raise _rule(
+                "backend",
+                "native has no NVFP4 GEMM yet (torch's scaled_mm takes 1x16 E4M3 block scales only on compute "
+                "capability 10.x, which hf_mixedprec has not been run on); use emulated (any device, the exact "
+                "rehearsal) or transformer_engine (NVFP4BlockScaling, TE >= 2.9 on a B200)",
+            )
         elif backend == "native" and scaling not in ("delayed", "current"):
             raise _rule(
                 "backend",
@@ -380,12 +397,69 @@ class BlockwiseFP8Config(FP8Config):
     align: _Align = 16
 
 
+class NVFP4Config(FP8Config):
+    """NVFP4 (TE ``NVFP4BlockScaling``; NVIDIA, "Pretraining Large Language Models with NVFP4", 2025): FP4 E2M1
+    values, an E4M3 scale per 16 elements along the GEMM's contraction dim, an FP32 scale per tensor; the
+    published recipe's three techniques each with a switch (TE's ``disable_*`` options, here on by default as
+    there)."""
+
+    scaling: Literal["nvfp4"] = "nvfp4"
+    block_size: _BlockSize = _NVFP4["block_size"]
+    weight_2d: bool | None = Field(
+        _NVFP4["weight_2d"],
+        description="nvfp4 only: weights in 16x16 blocks, so a weight quantizes the same in forward and backward "
+        "(TE: not disable_2d_quantization); false: 1x16 along each GEMM's contraction dim.",
+    )
+    rht: bool | None = Field(
+        _NVFP4["rht"],
+        description="nvfp4 only: a 16-point random Hadamard transform on both inputs of the weight-gradient GEMM "
+        "(TE: not disable_rht).",
+    )
+    rht_signs: list[Literal[-1, 1]] | None = Field(
+        _NVFP4["rht_signs"],
+        min_length=16,
+        max_length=16,
+        description="nvfp4 only: the transform's 16 signs (+1/-1); null: Transformer Engine's fixed vector.",
+    )
+    stochastic_rounding: bool | None = Field(
+        _NVFP4["stochastic_rounding"],
+        description="nvfp4 only: gradients rounded stochastically, everything else to nearest even "
+        "(TE: not disable_stochastic_rounding).",
+    )
+    sr_seed: int | None = Field(
+        _NVFP4["sr_seed"],
+        ge=0,
+        lt=2**31,
+        description="nvfp4 only: seed of the rehearsal's stochastic rounding (reproducible, resumed exactly); TE's "
+        "hardware draws its own bits.",
+    )
+    align: _Align = 16
+
+    @model_validator(mode="before")
+    @classmethod
+    def _e4m3_only(cls, data: Any) -> Any:
+        """``format`` names the block scales' format here, E4M3 (TE's only choice, and the default); HYBRID (E5M2
+        gradients) has no NVFP4 meaning: NVFP4 values are E2M1 in every GEMM."""
+        if not isinstance(data, Mapping):
+            return data
+        if data.get("format") is None:
+            return {**data, "format": "E4M3"}
+        if str(data["format"]).upper() != "E4M3":
+            raise _rule(
+                "format",
+                f"{data['format']!r} does not apply to scaling 'nvfp4' (allowed: E4M3, the block scales' format; "
+                "NVFP4 values are E2M1 in every GEMM, gradients too)",
+            )
+        return data
+
+
 #: The recipe's ``fp8:`` field: the kind its ``scaling`` names (delayed when absent).
 FP8Section = Annotated[
     Annotated[DelayedFP8Config, Tag("delayed")]
     | Annotated[CurrentFP8Config, Tag("current")]
     | Annotated[MXFP8Config, Tag("mxfp8")]
-    | Annotated[BlockwiseFP8Config, Tag("blockwise")],
+    | Annotated[BlockwiseFP8Config, Tag("blockwise")]
+    | Annotated[NVFP4Config, Tag("nvfp4")],
     Discriminator(FP8Config.kind_of),
 ]
 

@@ -40,6 +40,7 @@ from hf_mixedprec.recipes.kinds import (
     MXFP8Config,
     NoClipConfig,
     NormClipConfig,
+    NVFP4Config,
     ZClipConfig,
 )
 from hf_mixedprec.recipes.modules_config import (
@@ -89,6 +90,7 @@ __all__ = [
     "LossScaleConfig",
     "MXFP8Config",
     "ModuleRule",
+    "NVFP4Config",
     "NoClipConfig",
     "NormClipConfig",
     "PhaseConfig",

@@ -47,6 +47,7 @@ __all__ = [
     "e2m1_codes",
     "e2m1_values",
     "hadamard_matrix",
+    "hashed_uniform",
     "nvfp4_quantize",
     "pack_fp4",
     "random_hadamard_transform",
@@ -77,12 +78,13 @@ def _magnitude(code: Tensor) -> Tensor:
     return torch.where(e == 0, m * 0.5, torch.exp2(e - 1) * (1 + m * 0.5))
 
 
-def e2m1_codes(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def e2m1_codes(x: Tensor, generator: torch.Generator | None = None, *, noise: Tensor | None = None) -> Tensor:
     """E2M1 codes (uint8, 0-15: bit 3 the sign) of float32 ``x``, which is clamped to ±6 first. Round to nearest,
-    ties to the even code; with ``generator``, stochastic rounding instead (see the module docs)."""
+    ties to the even code; with ``generator`` or ``noise`` (uniform draws in [0, 1), ``x``'s shape, e.g.
+    :func:`hashed_uniform`), stochastic rounding instead (see the module docs)."""
     x = x.float().clamp(-E2M1_MAX, E2M1_MAX)
     mag = x.abs()
-    if generator is None:
+    if generator is None and noise is None:
         code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
         for edge, up in _RNE_STEPS:
             code += (mag >= edge if up else mag > edge).to(torch.uint8)
@@ -93,10 +95,38 @@ def e2m1_codes(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
         base = _magnitude(low)
         gap = _magnitude((low + 1).clamp(max=len(E2M1_VALUES) - 1)) - base
         frac = torch.where(gap > 0, (mag - base) / torch.where(gap > 0, gap, 1.0), 0.0)
-        draw = torch.rand(x.shape, generator=generator, device=x.device)
+        draw = (
+            noise.reshape(x.shape) if noise is not None else torch.rand(x.shape, generator=generator, device=x.device)
+        )
         code = (low + (draw < frac).to(torch.int64)).to(torch.uint8)
     code = torch.where(torch.isnan(x), 0, code).to(torch.uint8)  # torch.where promotes: back to uint8
     return code | ((x < 0).to(torch.uint8) << 3)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (xor-shift-multiply, int64 arithmetic that never overflows: products stay below 2**59)."""
+    for _ in range(2):
+        x = x ^ (x >> 16)
+        x = (x * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def hashed_uniform(shape: tuple[int, ...] | torch.Size, key: Tensor, stream: int = 0) -> Tensor:
+    """Uniform draws in [0, 1) (float32, 24 random bits each) for stochastic rounding, computed on ``key``'s device
+    from ``(key, stream, element index)`` by an integer hash: no generator state and no host value, so a compiled
+    step keeps it in its graph, and a counter ``key`` (an int64 buffer) saved in a checkpoint replays the same draws
+    after a resume. ``stream`` tells layers apart."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    k = _mix32((key.to(torch.int64) ^ (stream & _MASK32)) & _MASK32)
+    k2 = _mix32((k + 0x3C6EF372) & _MASK32)
+    idx = torch.arange(n, dtype=torch.int64, device=key.device)
+    bits = _mix32(_mix32((idx ^ k) & _MASK32) ^ k2)
+    return ((bits >> 8).to(torch.float32) * 2.0**-24).reshape(shape)
 
 
 def e2m1_values(codes: Tensor) -> Tensor:
@@ -145,10 +175,12 @@ def nvfp4_quantize(
     amax: Tensor | None = None,
     tile: tuple[int, int] = (1, NVFP4_BLOCK),
     generator: torch.Generator | None = None,
+    noise: Tensor | None = None,
 ) -> NVFP4Quantized:
     """NVFP4 quantization of a 2-D ``x`` (both dims multiples of the tile; TE pads with zeros, which change no
     amax) with TE's rules (module docs). ``amax``: the tensor's amax (default: computed from ``x``); ``tile``
-    ``(1, 16)`` or ``(16, 16)``; ``generator``: stochastic rounding of the elements."""
+    ``(1, 16)`` or ``(16, 16)``; ``generator`` or ``noise`` (uniform draws of ``x``'s shape): stochastic rounding
+    of the elements."""
     if tile not in ((1, NVFP4_BLOCK), (NVFP4_BLOCK, NVFP4_BLOCK)):
         raise ValueError(f"tile {tile} (allowed: (1, 16), (16, 16))")
     if x.dim() != 2 or x.shape[0] % tile[0] or x.shape[1] % tile[1]:
@@ -169,7 +201,7 @@ def nvfp4_quantize(
     decode = torch.clamp(decode, -E4M3.max, E4M3.max).to(torch.float8_e4m3fn)
     global_decode = torch.div(torch.ones_like(g), g)
     encode = torch.clamp(torch.div(1.0, decode.float() * global_decode), max=FLOAT32_MAX)
-    codes = e2m1_codes((blocks * encode).view(m, n), generator)
+    codes = e2m1_codes((blocks * encode).view(m, n), generator, noise=noise)
     return NVFP4Quantized(codes, decode.squeeze(-1), global_decode)
 
 
@@ -179,10 +211,12 @@ def hadamard_matrix(signs: tuple[int, ...] | Tensor = TE_RHT_SIGNS, device: torc
     h = torch.ones((1, 1), dtype=torch.float32, device=device)
     while h.shape[0] < NVFP4_BLOCK:
         h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
-    s = torch.as_tensor(signs, dtype=torch.float32, device="cpu")  # checked on the host, then moved once
-    if s.shape != (NVFP4_BLOCK,) or not bool(((s == 1) | (s == -1)).all()):
-        raise ValueError(f"signs: 16 values, each 1 or -1 (got {s.tolist()})")
-    return (s.to(h.device)[:, None] * h) * 0.25
+    if isinstance(signs, Tensor):
+        signs = tuple(int(v) for v in signs.tolist())
+    if len(signs) != NVFP4_BLOCK or any(v not in (1, -1) for v in signs):
+        raise ValueError(f"signs: 16 values, each 1 or -1 (got {list(signs)})")
+    rows = [h[i] * float(v) for i, v in enumerate(signs)]  # diag(signs) @ H, with no host-to-device copy
+    return torch.stack(rows) * 0.25
 
 
 def random_hadamard_transform(x: Tensor, signs: tuple[int, ...] | Tensor = TE_RHT_SIGNS) -> Tensor:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_mixedprec.core._device import Constants
+from hf_mixedprec.core.formats import E2M1
 from hf_mixedprec.scaling.fp8 import (
     FP8Format,
     _exp2_int,
@@ -411,25 +412,38 @@ def raw_operand_stats(
     amax: torch.Tensor | None = None,
     scale_codes: torch.Tensor | None = None,
     block_size: int = 32,
+    block_clamp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The sums behind :func:`operand_stats`, as one float64 vector (:data:`RAW_COLUMNS`), for any scaling (per-tensor
     scalings have the cheaper :func:`tensorwise_operand_stats`); :func:`finish_operand_stats` turns rows of it (many
-    layers and roles at once) into the statistics, later and batched.
+    layers and roles at once) into the statistics, later and batched. ``fmt`` may also be
+    :data:`~hf_mixedprec.core.formats.E2M1` (NVFP4: ``data`` holds the E2M1 values after block scaling), whose
+    block scales' share at their clamp comes as ``block_clamp`` (the ``mx_clamp`` column).
 
     ``amax``: :func:`tensor_amax` of ``x`` when the quantization computed it. Counts, amax and MX clamp give exactly
     :func:`operand_stats`'s values; the L2 norms are float64 sums, so the SQNR agrees with :func:`sqnr_db`'s float32
     sums to float32 rounding. No host sync.
     """
-    f = _fp8_format(fmt)
+    f = fmt if fmt is E2M1 else _fp8_format(fmt)
     zero_t = _K(0.0, x.device)
     d = data.float()
     nonzero = torch.ne(x, zero_t)
-    under = nonzero & torch.eq(d, zero_t)
-    clipped = torch.eq(d.abs(), _K(f.max, x.device)) & torch.gt(x.abs(), x_hat.abs())
+    if f is E2M1:
+        # NVFP4 clips a block's largest element by design: its E4M3 block scale is rounded to nearest (3 mantissa
+        # bits: at most 2**-4 below the exact one, so the element exceeds 6 by a factor 16/15 at most). Saturation
+        # counts clipping beyond that; a block whose scale flushed to zero underflows.
+        under = nonzero & torch.eq(x_hat, zero_t)
+        clipped = torch.eq(d.abs(), _K(f.max, x.device)) & torch.gt(x.abs(), x_hat.abs() * _K(16 / 15, x.device))
+        clipped = clipped & ~under
+    else:
+        under = nonzero & torch.eq(d, zero_t)
+        clipped = torch.eq(d.abs(), _K(f.max, x.device)) & torch.gt(x.abs(), x_hat.abs())
     counts = torch.stack([nonzero, under, clipped]).reshape(3, -1).sum(1).to(torch.float64)
     norms = torch.linalg.vector_norm(torch.stack([x, x - x_hat]).reshape(2, -1), dim=1, dtype=torch.float64)
     a = tensor_amax(x) if amax is None else amax
-    if scale_codes is not None:
+    if block_clamp is not None:
+        mx = block_clamp.reshape(()).float()
+    elif scale_codes is not None:
         codes = scale_codes.to(torch.int32)
         block_amax = torch.where(torch.isfinite(x), x.abs(), zero_t).reshape(*x.shape[:-1], -1, block_size).amax(-1)
         mx = ((codes == 254) | ((codes == 0) & (block_amax > 0))).float().mean()

@@ -40,11 +40,11 @@ def call(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_recipes_json_lists_all_eleven(capsys):
+def test_recipes_json_lists_all_twelve(capsys):
     assert main(["recipes", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert sorted(r["name"] for r in rows) == builtin_recipe_names()
-    assert len(rows) == 11
+    assert len(rows) == 12
     by = {r["name"]: r for r in rows}
     assert by["b200-mxfp8"]["fp8_scaling"] == "mxfp8" and by["v100-fp16"]["precision"] == "fp16"
     assert by["h100-fp8-anneal-bf16"]["phases"] == ["fp8", "bf16"] and by["v100-fp16"]["phases"] is None
@@ -69,12 +69,28 @@ def test_detect_json_here_is_cpu(capsys):
     assert out["device"] == "cpu" and out["generation"] == "cpu"
     # cpu-bf16 where the CPU computes BF16 natively, cpu-fp32 where it emulates it (tests/recipes/test_cpu_bf16.py)
     assert out["recipe"] == ("cpu-bf16" if out["cpu_bf16"]["native"] else "cpu-fp32")
+    # the other built-in recipes that run here without a rehearsal: no FP8 or FP16 one on a CPU
+    other = "cpu-fp32" if out["recipe"] == "cpu-bf16" else "cpu-bf16"
+    assert other in out["also_runs"] and out["recipe"] not in out["also_runs"]
+    assert not [n for n in out["also_runs"] if "fp8" in n or "fp16" in n or "fp4" in n]
+
+
+def test_detect_offers_the_opt_in_nvfp4_recipe_on_blackwell_where_a_backend_runs_it():
+    from hf_mixedprec.cli.app import _also_runs
+    from hf_mixedprec.recipes.hardware import HardwareInfo
+
+    b200 = HardwareInfo(device_type="cuda", capability=(10, 0), device_name="NVIDIA B200", cuda_version="12.9")
+    with_te = HardwareInfo(**{**b200.__dict__, "te_version": "2.9.0"})
+    assert "b200-nvfp4" in _also_runs(with_te, "b200-mxfp8") and "b200-mxfp8" not in _also_runs(with_te, "b200-mxfp8")
+    assert "b200-nvfp4" not in _also_runs(b200, "b200-mxfp8")  # auto: TE only for NVFP4; none installed
+    h100 = HardwareInfo(**{**with_te.__dict__, "capability": (9, 0), "device_name": "NVIDIA H100"})
+    assert "b200-nvfp4" not in _also_runs(h100, "h100-fp8-delayed")
 
 
 def test_validate_passes_every_shipped_recipe(capsys):
     paths = [str(builtin_recipe_path(n)) for n in builtin_recipe_names()]
     assert main(["validate", *paths]) == 0
-    assert capsys.readouterr().out.count(": ok (") == 11
+    assert capsys.readouterr().out.count(": ok (") == 12
 
 
 BROKEN = {

@@ -91,3 +91,42 @@ def test_simulate_mistakes_exit_2(args, expected, capfd):
 def test_simulate_refuses_non_fp8_in_python():
     with pytest.raises(ValueError, match="simulate rehearses fp8 recipes"):
         simulate(resolve_recipe({"name": "x", "precision": "bf16"}))
+
+
+@pytest.mark.slow
+def test_simulate_nvfp4_names_the_layer_an_outlier_ruins_and_passes_the_others(tmp_path, capfd):
+    """``simulate --recipe b200-nvfp4`` on a tiny Llama whose block 0 feeds its MLP a 2000x outlier channel: the
+    per-tensor FP32 scale follows the outlier, which pushes the MLP's gradients and down_proj's input under E2M1's
+    smallest step (over half of them flush to zero, where healthy layers lose 5-25%); block 1's layers stay within
+    the recipe's FP4 thresholds and the last 2 blocks are kept out by the recipe."""
+    model = tiny_llama(hidden_size=64, intermediate_size=128, num_hidden_layers=4)
+    with torch.no_grad():
+        model.model.layers[0].post_attention_layernorm.weight[5] = 2000.0
+    model.save_pretrained(tmp_path / "m")
+    code, out, err = run(
+        capfd,
+        "--recipe",
+        "b200-nvfp4",
+        "--model",
+        str(tmp_path / "m"),
+        "--steps",
+        "4",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--json",
+    )
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["scaling"] == "nvfp4"
+    names = [layer["name"] for layer in res["layers"]]
+    assert len(names) == 14 and not [n for n in names if n.startswith(("model.layers.2.", "model.layers.3."))]
+    flagged = set(res["recommend_keep_in_bf16"])
+    assert {"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"} <= flagged
+    assert not [n for n in flagged if n.startswith("model.layers.1.")]
+    gate = next(layer for layer in res["layers"] if layer["name"] == "model.layers.0.mlp.gate_proj")
+    assert gate["grad"]["underflow"] > 0.4 and any(r.startswith("grad underflow") for r in gate["reasons"])
+    assert all(
+        layer["grad"]["underflow"] < 0.3 for layer in res["layers"] if layer["name"].startswith("model.layers.1.")
+    )

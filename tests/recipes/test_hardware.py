@@ -51,7 +51,7 @@ def test_support_matrix():
     assert support_for("cuda", (8, 9), "12.0").fp8_scalings == ()  # Ada needs CUDA >= 12.1
     assert support_for("cuda", (9, 0), "12.9").fp8_scalings == ("delayed", "current", "blockwise")
     assert support_for("cuda", (9, 0), "12.4").fp8_scalings == ("delayed", "current")  # blockwise needs 12.9
-    assert support_for("cuda", (10, 0), "12.9").fp8_scalings == ("delayed", "current", "blockwise", "mxfp8")
+    assert support_for("cuda", (10, 0), "12.9").fp8_scalings == ("delayed", "current", "blockwise", "mxfp8", "nvfp4")
     assert "mxfp8" not in support_for("cuda", (12, 0), "12.9").fp8_scalings
 
 

@@ -23,11 +23,12 @@ SHIPPED = {
     "h100-fp8-current",
     "h100-fp8-blockwise",
     "b200-mxfp8",
+    "b200-nvfp4",
     "h100-fp8-anneal-bf16",
 }
 
 
-def test_all_eleven_recipes_ship():
+def test_all_twelve_recipes_ship():
     assert set(builtin_recipe_names()) == SHIPPED
 
 
@@ -97,7 +98,7 @@ def test_json_schema_names_every_section():
     )
     # fp8 is one of four models by scaling, each with only its own keys; together they hold every key
     kinds = [ref["$ref"].rsplit("/", 1)[1] for ref in schema["properties"]["fp8"]["anyOf"][0]["oneOf"]]
-    assert kinds == ["DelayedFP8Config", "CurrentFP8Config", "MXFP8Config", "BlockwiseFP8Config"]
+    assert kinds == ["DelayedFP8Config", "CurrentFP8Config", "MXFP8Config", "BlockwiseFP8Config", "NVFP4Config"]
     fp8 = {key for kind in kinds for key in schema["$defs"][kind]["properties"]}
     for key in (
         "backend",
@@ -177,7 +178,7 @@ BASE = {"name": "t", "precision": "fp8", "fp8": {"scaling": "delayed"}}
         ),
         (
             {"fp8": {"scaling": "wavelet"}},
-            "x.yaml: fp8.scaling: 'wavelet' is not allowed (allowed: delayed, current, mxfp8, blockwise)",
+            "x.yaml: fp8.scaling: 'wavelet' is not allowed (allowed: delayed, current, mxfp8, blockwise, nvfp4)",
         ),
         ({"fp8": {"scaling": "delayed", "margin": -1}}, "x.yaml: fp8.margin: -1 is out of range (allowed: >= 0)"),
         (
@@ -441,7 +442,7 @@ def test_null_options_of_another_kind_are_dropped_and_dumps_round_trip():
 def test_an_unknown_selector_still_lists_every_problem_of_the_section():
     problems = _problems({"name": "t", "precision": "fp8", "fp8": {"scaling": "wavelet", "align": 0, "margin": -1}})
     assert problems == [
-        "x.yaml: fp8.scaling: 'wavelet' is not allowed (allowed: delayed, current, mxfp8, blockwise)",
+        "x.yaml: fp8.scaling: 'wavelet' is not allowed (allowed: delayed, current, mxfp8, blockwise, nvfp4)",
         "x.yaml: fp8.margin: -1 is out of range (allowed: >= 0)",
         "x.yaml: fp8.align: 0 is out of range (allowed: >= 1)",
     ]
@@ -511,7 +512,7 @@ def test_model_copy_that_names_another_kind_builds_that_kind():
     delayed = current.model_copy(update={"scaling": "delayed", "margin": 1})
     assert type(delayed) is DelayedFP8Config and delayed == FP8Config(scaling="delayed", backend="emulated", margin=1)
     assert delayed.epsilon is None  # current's own option is not carried into delayed
-    with pytest.raises(ValidationError, match="'delayed', 'current', 'mxfp8' or 'blockwise'"):
+    with pytest.raises(ValidationError, match="'delayed', 'current', 'mxfp8', 'blockwise' or 'nvfp4'"):
         current.model_copy(update={"scaling": "bogus"})
     same = current.model_copy(update={"backend": "torchao"})
     assert type(same) is type(current) and same.backend == "torchao" and same.epsilon == 1e-6
