@@ -55,6 +55,7 @@ VARIANTS: dict[str, str] = {
     "fp8-native-delayed": "fp8 native delayed (hf_mixedprec quantizers, torch._scaled_mm) + compile",
     "fp8-native-current": "fp8 native current (hf_mixedprec quantizers, torch._scaled_mm) + compile",
     "accel-fp8-native-hf_mixedprec-compile": "fp8 Accelerator + hf_mixedprec (h100-fp8-delayed, backend native) + compile",
+    "accel-fp4-hf_mixedprec-compile": "nvfp4 Accelerator + hf_mixedprec (b200-nvfp4, Transformer Engine) + compile",
 }
 #: The row each variant is compared with.
 REFERENCE: dict[str, str] = {
@@ -68,6 +69,7 @@ REFERENCE: dict[str, str] = {
     "fp8-native-delayed": "bf16-compile",
     "fp8-native-current": "bf16-compile",
     "accel-fp8-native-hf_mixedprec-compile": "bf16-compile",
+    "accel-fp4-hf_mixedprec-compile": "bf16-compile",
 }
 
 
@@ -341,6 +343,18 @@ def v_accel_ours_native_compile(ctx: Ctx, row: dict[str, Any]) -> list[float]:
     return _ours("h100-fp8-delayed", ctx, row, backend="native")
 
 
+def v_accel_ours_nvfp4_compile(ctx: Ctx, row: dict[str, Any]) -> list[float]:
+    """b200-nvfp4 on its real backend: Transformer Engine's NVFP4BlockScaling, where TE runs NVFP4 (compute
+    capability >= 10.0); hf_mixedprec has no other NVFP4 GEMM (the rehearsal is the sync row's)."""
+    import importlib.util
+
+    if not (ctx.cuda and torch.cuda.get_device_capability(ctx.device) >= (10, 0)):
+        raise Skip("NVFP4 GEMMs need a CUDA GPU with compute capability >= 10.0 (Blackwell)")
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise Skip("NVFP4 runs on Transformer Engine's NVFP4BlockScaling here, and it is not installed")
+    return _ours("b200-nvfp4", ctx, row, backend="transformer_engine")
+
+
 def v_accel_ao_fp8_compile(ctx: Ctx, row: dict[str, Any]) -> list[float]:
     try:
         from accelerate import Accelerator
@@ -371,4 +385,5 @@ RUNNERS: dict[str, Callable[[Ctx, dict[str, Any]], list[float]]] = {
     "fp8-native-delayed": _native("h100-fp8-delayed"),
     "fp8-native-current": _native("h100-fp8-current"),
     "accel-fp8-native-hf_mixedprec-compile": v_accel_ours_native_compile,
+    "accel-fp4-hf_mixedprec-compile": v_accel_ours_nvfp4_compile,
 }

@@ -7,7 +7,7 @@ cut short keeps what it finished; ``--budget-s`` skips a section that would star
 
 1. ``machine``: GPU, driver, CUDA, torch / torchao / transformers / accelerate versions.
 2. ``sync``: ``scripts/gpu_sync_check.py``'s Trainer run per recipe (a100-bf16, v100-fp16, h100-fp8-current through
-   its real backend, and h100-fp8-delayed, h100-fp8-current, b200-mxfp8 rehearsed): host syncs per step from
+   its real backend, and h100-fp8-delayed, h100-fp8-current, b200-mxfp8, b200-nvfp4 rehearsed): host syncs per step from
    hf_mixedprec on steps that do not log, and where they come from. The promise: 0 for every recipe.
 3. ``throughput``: ``scripts/bench_gpu.py``'s variants at Llama-3-8B layer shapes (hidden 4096, intermediate
    14336, 32/8 heads, vocab 128256, ``--layers-8b`` layers, 4 x 2048 tokens) and at TinyLlama-1.1B shapes
@@ -69,6 +69,7 @@ SYNC_CASES: list[tuple[str, bool]] = [  # (recipe, rehearsed)
     ("h100-fp8-current", True),
     ("h100-fp8-delayed", True),
     ("b200-mxfp8", True),
+    ("b200-nvfp4", True),
 ]
 VARIANTS_8B = [
     "bf16-compile",
@@ -79,6 +80,7 @@ VARIANTS_8B = [
     "fp8-native-delayed",
     "fp8-native-current",
     "accel-fp8-native-hf_mixedprec-compile",
+    "accel-fp4-hf_mixedprec-compile",
 ]
 VARIANTS_1B = [
     "bf16",

@@ -31,6 +31,7 @@ GPU_VARIANTS = {
     "fp8-native-delayed",
     "fp8-native-current",
     "accel-fp8-native-hf_mixedprec-compile",
+    "accel-fp4-hf_mixedprec-compile",
 }
 
 
@@ -74,6 +75,8 @@ def test_bench_gpu_dry_run(tmp_path):
         for key in ("fp8-torchao-tensorwise", "fp8-torchao-rowwise"):
             r = rows[key]
             assert r["status"] == "skipped" or any("emulate=True" in n for n in r["notes"]), key
+        nvfp4 = rows["accel-fp4-hf_mixedprec-compile"]  # NVFP4 GEMMs run on Blackwell only: said, never faked
+        assert nvfp4["status"] == "skipped" and "compute capability >= 10.0" in nvfp4["reason"]
     ratio = doc["callback_overhead_ratio"]
     assert ratio is not None and math.isfinite(ratio) and ratio > 0
 

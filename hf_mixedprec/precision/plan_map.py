@@ -69,7 +69,9 @@ def _rows(plan: PrecisionPlan) -> list[MapRow]:
         label, d = mp.rule, fp8.get(name)
         by_rule = f"rule {label}" if label else f"precision {plan.precision}"
         if d is not None and d.fp8:
-            compute = f"fp8 ({plan.fp8_backend}, {_scaling(plan)})"
+            section = getattr(plan.recipe_spec, "fp8", None)
+            kind = "nvfp4" if section is not None and section.scaling == "nvfp4" else "fp8"
+            compute = f"{kind} ({plan.fp8_backend}, {_scaling(plan)})"
             rule = f"rule {label}; converted" if label else "converted"
         elif mp.kind == "Embedding":  # a lookup returns its weight's dtype, under any autocast
             compute = f"lookup ({plans[0].weight})"
@@ -109,6 +111,8 @@ def _compute_text(compute: str, label: str | None) -> str:
 def _scaling(plan: PrecisionPlan) -> str:
     spec = plan.recipe_spec
     fp8 = getattr(spec, "fp8", None)
+    if fp8 is not None and fp8.scaling == "nvfp4":
+        return "E2M1 values, E4M3 scale per 16"  # 0.5 byte a value, 1 byte per 16 values and 4 per tensor
     return f"{fp8.scaling}, {fp8.format}" if fp8 is not None else "?"
 
 

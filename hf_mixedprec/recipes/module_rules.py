@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import math
 import re
 import threading
 from collections.abc import Iterable
@@ -153,14 +154,20 @@ def _matches(rule: ModuleRule, name: str, mod: nn.Module, parent: nn.Module | No
         return False
     if rule.select == "experts" and experts_count(mod) is None:
         return False
-    if rule.first_blocks or rule.last_blocks:
+    if rule.first_blocks or rule.last_blocks or rule.last_blocks_share:
         idx = _block_index(name, m)
         if idx is None or m.blocks is None or name.count(".") != m.blocks[0].count(".") + 1:
             return False  # the block module itself; what it holds inherits its rule
         n = m.blocks[1]
-        if not ((rule.first_blocks and idx < rule.first_blocks) or (rule.last_blocks and idx >= n - rule.last_blocks)):
+        last = rule.last_blocks or (shared_blocks(rule.last_blocks_share, n) if rule.last_blocks_share else 0)
+        if not ((rule.first_blocks and idx < rule.first_blocks) or (last and idx >= n - last)):
             return False
     return True
+
+
+def shared_blocks(share: float, blocks: int) -> int:
+    """How many of ``blocks`` a ``last_blocks_share`` selects: ``share * blocks`` rounded half up, never all."""
+    return min(math.floor(share * blocks + 0.5), blocks - 1)
 
 
 @dataclass(frozen=True)
@@ -299,7 +306,19 @@ def _assign(model: nn.Module, rules: tuple[ModuleRule, ...], precision: str) -> 
                 owner[name] = owner[up]
     for i, r in enumerate(rules):
         if r.required and not matched[i] and not _shadowed(r, model, m, parents):
-            key = "select" if r.select else "class" if r.classes else "match" if r.match else "first_blocks"
+            key = (
+                "select"
+                if r.select
+                else "class"
+                if r.classes
+                else "match"
+                if r.match
+                else "first_blocks"
+                if r.first_blocks
+                else "last_blocks"
+                if r.last_blocks
+                else "last_blocks_share"
+            )
             raise ModuleRuleError(
                 f"modules.{i}.{key} ({r.label(i)}: {r.describe()}) matches no module of {type(model).__name__} "
                 f"({_closest(r, names, model)}; allowed: a name or class the model has, or required: false)"

@@ -10,7 +10,8 @@ Accelerate's FP8 path (first and last Linear kept out). A rule here names module
 * ``class``: module class names (the class or any base class, e.g. ``LlamaRMSNorm``, ``Linear``),
 * ``select``: a shorthand: ``lm_head`` (the output projection), ``embeddings``, ``norms``, ``moe_routers``,
   ``experts`` (MoE experts modules),
-* ``first_blocks`` / ``last_blocks`` / ``first_last_blocks``: the first / last N transformer blocks,
+* ``first_blocks`` / ``last_blocks`` / ``first_last_blocks``: the first / last N transformer blocks
+  (``last_blocks_share``: the last share of them, for a rule that scales with depth),
 
 (several of them in one rule must all hold) and sets any of ``compute`` (``fp32``: outside autocast with FP32
 inputs; ``bf16`` / ``fp16``: an autocast region of that dtype; ``fp8``: FP8 GEMMs with the recipe's scaling where
@@ -94,6 +95,13 @@ class ModuleRule(BaseModel):
     )
     first_blocks: int | None = Field(None, ge=1, description="The first N transformer blocks (and what they hold).")
     last_blocks: int | None = Field(None, ge=1, description="The last N transformer blocks (and what they hold).")
+    last_blocks_share: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="The last share of the transformer blocks (and what they hold): round(share x blocks), half up, "
+        "never all of them; for a rule that must scale with depth (b200-nvfp4's 0.16).",
+    )
     compute: Compute | None = Field(
         None,
         description="fp32 (outside autocast, FP32 inputs and weights) | bf16 | fp16 (an autocast region of that "
@@ -125,11 +133,16 @@ class ModuleRule(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ModuleRule:
-        if not (self.match or self.classes or self.select or self.first_blocks or self.last_blocks):
+        if not (self.match or self.classes or self.select or self.first_blocks or self.last_blocks) and not (
+            self.last_blocks_share
+        ):
             raise _rule(
                 "match",
-                "the rule matches nothing (allowed: match, class, select, first_blocks, last_blocks, first_last_blocks)",
+                "the rule matches nothing (allowed: match, class, select, first_blocks, last_blocks, first_last_blocks,"
+                " last_blocks_share)",
             )
+        if self.last_blocks and self.last_blocks_share:
+            raise _rule("last_blocks_share", "give last_blocks or last_blocks_share, not both")
         if self.compute is None and self.fp8 is None and self.storage is None:
             raise _rule("compute", "the rule changes nothing (allowed: compute, fp8, storage)")
         if self.fp8 is False and self.compute == "fp8":
@@ -168,7 +181,13 @@ class ModuleRule(BaseModel):
             what.append(f"first_last_blocks {self.first_blocks}")
         else:
             what += [
-                f"{k} {v}" for k, v in (("first_blocks", self.first_blocks), ("last_blocks", self.last_blocks)) if v
+                f"{k} {v}"
+                for k, v in (
+                    ("first_blocks", self.first_blocks),
+                    ("last_blocks", self.last_blocks),
+                    ("last_blocks_share", self.last_blocks_share),
+                )
+                if v
             ]
         sets = [f"{k} {v}" for k, v in (("compute", self.compute), ("storage", self.storage)) if v is not None]
         if self.fp8 is not None:

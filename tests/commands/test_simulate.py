@@ -97,8 +97,8 @@ def test_simulate_refuses_non_fp8_in_python():
 def test_simulate_nvfp4_names_the_layer_an_outlier_ruins_and_passes_the_others(tmp_path, capfd):
     """``simulate --recipe b200-nvfp4`` on a tiny Llama whose block 0 feeds its MLP a 2000x outlier channel: the
     per-tensor FP32 scale follows the outlier, which pushes the MLP's gradients and down_proj's input under E2M1's
-    smallest step (over half of them flush to zero, where healthy layers lose 5-25%); block 1's layers stay within
-    the recipe's FP4 thresholds and the last 2 blocks are kept out by the recipe."""
+    smallest step (over half of them flush to zero, where healthy layers lose 5-25%); the last block is kept out by
+    the recipe (16% of 4 blocks, rounded)."""
     model = tiny_llama(hidden_size=64, intermediate_size=128, num_hidden_layers=4)
     with torch.no_grad():
         model.model.layers[0].post_attention_layernorm.weight[5] = 2000.0
@@ -121,12 +121,14 @@ def test_simulate_nvfp4_names_the_layer_an_outlier_ruins_and_passes_the_others(t
     res = json.loads(out)
     assert res["scaling"] == "nvfp4"
     names = [layer["name"] for layer in res["layers"]]
-    assert len(names) == 14 and not [n for n in names if n.startswith(("model.layers.2.", "model.layers.3."))]
+    assert len(names) == 21 and not [n for n in names if n.startswith("model.layers.3.")]
     flagged = set(res["recommend_keep_in_bf16"])
     assert {"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"} <= flagged
-    assert not [n for n in flagged if n.startswith("model.layers.1.")]
+    # downstream, the outlier in the residual stream leaves query gradients with blocks 10**6 below the tensor's
+    # largest value, whose E4M3 scales flush to zero: named for that, and the MLPs there stay in NVFP4
+    later = [layer for layer in res["layers"] if layer["name"].startswith(("model.layers.1.", "model.layers.2."))]
+    assert not [x["name"] for x in later if x["recommend_keep"] and ".mlp." in x["name"]]
+    for x in later:
+        assert all("E4M3 scale saturated or flushed" in r for r in x["reasons"]), x
     gate = next(layer for layer in res["layers"] if layer["name"] == "model.layers.0.mlp.gate_proj")
     assert gate["grad"]["underflow"] > 0.4 and any(r.startswith("grad underflow") for r in gate["reasons"])
-    assert all(
-        layer["grad"]["underflow"] < 0.3 for layer in res["layers"] if layer["name"].startswith("model.layers.1.")
-    )

@@ -245,3 +245,19 @@ def test_memory_counts_half_a_byte_a_value_and_a_scale_byte_per_16():
     assert te_weight_bytes(4096, 4096, "nvfp4") == 2 * (4096 * 4096 // 2) + 2 * (4096 * 4096 // 16 + 4)
     assert te_weight_bytes(4096, 4096, "mxfp8") == 2 * 4096 * 4096 + 2 * 4096 * 4096 // 32
     assert te_saved_input_bytes(2048, 4096, "nvfp4") == 2048 * 4096 // 2 + 4096 * 2048 // 16 + 4
+
+
+def test_plan_and_estimate_show_nvfp4_layers_and_their_bytes(capsys):
+    from hf_mixedprec.cli.app import main
+    from hf_mixedprec.commands.estimate import estimate_memory
+
+    assert main(["plan", "--recipe", "b200-nvfp4"]) == 0
+    out = capsys.readouterr().out
+    assert "| model.layers.[0-2].mlp.up_proj | Linear |" in out
+    assert "nvfp4 (emulated, E2M1 values, E4M3 scale per 16) | converted |" in out
+    assert "rule last_blocks (last_blocks_share 0.16: fp8 off)" in out  # block 3 of 4
+    # on a GPU (Transformer Engine) the FP4 weight copies: half a byte a value (te_weight_bytes, tested above), over
+    # 3 blocks where b200-mxfp8 has 4
+    est = estimate_memory(None, ["b200-mxfp8", "b200-nvfp4"], seq_len=256)
+    mx, nv = (r.memory.fp8_extras for r in est.recipes)
+    assert 0 < nv < mx

@@ -458,3 +458,26 @@ def test_a_deep_copy_runs_its_own_weights_in_its_own_region(tmp_path):
         twin(input_ids=x)
     assert seen["model"].dtype == seen["twin"].dtype == torch.float32
     assert seen["model"].abs().sum() > 0 and seen["twin"].abs().sum() == 0
+
+
+@pytest.mark.parametrize(("blocks", "kept"), [(2, 0), (4, 1), (16, 3), (32, 5), (62, 10)])
+def test_last_blocks_share_keeps_a_share_of_the_blocks_whatever_the_depth(blocks, kept):
+    """``last_blocks_share: 0.16`` (b200-nvfp4's rule): round(0.16 x blocks) half up, never every block; the FP8
+    layers the plan leaves are those of the other blocks."""
+    rules = [{"name": "tail", "last_blocks_share": 0.16, "fp8": "off", "required": False}]
+    model = tiny_llama(0, num_hidden_layers=blocks, hidden_size=32, intermediate_size=64)
+    recipe = _recipe("emulated", rules=rules)
+    fp8 = {d.name for d in plan_conversion(model, recipe.fp8, rules=recipe.modules) if d.fp8}
+    blocks_in_fp8 = {int(n.split(".")[2]) for n in fp8 if n.startswith("model.layers.")}
+    assert blocks_in_fp8 == set(range(blocks - kept))
+
+
+def test_last_blocks_share_mistakes_are_one_line():
+    for bad, words in (
+        ({"last_blocks_share": 1.0}, "last_blocks_share"),
+        ({"last_blocks_share": 0}, "last_blocks_share"),
+        ({"last_blocks_share": 0.2, "last_blocks": 2}, "give last_blocks or last_blocks_share, not both"),
+    ):
+        with pytest.raises(ValueError, match="last_blocks") as err:
+            ModuleRule.model_validate({"name": "r", "fp8": "off", **bad})
+        assert words in str(err.value)

@@ -132,7 +132,7 @@ BAD_PHASES = [
     ),
     (
         "phases: [{start: 0, precision: bf16}, {start: 3, precision: fp8, fp8: {scaling: bogus}}]",
-        "phases.1.fp8.scaling: 'bogus' is not allowed (allowed: delayed, current, mxfp8, blockwise)",
+        "phases.1.fp8.scaling: 'bogus' is not allowed (allowed: delayed, current, mxfp8, blockwise, nvfp4)",
     ),
     (
         "phases: [{start: 0, precision: bf16}, {start: 3, precision: fp8, fp8: {backend: torchao}}]",
