@@ -89,16 +89,18 @@ def e2m1_codes(x: Tensor, generator: torch.Generator | None = None, *, noise: Te
         for edge, up in _RNE_STEPS:
             code += (mag >= edge if up else mag > edge).to(torch.uint8)
     else:
-        low = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
+        low = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)  # the code of the magnitude at or below |x|
         for value in E2M1_VALUES[1:]:
-            low += (mag >= value).to(torch.int64)
-        base = _magnitude(low)
-        gap = _magnitude((low + 1).clamp(max=len(E2M1_VALUES) - 1)) - base
+            low += (mag >= value).to(torch.uint8)
+        low = low.long()
+        grid = _grid(x.device)[0]
+        base = grid[low]
+        gap = grid[(low + 1).clamp(max=len(E2M1_VALUES) - 1)] - base
         frac = torch.where(gap > 0, (mag - base) / torch.where(gap > 0, gap, 1.0), 0.0)
         draw = (
             noise.reshape(x.shape) if noise is not None else torch.rand(x.shape, generator=generator, device=x.device)
         )
-        code = (low + (draw < frac).to(torch.int64)).to(torch.uint8)
+        code = low + (draw < frac).to(torch.int64)
     code = torch.where(torch.isnan(x), 0, code).to(torch.uint8)  # torch.where promotes: back to uint8
     return code | ((x < 0).to(torch.uint8) << 3)
 
@@ -131,8 +133,15 @@ def hashed_uniform(shape: tuple[int, ...] | torch.Size, key: Tensor, stream: int
 
 def e2m1_values(codes: Tensor) -> Tensor:
     """The float32 values of E2M1 ``codes`` (-0.0 for code 8)."""
-    mag = _magnitude((codes & 7).long())
-    return torch.where((codes & 8) > 0, -mag, mag)
+    return _grid(codes.device)[1:3].reshape(16)[codes.long()]
+
+
+def _grid(device: torch.device) -> Tensor:
+    """A ``[3, 8]`` float32 table computed on ``device`` (one built from a Python list would be a host-to-device
+    copy, a sync on a GPU): row 0 the E2M1 magnitudes by code, rows 1-2 the values of codes 0-15 (-0.0 for code
+    8), so that a lookup replaces the arithmetic."""
+    mag = _magnitude(torch.arange(8, device=device))
+    return torch.stack([mag, mag, -mag])
 
 
 def pack_fp4(codes: Tensor) -> Tensor:
@@ -158,8 +167,9 @@ class NVFP4Quantized:
 
     def dequantize(self) -> Tensor:
         """``value(code) * decode_scale * global_decode`` in float32 (the first product is exact)."""
-        scales = self.block_scales.float().repeat_interleave(NVFP4_BLOCK, dim=-1)
-        return e2m1_values(self.codes) * scales * self.global_decode
+        m, n = self.codes.shape
+        values = e2m1_values(self.codes).view(m, n // NVFP4_BLOCK, NVFP4_BLOCK)
+        return (values * self.block_scales.float().unsqueeze(-1) * self.global_decode).view(m, n)
 
 
 def global_encode_scale(amax: Tensor) -> Tensor:
