@@ -286,6 +286,10 @@ def generation_of(device_type: str, capability: tuple[int, int] | None) -> str:
     return "blackwell"  # 10.x datacenter, 12.x consumer
 
 
+#: What an NVFP4 recipe needs, in the words of every refusal (TE's ``check_nvfp4_support``).
+NVFP4_NEEDS = "NVFP4 (FP4 tensor cores: needs compute capability >= 10.0, Blackwell such as B200)"
+
+
 def support_for(
     device_type: str, capability: tuple[int, int] | None = None, cuda_version: str | None = None
 ) -> Support:
@@ -331,7 +335,7 @@ def support_for(
         if cc >= (10, 0):  # TE's check_nvfp4_support (transformer_engine/pytorch/quantization.py): 10.0 and above
             scalings.append("nvfp4")
         else:
-            lacks["nvfp4"] = "NVFP4 (FP4 tensor cores: needs compute capability >= 10.0, Blackwell such as B200)"
+            lacks["nvfp4"] = NVFP4_NEEDS
     if scalings:
         precisions += ("fp8",)
     for s in fp8_all:
@@ -477,6 +481,8 @@ def check_recipe(recipe: RecipeSpec, info: HardwareInfo) -> None:
     missing: str | None = None
     if recipe.precision not in sup.precisions:
         missing = sup.lacks.get(recipe.precision, recipe.precision)
+        if recipe.precision == "fp8" and recipe.fp8 is not None and recipe.fp8.scaling == "nvfp4":
+            missing = NVFP4_NEEDS  # not "FP8 tensor cores (>= 8.9)": an H100 has those and still cannot run it
     elif recipe.precision == "fp8" and recipe.fp8 is not None and recipe.fp8.scaling not in sup.fp8_scalings:
         missing = sup.lacks.get(recipe.fp8.scaling, f"FP8 {recipe.fp8.scaling} scaling")
     elif recipe.tf32 and not sup.tf32 and info.device_type == "cuda":

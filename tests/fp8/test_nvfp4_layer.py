@@ -216,6 +216,9 @@ def test_blackwell_runs_nvfp4_and_hopper_refuses_it_naming_the_rehearsal():
     with pytest.raises(Exception, match="NVFP4") as err:
         check_recipe(load_recipe("b200-nvfp4", check_hardware=False), info)
     assert "--rehearse" in str(err.value) and "\n" not in str(err.value)
+    # on a CPU the refusal names what NVFP4 needs, not FP8's compute capability 8.9 (an H100 has that)
+    with pytest.raises(Exception, match=r"needs NVFP4 \(FP4 tensor cores: needs compute capability >= 10\.0"):
+        check_recipe(load_recipe("b200-nvfp4", check_hardware=False), HardwareInfo(device_type="cpu"))
 
 
 def test_transformer_engines_recipe_follows_each_switch():
