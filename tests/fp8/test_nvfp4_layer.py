@@ -264,3 +264,17 @@ def test_plan_and_estimate_show_nvfp4_layers_and_their_bytes(capsys):
     est = estimate_memory(None, ["b200-mxfp8", "b200-nvfp4"], seq_len=256)
     mx, nv = (r.memory.fp8_extras for r in est.recipes)
     assert 0 < nv < mx
+
+
+def test_a_health_fallback_moves_an_nvfp4_layer_to_bf16_holding_the_same_weights():
+    """The per-layer fallback reaction under NVFP4 goes to BF16, as Transformer Engine can do per layer (its recipe
+    is set per autocast region, not per layer): the rehearsal does what the run would do."""
+    from hf_mixedprec.fp8 import to_high_precision
+    from hf_mixedprec.training.health import layers_to_bf16
+
+    layer, lin = _layer()
+    high = to_high_precision(layer)
+    assert type(high) is nn.Linear and high.weight is lin.weight
+    model = nn.Sequential(layer)
+    assert layers_to_bf16(model, ["0"]) == ["0"] and type(model[0]) is nn.Linear
+    assert "0.nvfp4_sr_calls" not in model.state_dict()
