@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from hf_mixedprec.core._device import Constants
-from hf_mixedprec.core.formats import E2M1, FP8_SCALING_DEFAULTS, NumberFormat, get_format
+from hf_mixedprec.core.formats import E2M1, E4M3, FP8_SCALING_DEFAULTS, NumberFormat, get_format
 from hf_mixedprec.fp8.stats import SampledStats, StatsRecord, held_row, hold
 from hf_mixedprec.fp8.swap import linear_holding
 from hf_mixedprec.recipes.schema import FP8Config
@@ -285,7 +285,7 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
             block_amax = src.abs().reshape(src.shape[0], -1, NVFP4_BLOCK).amax(-1)
             unclamped = block_amax * (torch.reciprocal(q.global_decode) / E2M1_MAX)
             flushed = (q.block_scales.float() == 0) & (block_amax > 0)
-            clamp = (flushed | (unclamped > get_format("e4m3").max)).float().mean()
+            clamp = (flushed | (unclamped > E4M3.max)).float().mean()
         codes = q.codes
         if gemm == "wgrad":
             return _Quantized(deq.t(), codes.t())
