@@ -60,6 +60,7 @@ from hf_mixedprec.scaling.nvfp4 import (
     E2M1_MAX,
     NVFP4_BLOCK,
     TE_RHT_SIGNS,
+    draw_stream,
     e2m1_values,
     hadamard_matrix,
     hashed_uniform,
@@ -255,7 +256,7 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
             deq, data = deq.transpose(0, 1), data.transpose(0, 1)
         return _Quantized(deq, data)
 
-    def _qdq_nvfp4(self, t: Tensor, role: int, gemm: str) -> _Quantized:
+    def _qdq_nvfp4(self, t: Tensor, role: int, gemm: str, src_dtype: torch.dtype | None = None) -> _Quantized:
         """NVFP4 quantize-dequantize of one 2-D GEMM operand as TE's ``NVFP4BlockScaling`` quantizes it: 1x16 blocks
         along the GEMM's contraction dim (16x16 for a weight with ``weight_2d``), a tensor scale from the operand's
         amax, the Hadamard transform on the wgrad GEMM's operands first (``rht``; the amax is the transformed
@@ -273,10 +274,13 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
             src = torch.nn.functional.pad(src, (0, pad_c, 0, pad_r))
         if gemm == "wgrad" and spec.rht:
             src = (src.reshape(-1, NVFP4_BLOCK) @ self.nvfp4_rht.float()).reshape(src.shape)
+            if src_dtype in (torch.bfloat16, torch.float16):
+                # TE transforms a 16-bit operand in its own dtype (FP32 accumulation, a 16-bit result): its amax and
+                # codes come from the rounded values (reference_nvfp4.py's _apply_rht, the fused RHT kernel)
+                src = src.to(src_dtype).float()
         noise = None
         if role == 2 and spec.stochastic_rounding:
-            stream = (self.sr_stream * 0x9E3779B1 + spec.sr_seed) & 0xFFFFFFFF
-            noise = hashed_uniform(src.shape, self.nvfp4_sr_calls, stream)
+            noise = hashed_uniform(src.shape, self.nvfp4_sr_calls, draw_stream(self.sr_stream, spec.sr_seed))
             self.nvfp4_sr_calls.add_(1)
         q = nvfp4_quantize(src, tile=(NVFP4_BLOCK, NVFP4_BLOCK) if two_d else (1, NVFP4_BLOCK), noise=noise)
         deq = q.dequantize()
@@ -369,7 +373,7 @@ class EmulatedFP8GEMM(SampledStats, nn.Module):
         if self.spec.scaling in ("delayed", "current"):
             return self._qdq_tensorwise(t, role)
         if self.spec.scaling == "nvfp4":
-            return self._qdq_nvfp4(t, role, gemm)
+            return self._qdq_nvfp4(t, role, gemm, src_dtype)
         weight_block = role == 1 and self.spec.scaling == "blockwise"
         dim = 0 if (gemm == "wgrad" or (gemm == "dgrad" and role == 1)) else -1
         return self._qdq_blocked(t, role, dim, weight_block, src_dtype)

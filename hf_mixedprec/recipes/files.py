@@ -21,8 +21,10 @@ from pydantic import BaseModel, Tag, ValidationError
 
 from hf_mixedprec.core._text import shown
 from hf_mixedprec.core.errors import Problem, RecipeError
+from hf_mixedprec.recipes.detectors import LAYER_DETECTORS
+from hf_mixedprec.recipes.kinds import _CLIP_PARAMS, fp8_options_dropped_on_switch
 from hf_mixedprec.recipes.safe_yaml import YAMLRefusal, load_recipe_yaml, read_recipe_text
-from hf_mixedprec.recipes.schema import _CLIP_PARAMS, _FP8_SCALING_ONLY, RecipeSpec
+from hf_mixedprec.recipes.schema import RecipeSpec
 
 __all__ = ["builtin_recipe_names", "builtin_recipe_path", "load_recipe_file", "parse_recipe_yaml", "resolve_recipe"]
 
@@ -273,18 +275,35 @@ def _cycle_text(chain: list[str]) -> str:
 def _drop_switched_options(parent: dict[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
     """A child that switches ``clipping.method`` or ``fp8.scaling`` does not inherit the parent's options for
     the old method/scaling (``alpha`` of zclip under ``norm``, ``amax_history_len`` of delayed under mxfp8; the
-    ``format`` across nvfp4 and an FP8 scaling)."""
+    ``format`` and the per-layer FP8 health thresholds across nvfp4 and an FP8 scaling)."""
     out = dict(parent)
-    for section, selector, options in (("clipping", "method", _CLIP_PARAMS), ("fp8", "scaling", _FP8_SCALING_ONLY)):
+    for section, selector in (("clipping", "method"), ("fp8", "scaling")):
         mine, theirs = child.get(section), out.get(section)
         if not (isinstance(mine, Mapping) and isinstance(theirs, Mapping)):
             continue
         if selector in mine and mine[selector] != theirs.get(selector):
-            dropped = set(options)
-            if "nvfp4" in (mine[selector], theirs.get(selector)):
-                dropped.add("format")  # E2M1 with E4M3 block scales: an FP8 format does not carry over, either way
+            dropped = (
+                fp8_options_dropped_on_switch(theirs.get(selector), mine[selector])
+                if section == "fp8"
+                else set(_CLIP_PARAMS)
+            )
             out[section] = {k: v for k, v in theirs.items() if k not in dropped}
+            if section == "fp8" and "format" in dropped and "health" in out:
+                out["health"] = _drop_layer_thresholds(out["health"])
     return out
+
+
+def _drop_layer_thresholds(health: Any) -> Any:
+    """``health`` without the per-layer FP8 detectors' thresholds (``fp8_sqnr``, ``fp8_underflow``, ...): a child
+    that switches to or from nvfp4 gets those of its own format (the defaults, or its own), not ones set for FP4's
+    coarser grid or FP8's finer one. Their other keys (reaction, ...) are kept."""
+    if not isinstance(health, Mapping) or not isinstance(health.get("detectors"), Mapping):
+        return health
+    detectors = dict(health["detectors"])
+    for name in LAYER_DETECTORS:
+        if isinstance(detectors.get(name), Mapping):
+            detectors[name] = {k: v for k, v in detectors[name].items() if k != "threshold"}
+    return {**health, "detectors": detectors}
 
 
 def resolve_recipe(

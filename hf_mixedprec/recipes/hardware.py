@@ -286,6 +286,8 @@ def generation_of(device_type: str, capability: tuple[int, int] | None) -> str:
     return "blackwell"  # 10.x datacenter, 12.x consumer
 
 
+#: The first Transformer Engine release whose recipes include ``NVFP4BlockScaling`` used here.
+NVFP4_TE = (2, 9)
 #: What an NVFP4 recipe needs, in the words of every refusal (TE's ``check_nvfp4_support``).
 NVFP4_NEEDS = "NVFP4 (FP4 tensor cores: needs compute capability >= 10.0, Blackwell such as B200)"
 
@@ -530,6 +532,13 @@ def _no_fp8_backend(recipe: RecipeSpec, info: HardwareInfo) -> str | None:
         torchao=info.torchao_version is not None,
         native=(torch_has_fp8_gemm(), f"torch {torch.__version__} has no torch._scaled_mm"),
     )
+    if backend == "transformer_engine" and recipe.fp8.scaling == "nvfp4":
+        have = _version_tuple(info.te_version)
+        if have and have < NVFP4_TE:
+            return (
+                f"Transformer Engine {info.te_version} has no NVFP4BlockScaling (it needs >= "
+                f"{'.'.join(map(str, NVFP4_TE))}: pip install -U transformer-engine)"
+            )
     return why if backend is None else None
 
 

@@ -224,6 +224,20 @@ _FP8_SCALING_ONLY = (
     "stochastic_rounding",
     "sr_seed",
 )
+
+
+def fp8_options_dropped_on_switch(old: str | None, new: str | None) -> set[str]:
+    """The ``fp8`` options a recipe stops inheriting when it switches the scaling from ``old`` to ``new`` (a child
+    through ``extends`` or a ``phases:`` entry): those of the old scaling, and ``format`` across nvfp4 and an FP8
+    scaling (E2M1 values with E4M3 block scales: an FP8 format does not carry over, either way)."""
+    if old == new:
+        return set()
+    dropped = set(_FP8_SCALING_ONLY)
+    if "nvfp4" in (old, new):
+        dropped.add("format")
+    return dropped
+
+
 _ALLOWED_BLOCK_SIZE = {"mxfp8": (32,), "blockwise": (128,), "nvfp4": (16,)}
 _DELAYED, _CURRENT, _MX, _BLOCKWISE, _NVFP4 = (
     FP8_SCALING_DEFAULTS[s] for s in ("delayed", "current", "mxfp8", "blockwise", "nvfp4")

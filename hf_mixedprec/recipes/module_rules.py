@@ -21,6 +21,7 @@ import re
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -167,7 +168,8 @@ def _matches(rule: ModuleRule, name: str, mod: nn.Module, parent: nn.Module | No
 
 def shared_blocks(share: float, blocks: int) -> int:
     """How many of ``blocks`` a ``last_blocks_share`` selects: ``share * blocks`` rounded half up, never all."""
-    return min(math.floor(share * blocks + 0.5), blocks - 1)
+    exact = Fraction(str(share)) * blocks  # the decimal share as written: 0.29 x 50 is 14.5, not 14.4999...
+    return min(math.floor(exact + Fraction(1, 2)), blocks - 1)
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,7 @@ import yaml
 from pydantic import BeforeValidator, Field, PrivateAttr, ValidationError, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
-from hf_mixedprec.recipes.kinds import _CLIP_PARAMS as _CLIP_PARAMS  # re-exported: recipe_files reads it here
 from hf_mixedprec.recipes.kinds import (
-    _FP8_SCALING_ONLY,
     CLIP_DEFAULTS,
     TORCHAO_AMAX_EPS,
     AGCConfig,
@@ -42,6 +40,7 @@ from hf_mixedprec.recipes.kinds import (
     NormClipConfig,
     NVFP4Config,
     ZClipConfig,
+    fp8_options_dropped_on_switch,
 )
 from hf_mixedprec.recipes.modules_config import (
     DEFAULT_RULES,
@@ -147,7 +146,8 @@ def _phase_data(base: dict[str, Any], phase: PhaseConfig) -> dict[str, Any]:
         own = dict(base.get("fp8") or {}) if base.get("precision") == "fp8" else {}
         wanted = dict(phase.fp8 or {})
         if "scaling" in wanted and wanted["scaling"] != own.get("scaling"):
-            own = {k: v for k, v in own.items() if k not in _FP8_SCALING_ONLY}
+            dropped = fp8_options_dropped_on_switch(own.get("scaling"), wanted["scaling"])
+            own = {k: v for k, v in own.items() if k not in dropped}
         if "backend" in wanted and wanted["backend"] != own.get("backend"):
             own.pop("torchao_recipe", None)
         data["fp8"] = {**own, **wanted}

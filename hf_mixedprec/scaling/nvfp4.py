@@ -44,6 +44,7 @@ __all__ = [
     "NVFP4_BLOCK",
     "TE_RHT_SIGNS",
     "NVFP4Quantized",
+    "draw_stream",
     "e2m1_codes",
     "e2m1_values",
     "hadamard_matrix",
@@ -116,6 +117,21 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
+def _mix32_int(x: int) -> int:
+    """:func:`_mix32` on a Python int (the same bits)."""
+    for _ in range(2):
+        x ^= x >> 16
+        x = (x * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def draw_stream(layer: int, seed: int) -> int:
+    """The ``stream`` of :func:`hashed_uniform` for one layer (a number that tells layers apart) under one
+    ``sr_seed``: both are hashed before they are combined, so another seed gives unrelated draws, not this seed's
+    draws at shifted counters or of another layer (what adding or XOR-ing the raw seed in would give)."""
+    return _mix32_int(_mix32_int(layer & _MASK32) ^ _mix32_int((seed ^ 0x5BD1E995) & _MASK32))
+
+
 def hashed_uniform(shape: tuple[int, ...] | torch.Size, key: Tensor, stream: int = 0) -> Tensor:
     """Uniform draws in [0, 1) (float32, 24 random bits each) for stochastic rounding, computed on ``key``'s device
     from ``(key, stream, element index)`` by an integer hash: no generator state and no host value, so a compiled
@@ -124,7 +140,7 @@ def hashed_uniform(shape: tuple[int, ...] | torch.Size, key: Tensor, stream: int
     n = 1
     for d in shape:
         n *= int(d)
-    k = _mix32((key.to(torch.int64) ^ (stream & _MASK32)) & _MASK32)
+    k = _mix32((_mix32(key.to(torch.int64) & _MASK32) + (stream & _MASK32)) & _MASK32)
     k2 = _mix32((k + 0x3C6EF372) & _MASK32)
     idx = torch.arange(n, dtype=torch.int64, device=key.device)
     bits = _mix32(_mix32((idx ^ k) & _MASK32) ^ k2)

@@ -18,7 +18,7 @@ from hf_mixedprec.integrations.recipe import resolve_recipe
 from hf_mixedprec.recipes.hardware import HardwareInfo, check_recipe, support_for
 from hf_mixedprec.recipes.loader import load_recipe
 from hf_mixedprec.recipes.schema import FP8Config, NVFP4Config
-from hf_mixedprec.scaling.nvfp4 import e2m1_values, hashed_uniform, nvfp4_quantize
+from hf_mixedprec.scaling.nvfp4 import draw_stream, e2m1_values, hashed_uniform, nvfp4_quantize
 from hf_mixedprec.scaling.stats import finish_operand_stats, raw_operand_stats
 
 #: TE's sign vector (``get_wgrad_sign_vector``), written out again here rather than imported
@@ -53,8 +53,7 @@ def _layer(**opts) -> tuple[EmulatedFP8Linear, nn.Linear]:
 
 
 def _draws(layer: EmulatedFP8Linear, shape: tuple[int, int], call: int) -> torch.Tensor:
-    stream = (layer.sr_stream * 0x9E3779B1 + layer.spec.sr_seed) & 0xFFFFFFFF
-    return hashed_uniform(shape, torch.tensor(call), stream)
+    return hashed_uniform(shape, torch.tensor(call), draw_stream(layer.sr_stream, layer.spec.sr_seed))
 
 
 def _run(layer: EmulatedFP8Linear, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,6 +87,51 @@ def test_each_gemm_sees_what_tes_nvfp4_recipe_quantizes():
     # 4-bit operands: the GEMMs are near the exact ones, not equal
     exact = g2.t() @ x2
     assert 0.02 < float((gw - exact).norm() / exact.norm()) < 0.4
+
+
+def test_a_bf16_operand_is_transformed_then_rounded_to_bf16_as_te_transforms_it():
+    """TE's reference ``_apply_rht`` multiplies a BF16 operand by a BF16 Hadamard matrix: the transformed values are
+    BF16 before their amax and codes are taken. The layer's weight gradient is the product of those."""
+    layer, _ = _layer(stochastic_rounding=False)
+    layer.to(torch.bfloat16)
+    torch.manual_seed(1)
+    x = (torch.randn(3, 7, 64) * torch.logspace(-1, 1, 64)).to(torch.bfloat16).requires_grad_()
+    y = layer(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    x2, g2 = x.detach().reshape(21, 64).float(), g.reshape(21, 48).float()
+
+    def wgrad(rounded: bool) -> torch.Tensor:
+        gt, xt = _rht(_pad_tokens(g2.t().contiguous())), _rht(_pad_tokens(x2.t().contiguous()))
+        if rounded:
+            gt, xt = gt.to(torch.bfloat16).float(), xt.to(torch.bfloat16).float()
+        return nvfp4_quantize(gt).dequantize() @ nvfp4_quantize(xt).dequantize().t()
+
+    assert layer.weight.grad.dtype == torch.bfloat16
+    assert torch.equal(layer.weight.grad, wgrad(rounded=True).to(torch.bfloat16))
+    assert not torch.equal(layer.weight.grad, wgrad(rounded=False).to(torch.bfloat16))  # the rounding shows
+
+
+def test_another_seed_or_layer_draws_afresh_not_shifted_draws():
+    """``sr_seed`` and the layer's stream are hashed before they meet the call counter: seed 1 is not seed 0 a few
+    calls later, and two layers do not share draws (an XOR of the raw seed into the stream gave both)."""
+    shape = (4, 64)
+    draws = {
+        (layer, seed, call): hashed_uniform(shape, torch.tensor(call), draw_stream(layer, seed))
+        for layer in (12345, 12346)
+        for seed in (0, 1, 2)
+        for call in range(8)
+    }
+    firsts = {k: float(v[0, 0]) for k, v in draws.items()}
+    assert len(set(firsts.values())) == len(firsts)  # 48 streams x counters, no two alike
+    for k, v in draws.items():
+        assert float(v.min()) >= 0.0 and float(v.max()) < 1.0 and abs(float(v.mean()) - 0.5) < 0.1, k
+    layer, _ = _layer()
+    other, _ = _layer(sr_seed=1)
+    _, _, _, gw = _run(layer)
+    _, _, _, gw_other = _run(other)
+    assert not torch.equal(gw, gw_other)
+    assert torch.equal(gw_other, _run(_layer(sr_seed=1)[0])[3])  # the same seed replays
 
 
 def test_each_switch_turns_off_its_technique_alone():
@@ -205,6 +249,47 @@ def test_the_section_refuses_what_nvfp4_cannot_mean_in_one_line():
     assert child.fp8.scaling == "nvfp4" and child.fp8.format == "E4M3"
     back = resolve_recipe({"name": "d", "extends": "b200-nvfp4", "fp8": {"scaling": "delayed"}})
     assert back.fp8.scaling == "delayed" and back.fp8.format == "HYBRID"
+    # ... and the FP4 health thresholds of b200-nvfp4: FP8's own defaults apply again, or the child's
+    fp4 = load_recipe("b200-nvfp4", check_hardware=False).health.detectors
+    assert fp4.fp8_sqnr.threshold == 15.0 and fp4.fp8_underflow.threshold == 0.4
+    assert back.health.detectors.fp8_sqnr.threshold == 20.0 and back.health.detectors.fp8_underflow.threshold == 0.1
+    assert back.health.detectors.mx_clamp.threshold == 0.01
+    own = resolve_recipe(
+        {
+            "name": "e",
+            "extends": "b200-nvfp4",
+            "fp8": {"scaling": "mxfp8"},
+            "health": {"detectors": {"fp8_sqnr": {"threshold": 18.0, "reaction": "warn"}}},
+        }
+    )
+    assert own.health.detectors.fp8_sqnr.threshold == 18.0 and own.health.detectors.fp8_sqnr.reaction == "warn"
+    assert own.health.detectors.fp8_saturation.threshold == 0.001
+    same = resolve_recipe({"name": "f", "extends": "b200-nvfp4", "fp8": {"rht": False}})
+    assert same.health.detectors.fp8_sqnr.threshold == 15.0  # nvfp4 still: its thresholds stay
+    # a phase that switches to or from nvfp4 drops the format the same way
+    phased = resolve_recipe(
+        {
+            "name": "p",
+            "extends": "h100-fp8-delayed",
+            "phases": [
+                {"start": 0, "precision": "fp8"},
+                {"start": 0.5, "precision": "fp8", "fp8": {"scaling": "nvfp4"}},
+            ],
+        }
+    )
+    first, second = phased.phase_specs()
+    assert first.fp8.format == "HYBRID" and second.fp8.scaling == "nvfp4" and second.fp8.format == "E4M3"
+    from_fp4 = resolve_recipe(
+        {
+            "name": "q",
+            "extends": "b200-nvfp4",
+            "phases": [
+                {"start": 0, "precision": "fp8"},
+                {"start": 0.5, "precision": "fp8", "fp8": {"scaling": "current"}},
+            ],
+        }
+    )
+    assert from_fp4.phase_specs()[1].fp8.format == "HYBRID"
 
 
 def test_blackwell_runs_nvfp4_and_hopper_refuses_it_naming_the_rehearsal():
@@ -219,6 +304,14 @@ def test_blackwell_runs_nvfp4_and_hopper_refuses_it_naming_the_rehearsal():
     # on a CPU the refusal names what NVFP4 needs, not FP8's compute capability 8.9 (an H100 has that)
     with pytest.raises(Exception, match=r"needs NVFP4 \(FP4 tensor cores: needs compute capability >= 10\.0"):
         check_recipe(load_recipe("b200-nvfp4", check_hardware=False), HardwareInfo(device_type="cpu"))
+    # a B200 with a Transformer Engine older than NVFP4BlockScaling: refused before any work, naming the version
+    blackwell = {"device_type": "cuda", "device_name": "NVIDIA B200", "capability": (10, 0), "cuda_version": "12.8"}
+    with pytest.raises(Exception, match=r"Transformer Engine 2\.8\.0 has no NVFP4BlockScaling \(it needs >= 2\.9"):
+        check_recipe(load_recipe("b200-nvfp4", check_hardware=False), HardwareInfo(**blackwell, te_version="2.8.0"))
+    check_recipe(load_recipe("b200-nvfp4", check_hardware=False), HardwareInfo(**blackwell, te_version="2.9.0"))
+    # the same old TE does not stop a recipe whose backend is the rehearsal
+    rehearsal = resolve_recipe({"name": "r", "extends": "b200-nvfp4", "fp8": {"backend": "emulated"}})
+    check_recipe(rehearsal, HardwareInfo(**blackwell, te_version="2.8.0"))
 
 
 def test_transformer_engines_recipe_follows_each_switch():

@@ -19,7 +19,7 @@ from hf_mixedprec.core.errors import ModuleRuleError
 from hf_mixedprec.fp8 import fp8_layers
 from hf_mixedprec.fp8.policy import plan_conversion
 from hf_mixedprec.integrations.recipe import resolve_recipe
-from hf_mixedprec.recipes.module_rules import assign_rules
+from hf_mixedprec.recipes.module_rules import assign_rules, shared_blocks
 from hf_mixedprec.recipes.modules_config import ModuleRule
 from tests.integrations.test_integration import Bytes
 
@@ -470,6 +470,13 @@ def test_last_blocks_share_keeps_a_share_of_the_blocks_whatever_the_depth(blocks
     fp8 = {d.name for d in plan_conversion(model, recipe.fp8, rules=recipe.modules) if d.fp8}
     blocks_in_fp8 = {int(n.split(".")[2]) for n in fp8 if n.startswith("model.layers.")}
     assert blocks_in_fp8 == set(range(blocks - kept))
+
+
+def test_last_blocks_share_rounds_the_share_as_written_not_its_binary_float():
+    """0.29 x 50 is 14.5 and rounds half up to 15; the float product is 14.4999... and would give 14."""
+    assert 0.29 * 50 < 14.5
+    assert shared_blocks(0.29, 50) == 15 and shared_blocks(0.16, 32) == 5 and shared_blocks(0.125, 4) == 1
+    assert shared_blocks(0.99, 4) == 3  # never every block
 
 
 def test_last_blocks_share_mistakes_are_one_line():

@@ -111,7 +111,8 @@ class DeviceSGD(torch.optim.SGD):
 
 
 def _meta_model(blocks: int = 1) -> torch.nn.Module:
-    # one decoder block beyond those a recipe keeps out by position (b200-nvfp4 keeps its last 2): every block runs
+    # one decoder block beyond those a recipe keeps out by position (a share, as b200-nvfp4's, keeps none of one block,
+    # never every block): every block runs
     # the same code, and on meta each operation costs Python time (MXFP8's block scales go through torch's reference
     # kernels)
     with torch.device(DEVICE):
