@@ -172,41 +172,59 @@ class StorageAdamW(torch.optim.Optimizer):
         return state
 
     # -- the step -----------------------------------------------------------------------------------------------
-    def _chunks(self, group: dict[str, Any]) -> list[tuple[list[torch.Tensor], bool]]:
-        """The group's parameters that have a gradient, by device and dtype, cut into runs of at most
-        ``chunk_elements`` elements (default by device type: :data:`CHUNK_ELEMENTS`; a larger parameter is a run of
-        its own): a step's FP32 temporaries are those of one run. FP32 weights whose gradients and moments the
-        kernel can update where they are (:func:`_in_place`) need none: they are one run, marked True."""
-        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    def _chunks(self, group: dict[str, Any]) -> list[tuple[list[torch.Tensor], list[dict[str, Any]], bool]]:
+        """The group's parameters that have a gradient, with their states, by device and dtype, cut into runs of at
+        most ``chunk_elements`` elements (default by device type: :data:`CHUNK_ELEMENTS`; a larger parameter is a run
+        of its own): a step's FP32 temporaries are those of one run. FP32 weights whose gradients and moments the
+        kernel can update where they are (:func:`_in_place`) need none: they are one run, marked True. Each state is
+        looked up once (a tensor's hash is a Python call)."""
+        by_kind: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[dict[str, Any]]]] = {}
+        all_states = self.state
         for p in group["params"]:
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
+            if grad.is_sparse:
                 raise RuntimeError("StorageAdamW does not support sparse gradients")
-            if not self.state[p]:
-                self._init_state(p)
-            by_kind.setdefault((p.device, p.dtype), []).append(p)
-        runs: list[tuple[list[torch.Tensor], bool]] = []
+            st = all_states[p]
+            if not st:
+                st = self._init_state(p)
+            params, states = by_kind.setdefault((p.device, p.dtype), ([], []))
+            params.append(p)
+            states.append(st)
+        runs: list[tuple[list[torch.Tensor], list[dict[str, Any]], bool]] = []
         scaled = getattr(self, "grad_scale", None) is not None
-        for (device, dtype), params in by_kind.items():
+        for (device, dtype), (params, states) in by_kind.items():
             if dtype == torch.float32 and self.state_dtype == torch.float32 and not scaled:
-                st = self.state
-                whole = [p for p in params if _in_place([p, p.grad, st[p]["exp_avg"], st[p]["exp_avg_sq"]])]
-                if whole:
-                    runs.append((whole, True))
-                taken = {id(p) for p in whole}
-                params = [p for p in params if id(p) not in taken]
+                # the weights are FP32 (their kind) and so are the moments (state_dtype; a checkpoint of another is
+                # refused on load): what is left to check is the gradient's dtype and every layout
+                fits = [
+                    p.grad.dtype == torch.float32
+                    and p.is_contiguous()
+                    and p.grad.is_contiguous()
+                    and st["exp_avg"].is_contiguous()
+                    and st["exp_avg_sq"].is_contiguous()
+                    for p, st in zip(params, states)
+                ]
+                if any(fits):
+                    runs.append(
+                        ([p for p, ok in zip(params, fits) if ok], [st for st, ok in zip(states, fits) if ok], True)
+                    )
+                    params = [p for p, ok in zip(params, fits) if not ok]
+                    states = [st for st, ok in zip(states, fits) if not ok]
             limit = self.chunk_elements or CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["default"])
             run: list[torch.Tensor] = []
+            run_states: list[dict[str, Any]] = []
             size = 0
-            for p in params:
+            for p, st in zip(params, states):
                 if run and size + p.numel() > limit:
-                    runs.append((run, False))
-                    run, size = [], 0
+                    runs.append((run, run_states, False))
+                    run, run_states, size = [], [], 0
                 run.append(p)
+                run_states.append(st)
                 size += p.numel()
             if run:
-                runs.append((run, False))
+                runs.append((run, run_states, False))
         return runs
 
     @torch.no_grad()
@@ -216,19 +234,20 @@ class StorageAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for run, in_place in self._chunks(group):
-                self._step_run(group, run, in_place)
+            for run, states, in_place in self._chunks(group):
+                self._step_run(group, run, states, in_place)
         return loss
 
-    def _step_run(self, group: dict[str, Any], params: list[torch.Tensor], in_place: bool) -> None:
-        """One AdamW step of ``params`` (one device, one dtype): torch's fused AdamW kernel over their FP32 masters,
-        gradients and moments. A list whose tensors are FP32 and contiguous goes to the kernel as it is (updated in
-        place; gradients only when there is no ``grad_scale`` to divide by, so a gradient is never changed); any
-        other is gathered into one flat FP32 buffer and, after the kernel, written back in the storage the recipe
-        chose. ``in_place``: :meth:`_chunks` found every list of the run so already. The number of operations does
-        not depend on the number of parameters."""
+    def _step_run(
+        self, group: dict[str, Any], params: list[torch.Tensor], states: list[dict[str, Any]], in_place: bool
+    ) -> None:
+        """One AdamW step of ``params`` (one device, one dtype; ``states`` theirs): torch's fused AdamW kernel over
+        their FP32 masters, gradients and moments. A list whose tensors are FP32 and contiguous goes to the kernel as
+        it is (updated in place; gradients only when there is no ``grad_scale`` to divide by, so a gradient is never
+        changed); any other is gathered into one flat FP32 buffer and, after the kernel, written back in the storage
+        the recipe chose. ``in_place``: :meth:`_chunks` found every list of the run so already. The number of
+        operations does not depend on the number of parameters."""
         device, dtype = params[0].device, params[0].dtype
-        states = [self.state[p] for p in params]
         sizes = [p.numel() for p in params]
         grad_scale: torch.Tensor | None = getattr(self, "grad_scale", None)
         found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
@@ -258,11 +277,17 @@ class StorageAdamW(torch.optim.Optimizer):
         lr = group["lr"]
         if torch.is_tensor(lr):
             lr = float(lr) if lr.device.type == "cpu" else lr.to(device)  # a host value is no sync
+        if flat_master is None and flat_avgs is None and flat_sqs is None and direct_grads:
+            lists = (params, grads, avgs, sqs)  # every tensor in place, shapes alike index by index: no views
+        else:
+            lists = (
+                listed(flat_master, params),
+                listed(None, grads) if direct_grads else listed(_gather(grads), grads),
+                listed(flat_avgs, avgs),
+                listed(flat_sqs, sqs),
+            )
         fused_adamw_(
-            listed(flat_master, params),
-            listed(None, grads) if direct_grads else listed(_gather(grads), grads),
-            listed(flat_avgs, avgs),
-            listed(flat_sqs, sqs),
+            *lists,
             steps,
             lr=lr,
             beta1=beta1,
@@ -327,7 +352,9 @@ def _check_master_state(params: list[torch.Tensor], states: list[dict[str, Any]]
     """A BF16 parameter's state holds the master its mode keeps; one without (its state was made while it was
     FP32) would lose its master silently."""
     key = {"bf16_remainder": "remainder", "bf16_kahan": "compensation"}.get(mode)
-    missing = [i for i, st in enumerate(states) if key is not None and key not in st]
+    if key is None:
+        return
+    missing = [i for i, st in enumerate(states) if key not in st]
     if missing:
         shape = tuple(params[missing[0]].shape)
         raise StorageRefusal(

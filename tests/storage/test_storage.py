@@ -169,7 +169,7 @@ def test_remainder_masters_end_on_torch_fused_adamw_bit_for_bit_across_runs():
         assert float(opt.state[q]["step"]) == sum((i + j) % 3 != 2 for i in range(40))
     for q in low:
         q.grad = torch.zeros_like(q)
-    assert [len(run) for run, _ in opt._chunks(opt.param_groups[0])] == [1, 1, 1, 2]  # 3072 | 7 | 3300 | 25 + 24
+    assert [len(run) for run, _, _ in opt._chunks(opt.param_groups[0])] == [1, 1, 1, 2]  # 3072 | 7 | 3300 | 25 + 24
 
 
 @pytest.mark.parametrize("master", ["bf16_kahan", "bf16_stochastic", "none"])
