@@ -164,7 +164,13 @@ def build_te_recipe(recipe: RecipeSpec) -> Any:
     kwargs = dict(kwargs)
     if "fp8_format" in kwargs:
         kwargs["fp8_format"] = getattr(te_recipe.Format, kwargs["fp8_format"])
-    rec = getattr(te_recipe, cls_name)(**kwargs)
+    cls = getattr(te_recipe, cls_name, None)
+    if cls is None:  # NVFP4BlockScaling came with TE 2.9, Float8BlockScaling with 2.3; check_recipe refuses it first
+        raise ValueError(
+            f"fp8.scaling {recipe.fp8.scaling if recipe.fp8 else None!r}: this Transformer Engine has no "
+            f"{cls_name} (pip install -U transformer-engine)"
+        )
+    rec = cls(**kwargs)
     qparams = getattr(te_recipe, "QParams", None)
     if qparams is not None and cls_name in ("Float8CurrentScaling", "Float8BlockScaling"):
         assert recipe.fp8 is not None

@@ -185,6 +185,18 @@ if len({d.name for d in DETECTORS}) != len(DETECTORS):
 
 #: The detectors evaluated step by step (events come out in this order), and the per-layer FP8 ones with the
 #: :class:`~hf_mixedprec.scaling.stats.RoleStats` metric each watches.
+#: The per-layer detectors' thresholds of an ``fp8.scaling: nvfp4`` recipe where it sets none: FP4 is coarser than FP8,
+#: and FP8's defaults flag every layer. Each is above what healthy NVFP4 layers of the embedded Llama measured with
+#: ``simulate --recipe b200-nvfp4`` (sr_seed 0-2): SQNR 16.1-19 dB, underflow up to 27% (1x16 blocks flush values
+#: under about 1/24 of their block's largest), saturation up to 0.3% (subnormal E4M3 block scales), up to 1.6% of
+#: the 16-element blocks with a flushed or saturated scale.
+NVFP4_LAYER_THRESHOLDS: dict[str, float] = {
+    "fp8_saturation": 0.01,
+    "fp8_underflow": 0.4,
+    "fp8_sqnr": 15.0,
+    "mx_clamp": 0.05,
+}
+
 STEP_DETECTORS: tuple[str, ...] = tuple(d.name for d in DETECTORS if d.kind not in ("fp8_layer", "experts"))
 LAYER_DETECTORS: dict[str, str] = {d.name: d.signal for d in DETECTORS if d.kind == "fp8_layer"}
 #: The MoE experts detectors, with the signal each watches, and the reactions they may take: their events concern a

@@ -287,6 +287,8 @@ def _drop_switched_options(parent: dict[str, Any], child: Mapping[str, Any]) -> 
                 if section == "fp8"
                 else set(_CLIP_PARAMS)
             )
+            if not dropped:
+                continue
             out[section] = {k: v for k, v in theirs.items() if k not in dropped}
             if section == "fp8" and "format" in dropped and "health" in out:
                 out["health"] = _drop_layer_thresholds(out["health"])
@@ -295,8 +297,9 @@ def _drop_switched_options(parent: dict[str, Any], child: Mapping[str, Any]) -> 
 
 def _drop_layer_thresholds(health: Any) -> Any:
     """``health`` without the per-layer FP8 detectors' thresholds (``fp8_sqnr``, ``fp8_underflow``, ...): a child
-    that switches to or from nvfp4 gets those of its own format (the defaults, or its own), not ones set for FP4's
-    coarser grid or FP8's finer one. Their other keys (reaction, ...) are kept."""
+    that switches to or from nvfp4 gets those of its own format (its own, or the defaults of its scaling: FP8's, or
+    an nvfp4 recipe's, ``recipes.detectors.NVFP4_LAYER_THRESHOLDS``), not ones set for FP4's coarser grid or FP8's
+    finer one. Their other keys (reaction, ...) are kept."""
     if not isinstance(health, Mapping) or not isinstance(health.get("detectors"), Mapping):
         return health
     detectors = dict(health["detectors"])

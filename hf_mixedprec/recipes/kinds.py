@@ -230,6 +230,7 @@ def fp8_options_dropped_on_switch(old: str | None, new: str | None) -> set[str]:
     """The ``fp8`` options a recipe stops inheriting when it switches the scaling from ``old`` to ``new`` (a child
     through ``extends`` or a ``phases:`` entry): those of the old scaling, and ``format`` across nvfp4 and an FP8
     scaling (E2M1 values with E4M3 block scales: an FP8 format does not carry over, either way)."""
+    old, new = old or "delayed", new or "delayed"  # unset is the default scaling: no switch to an explicit one
     if old == new:
         return set()
     dropped = set(_FP8_SCALING_ONLY)

@@ -23,6 +23,7 @@ import yaml
 from pydantic import BeforeValidator, Field, PrivateAttr, ValidationError, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
+from hf_mixedprec.recipes.detectors import NVFP4_LAYER_THRESHOLDS
 from hf_mixedprec.recipes.kinds import (
     CLIP_DEFAULTS,
     TORCHAO_AMAX_EPS,
@@ -131,6 +132,29 @@ def _check_legacy(fp8: Mapping[str, Any]) -> None:
     for key in ("keep_lm_head", "keep_embeddings"):
         if fp8.get(key) is not None and not isinstance(fp8[key], bool):
             raise _rule(f"fp8.{key}", f"{fp8[key]!r} is not true or false")
+
+
+def _nvfp4_thresholds(health: Any) -> Any:
+    """``health`` with each per-layer detector's threshold that it leaves unset taken from
+    :data:`~hf_mixedprec.recipes.detectors.NVFP4_LAYER_THRESHOLDS` (an nvfp4 recipe's defaults); a section that is
+    not a mapping is left for its own validation to report."""
+    if health is None:
+        health = {}
+    if not isinstance(health, Mapping):
+        return health
+    detectors = health.get("detectors")
+    if detectors is None:
+        detectors = {}
+    if not isinstance(detectors, Mapping):
+        return health
+    detectors = dict(detectors)
+    for name, threshold in NVFP4_LAYER_THRESHOLDS.items():
+        entry = detectors.get(name)
+        if entry is None:
+            detectors[name] = {"threshold": threshold}
+        elif isinstance(entry, Mapping) and "threshold" not in entry:
+            detectors[name] = {**entry, "threshold": threshold}
+    return {**health, "detectors": detectors}
 
 
 def _phase_data(base: dict[str, Any], phase: PhaseConfig) -> dict[str, Any]:
@@ -272,6 +296,9 @@ class RecipeSpec(_Section):
             raise _rule("loss_scale", f"only applies to precision fp16 (precision is {precision}); remove it")
         if precision == "fp8" and data.get("fp8") is None:
             data["fp8"] = {}
+        fp8 = data.get("fp8")
+        if precision == "fp8" and isinstance(fp8, Mapping) and fp8.get("scaling") == "nvfp4":
+            data["health"] = _nvfp4_thresholds(data.get("health"))
         elif precision in ("fp32", "fp16", "bf16") and data.get("fp8") is not None:
             raise _rule("fp8", f"only applies to precision fp8 (precision is {precision}); remove it")
         return data

@@ -219,7 +219,7 @@ def test_fp4_statistics_count_flushed_blocks_and_not_the_block_maxima():
     assert 10 < got["input"]["sqnr_db"] < 25  # FP4: about 17 dB on Gaussian values
 
 
-def test_the_section_refuses_what_nvfp4_cannot_mean_in_one_line():
+def test_the_section_refuses_what_nvfp4_cannot_mean_in_one_line(tmp_path):
     cfg = FP8Config(scaling="nvfp4")
     assert isinstance(cfg, NVFP4Config) and cfg.format == "E4M3"
     assert cfg.options() == {
@@ -266,6 +266,20 @@ def test_the_section_refuses_what_nvfp4_cannot_mean_in_one_line():
     assert own.health.detectors.fp8_saturation.threshold == 0.001
     same = resolve_recipe({"name": "f", "extends": "b200-nvfp4", "fp8": {"rht": False}})
     assert same.health.detectors.fp8_sqnr.threshold == 15.0  # nvfp4 still: its thresholds stay
+    # an nvfp4 recipe's per-layer thresholds default to FP4's own, whether written from scratch or switched to from
+    # an FP8 parent whose thresholds were its own; b200-nvfp4 writes the same values out
+    table = {"fp8_saturation": 0.01, "fp8_underflow": 0.4, "fp8_sqnr": 15.0, "mx_clamp": 0.05}
+    scratch = resolve_recipe({"name": "g", "precision": "fp8", "fp8": {"scaling": "nvfp4"}})
+    parent = tmp_path / "p.yaml"
+    parent.write_text("name: p\nextends: h100-fp8-delayed\nhealth: {detectors: {fp8_sqnr: {threshold: 25}}}\n")
+    switched = resolve_recipe({"name": "h", "extends": str(parent), "fp8": {"scaling": "nvfp4"}})
+    for recipe in (scratch, switched, load_recipe("b200-nvfp4", check_hardware=False)):
+        assert {k: getattr(recipe.health.detectors, k).threshold for k in table} == table, recipe.name
+    assert resolve_recipe({"name": "k", "extends": str(parent)}).health.detectors.fp8_sqnr.threshold == 25
+    # an unset scaling is delayed: a child that writes scaling: delayed switches nothing and keeps the history length
+    (tmp_path / "i.yaml").write_text("name: i\nprecision: fp8\nfp8: {amax_history_len: 16}\n")
+    child = resolve_recipe({"name": "j", "extends": str(tmp_path / "i.yaml"), "fp8": {"scaling": "delayed"}})
+    assert child.fp8.amax_history_len == 16
     # a phase that switches to or from nvfp4 drops the format the same way
     phased = resolve_recipe(
         {
