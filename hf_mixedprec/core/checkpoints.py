@@ -54,6 +54,11 @@ class CheckpointDamaged(MixedPrecisionError):
     """A checkpoint chosen explicitly does not verify (one line: the folder, the file and what is wrong)."""
 
 
+class CheckpointLayoutRefusal(MixedPrecisionError):
+    """A checkpoint this run cannot load as it was written (sharded for another engine or world size), in one line:
+    the folder, what it holds, what the run needs and what to do."""
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:

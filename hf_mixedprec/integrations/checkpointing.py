@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,9 +27,16 @@ import torch.distributed as dist
 
 from hf_mixedprec.core._device import several_ranks
 from hf_mixedprec.core._private import trainer_output_dir, wrap_save_checkpoint
-from hf_mixedprec.core.checkpoints import CheckpointDamaged, newest_verified, verify, write_manifest
+from hf_mixedprec.core.checkpoints import (
+    CheckpointDamaged,
+    CheckpointLayoutRefusal,
+    newest_verified,
+    verify,
+    write_manifest,
+)
 from hf_mixedprec.core.disk import DiskFull, free_bytes, is_disk_full, tree_bytes
 from hf_mixedprec.core.model_dir import safetensors_files
+from hf_mixedprec.integrations.sharding import gather_sharded_checkpoint, shard_ready_checkpoint, sharded_ranks
 
 __all__ = [
     "DiskFull",
@@ -87,10 +95,124 @@ def manage_checkpoints(
         target = resume_target(trainer.args.output_dir, resume_from_checkpoint, note)
         if before_resume is not None and isinstance(target, (str, os.PathLike)):
             before_resume(os.fspath(target))
-        return train(target, *a, **kw)
+        gathered = _layout_for_this_run(trainer, target, note)
+        try:
+            return train(target if gathered is None else str(gathered), *a, **kw)
+        finally:
+            if gathered is not None and trainer.args.should_save:
+                shutil.rmtree(gathered, ignore_errors=True)
 
     wrap_save_checkpoint(trainer, make)
     trainer.train = train_verified  # type: ignore[method-assign]
+
+
+def _layout_for_this_run(trainer: Any, target: Any, note: Callable[[str], None]) -> Path | None:
+    """A resume whose checkpoint was written sharded (FSDP, N ranks) by a run that now trains unsharded (one process
+    or data parallel): the checkpoint gathered into a hidden folder beside it (:func:`gather_sharded_checkpoint`,
+    written by rank 0 while the others wait), which Trainer then resumes from; an unsharded checkpoint resumed by an
+    FSDP run, the other way (:func:`_sharded_for_this_run`); None when the layouts agree."""
+    if not isinstance(target, (str, os.PathLike)) or not Path(target).is_dir():
+        return None
+    folder = Path(target)
+    ranks = sharded_ranks(folder)
+    fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
+    _deepspeed_layout(trainer, folder, ranks)
+    if ranks is None and fsdp and safetensors_files(folder):
+        return _sharded_for_this_run(trainer, folder, note)
+    if ranks is None or fsdp:
+        return None
+    dest = folder.parent / f".{folder.name}-gathered"
+    if trainer.args.should_save:
+        names = [n for n, _ in trainer.model.named_parameters()]
+        try:
+            gather_sharded_checkpoint(folder, dest, names)
+        except ValueError as exc:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise CheckpointLayoutRefusal(
+                f"resume: {folder.name} was written sharded by {ranks} FSDP rank(s) and cannot be gathered for this "
+                f"unsharded run: {exc}; resume it with the recipe it was written under"
+            ) from None
+    if several_ranks():
+        dist.barrier()  # every rank loads what rank 0 wrote
+    note(
+        f"resume: {folder.name} was written sharded by {ranks} FSDP rank(s); this run is unsharded, so its model and "
+        f"optimizer state were gathered whole (Distributed Checkpoint resharding) into {dest.name} for Trainer to "
+        "load, removed once training ends"
+    )
+    return dest
+
+
+def _deepspeed_layout(trainer: Any, folder: Path, ranks: int | None) -> None:
+    """DeepSpeed resumes only its own checkpoints (``global_step*`` folders: ``deepspeed_load_checkpoint`` raises on
+    any other), and a run without DeepSpeed would load such a checkpoint's weights but none of its optimizer state
+    (partitioned in DeepSpeed's own files: Trainer finds no ``optimizer.pt`` and starts the moments afresh, or, under
+    ZeRO-3, finds no weights): either is refused in one line, before anything loads. So is a ZeRO checkpoint resumed
+    on another number of ranks, which DeepSpeed's engine refuses on every rank once the model is built
+    (``ZeRORuntimeException``, deepspeed/runtime/engine.py ``_load_zero_checkpoint``), unless the run loads
+    DeepSpeed's universal checkpoint (``checkpoint.load_universal``)."""
+    steps = sorted(p.name for p in folder.glob("global_step*") if p.is_dir())
+    deepspeed = bool(getattr(trainer, "is_deepspeed_enabled", False))
+    if steps and not deepspeed:
+        raise CheckpointLayoutRefusal(
+            f"resume: {folder.name} was written by DeepSpeed (its optimizer state is partitioned in {steps[-1]}/) and "
+            "this run does not use DeepSpeed, which would resume the weights with a fresh optimizer; resume it with "
+            "the DeepSpeed recipe it was written under (distributed.strategy deepspeed), or start a new run from "
+            "its weights"
+        )
+    if deepspeed and steps:
+        written = {
+            m.group(1)
+            for f in (folder / steps[-1]).glob("*zero_pp_rank_*_mp_rank_*_optim_states.pt")
+            if (m := re.search(r"zero_pp_rank_(\d+)_", f.name))
+        }
+        world = int(getattr(trainer.args, "world_size", 1) or 1)
+        config = getattr(getattr(trainer.args, "hf_deepspeed_config", None), "config", None) or {}
+        universal = bool((config.get("checkpoint") or {}).get("load_universal"))
+        if written and len(written) != world and not universal:
+            raise CheckpointLayoutRefusal(
+                f"resume: {folder.name} holds DeepSpeed ZeRO optimizer state partitioned over {len(written)} rank(s) "
+                f"and this run has {world}: DeepSpeed resumes such a checkpoint on as many ranks as wrote it (each "
+                "rank loads its own partition); resume it on that many, or convert it first with DeepSpeed's "
+                "universal checkpoint (deepspeed.checkpoint.ds_to_universal, then checkpoint.load_universal: true)"
+            )
+    if deepspeed and not steps and (ranks is not None or safetensors_files(folder)):
+        what = f"sharded by {ranks} FSDP rank(s)" if ranks is not None else "by a run without DeepSpeed"
+        raise CheckpointLayoutRefusal(
+            f"resume: {folder.name} was written {what} and this run uses DeepSpeed, which resumes only its own "
+            "checkpoints (global_step* folders); resume it with the recipe it was written under, or start a new "
+            "run from its weights"
+        )
+
+
+def _sharded_for_this_run(trainer: Any, folder: Path, note: Callable[[str], None]) -> Path:
+    """An unsharded checkpoint resumed by an FSDP run: written again as a sharded one (:func:`shard_ready_checkpoint`)
+    in a hidden folder beside it, by rank 0 while the others wait; its optimizer positions are named by the groups
+    Trainer builds (``Trainer.create_optimizer``: the parameters that decay, then the others, each in the model's
+    order), and refused in one line when they do not fit."""
+    dest = folder.parent / f".{folder.name}-sharded"
+    if trainer.args.should_save:
+        model = trainer.model
+        decay = set(trainer.get_decay_parameter_names(model))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [[n for n, _ in named if n in decay], [n for n, _ in named if n not in decay]]
+        groups = [g for g in groups if g]
+        try:
+            shard_ready_checkpoint(folder, dest, model, groups)
+        except ValueError as exc:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise CheckpointLayoutRefusal(
+                f"resume: {folder.name} was written by an unsharded run and this run shards with FSDP, but its "
+                f"optimizer state does not fit this run's parameters: {exc}; resume it with the recipe it was "
+                "written under"
+            ) from None
+    if several_ranks():
+        dist.barrier()  # every rank loads what rank 0 wrote
+    note(
+        f"resume: {folder.name} was written by an unsharded run; this run shards with FSDP, so its model and optimizer "
+        f"state were written as Distributed Checkpoints into {dest.name}, which every rank's load reshards, removed "
+        "once training ends"
+    )
+    return dest
 
 
 @contextlib.contextmanager

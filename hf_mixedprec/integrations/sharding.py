@@ -4,21 +4,33 @@ takes its FSDP branch on GPUs only), the recipe's FSDP2 precision policy, and to
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from hf_mixedprec.core._private import ensure_scale_tensor, fsdp2_on_cpu, fsdp2_possible_on_cpu
+from hf_mixedprec.core.model_dir import safetensors_files
 from hf_mixedprec.recipes.schema import RecipeSpec
 
+#: Accelerate's folders of a sharded (Distributed Checkpoint) model and optimizer in a Trainer checkpoint
+#: (``accelerate.utils.constants``: FSDP_MODEL_NAME, OPTIMIZER_NAME; ``save_fsdp_model`` / ``save_fsdp_optimizer``).
+SHARDED_MODEL, SHARDED_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
+
 __all__ = [
+    "SHARDED_MODEL",
+    "SHARDED_OPTIMIZER",
     "describe_policy",
     "fsdp2_on_cpu_accelerator",
     "fsdp2_policy",
     "fsdp2_policy_on_accelerate",
+    "gather_sharded_checkpoint",
     "keep_optimizer_params_by_name",
     "scaler_ready_for_sharded_resume",
+    "shard_ready_checkpoint",
+    "sharded_ranks",
 ]
 
 
@@ -123,3 +135,138 @@ def keep_optimizer_params_by_name(accelerator: Any) -> None:
         return result
 
     accelerator.prepare = prepare_by_name
+
+
+def sharded_ranks(folder: str | Path) -> int | None:
+    """How many ranks wrote the sharded (FSDP) checkpoint ``folder`` (its ``rng_state_<rank>.pth`` files); None when
+    ``folder`` holds no sharded model."""
+    folder = Path(folder)
+    if not (folder / SHARDED_MODEL).is_dir():
+        return None
+    return max(1, len(list(folder.glob("rng_state_*.pth"))))
+
+
+def gather_sharded_checkpoint(folder: str | Path, dest: str | Path, names: list[str] | None = None) -> Path:
+    """Write ``dest``: the Trainer checkpoint ``folder`` of a sharded (FSDP) run as an unsharded run writes one, for a
+    run that resumes it without FSDP (another world size: one process, or data parallel). Distributed Checkpoint
+    reshards as it reads (``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``: every shard of a tensor
+    read back into the whole tensor, exactly), so the model becomes ``model.safetensors`` and the optimizer state,
+    keyed by parameter name in the checkpoint, becomes ``optimizer.pt`` keyed by position in its parameter groups,
+    which is how the unsharded Trainer builds its optimizer (the same groups, the same order). Every other file is
+    copied (rank 0's RNG state also as ``rng_state.pth``); ``folder`` is not changed. ``names``: the resuming model's
+    parameter names in its order; each group's names must follow it (Trainer groups parameters in that order), else
+    ``ValueError`` says which name does not."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder, dest = Path(folder), Path(dest)
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for f in folder.iterdir():
+        if f.is_file() and f.name != "hf_mixedprec_manifest.json":
+            shutil.copy2(f, dest / f.name)
+    if (folder / "rng_state_0.pth").is_file():
+        shutil.copy2(folder / "rng_state_0.pth", dest / "rng_state.pth")
+    whole = dest / ".gathered.pt"
+    dcp_to_torch_save(folder / SHARDED_MODEL, whole)
+    model = torch.load(whole, weights_only=True)
+    model = model.get("model", model)
+    save_file({k: v.contiguous().clone() for k, v in model.items() if torch.is_tensor(v)}, dest / "model.safetensors")
+    if (folder / SHARDED_OPTIMIZER).is_dir():
+        dcp_to_torch_save(folder / SHARDED_OPTIMIZER, whole)
+        optim = torch.load(whole, weights_only=True)
+        optim = optim.get("optimizer", optim)
+        order = [name for group in optim["param_groups"] for name in group["params"]]
+        if names is not None:
+            _check_group_order(optim["param_groups"], names)
+        index = {name: i for i, name in enumerate(order)}
+        groups, start = [], 0
+        for group in optim["param_groups"]:
+            n = len(group["params"])
+            groups.append({**group, "params": list(range(start, start + n))})
+            start += n
+        state = {index[name]: st for name, st in optim["state"].items() if name in index}
+        torch.save({"state": state, "param_groups": groups}, dest / "optimizer.pt")
+    whole.unlink(missing_ok=True)
+    return dest
+
+
+def _check_group_order(groups: list[dict[str, Any]], names: list[str]) -> None:
+    position = {n: i for i, n in enumerate(names)}
+    for g, group in enumerate(groups):
+        seen = -1
+        for name in group["params"]:
+            if name not in position:
+                raise ValueError(
+                    f"parameter group {g} of the checkpoint's optimizer holds {name!r}, which the model lacks"
+                )
+            if position[name] < seen:
+                raise ValueError(
+                    f"parameter group {g} of the checkpoint's optimizer holds {name!r} out of the model's order"
+                )
+            seen = position[name]
+
+
+def shard_ready_checkpoint(
+    folder: str | Path, dest: str | Path, model: nn.Module, groups: list[list[str]] | None
+) -> Path:
+    """Write ``dest``: the Trainer checkpoint ``folder`` of an unsharded run (``model.safetensors``, ``optimizer.pt``)
+    as a sharded (FSDP) run writes one, for an FSDP run that resumes it: the model and the optimizer state as
+    Distributed Checkpoints of whole tensors (``torch_save_to_dcp``), which each rank's load then cuts into its own
+    shards (Distributed Checkpoint reshards as it reads). ``optimizer.pt`` keys its state by position; ``groups``
+    names the parameters of each of its groups in that order (how the run groups ``model``'s parameters), and the
+    positions are checked against it (counts, and each moment's shape against its parameter's), else
+    ``ValueError``. A weight the file leaves out because it is tied to another (``lm_head`` to the embedding) is
+    written under both names, as the sharded model's state dict holds both. Every other file is copied (the
+    single-process RNG state as rank 0's); ``folder`` is not changed."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
+    folder, dest = Path(folder), Path(dest)
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    weights: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(folder):
+        weights.update(load_file(f))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, p in params.items():
+        if name not in weights:
+            twin = next((n for n, q in params.items() if q is p and n in weights), None)
+            if twin is not None:
+                weights[name] = weights[twin]
+    whole = dest / ".whole.pt"
+    torch.save({"model": weights}, whole)
+    torch_save_to_dcp(whole, dest / SHARDED_MODEL)
+    optim_file = folder / "optimizer.pt"
+    if optim_file.is_file() and groups is not None:
+        saved = torch.load(optim_file, weights_only=True, map_location="cpu")
+        if [len(g["params"]) for g in saved["param_groups"]] != [len(g) for g in groups]:
+            raise ValueError(
+                f"its optimizer has groups of {[len(g['params']) for g in saved['param_groups']]} parameters, this "
+                f"run's has {[len(g) for g in groups]}"
+            )
+        state: dict[str, Any] = {}
+        for group, names in zip(saved["param_groups"], groups, strict=True):
+            for index, name in zip(group["params"], names, strict=True):
+                st = saved["state"].get(index)
+                if st is None:
+                    continue
+                shape = tuple(params[name].shape)
+                for key, value in st.items():
+                    if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != shape:
+                        raise ValueError(
+                            f"its optimizer state {key!r} at position {index} has shape "
+                            f"{tuple(value.shape)}, this run's parameter there ({name}) {shape}"
+                        )
+                state[name] = st
+        param_groups = [{**g, "params": list(names)} for g, names in zip(saved["param_groups"], groups, strict=True)]
+        torch.save({"optimizer": {"state": state, "param_groups": param_groups}}, whole)
+        torch_save_to_dcp(whole, dest / SHARDED_OPTIMIZER)
+    whole.unlink(missing_ok=True)
+    skip = {"hf_mixedprec_manifest.json", "optimizer.pt"} | {Path(f).name for f in safetensors_files(folder)}
+    for f in folder.iterdir():
+        if f.is_file() and f.name not in skip and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, dest / f.name)
+    if (folder / "rng_state.pth").is_file():
+        shutil.copy2(folder / "rng_state.pth", dest / "rng_state_0.pth")
+    return dest

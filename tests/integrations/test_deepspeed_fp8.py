@@ -5,6 +5,7 @@ grouped GEMMs in FP8 under ZeRO-2 the same way."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
@@ -93,12 +94,18 @@ def ran(tmp_path_factory) -> Callable[..., dict]:
     for how a test fails where its run did not get that far)."""
     out = str(tmp_path_factory.mktemp("ds-fp8"))
     delayed = "emulated-delayed-zero1"
-    two = [(f"two-{kind}", _fp8_run, (2, kind, f"{out}/two-{kind}")) for kind in KINDS]
+    # the delayed kind saves after step 3 on 2 ranks too: the layout test resumes it on one
+    two = [(f"two-{kind}", _fp8_run, (2, kind, f"{out}/two-{kind}", 3 if kind == delayed else 0)) for kind in KINDS]
     alone = [
         # saves after step 3: the straight run of the resume test too (saving changes no figure)
         *[(f"one-{kind}", _fp8_run, (1, kind, f"{out}/one-{kind}", 3 if kind == delayed else 0)) for kind in KINDS],
         ("resumed", _fp8_run, (1, delayed, f"{out}/resumed", 3, f"{out}/one-{delayed}-run/checkpoint-3")),
         ("late", _late_run, (f"{out}/late",)),
+        (
+            "layouts",
+            _layout_refusals,
+            (f"{out}/one-{delayed}-run/checkpoint-3", f"{out}/plain", f"{out}/two-{delayed}-run/checkpoint-3"),
+        ),
     ]
     ports = [free_port(), free_port()]
     return scenario_results(
@@ -206,6 +213,80 @@ def _late_run(rank: int, out: str) -> dict:
         seen = str(exc)
     fp8 = any(isinstance(m, EmulatedFP8GEMM) for m in trainer.model.modules())
     return {"seen": seen, "fp8_layers": fp8, "step": trainer.state.global_step}
+
+
+def _layout_refusals(rank: int, ds_checkpoint: str, plain: str, two_rank_checkpoint: str) -> dict:
+    """Resumes across engines in one process: the DeepSpeed checkpoint of the run above by a Trainer without DeepSpeed,
+    and a checkpoint written without DeepSpeed (``model.safetensors``, ``optimizer.pt``) by a DeepSpeed (ZeRO-1)
+    Trainer, and the 2-rank ZeRO-1 checkpoint by a 1-rank DeepSpeed Trainer: what each ``train()`` raised, and the
+    step it reached."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Trainer, TrainerState
+
+    from hf_mixedprec.core.demo import tiny_llama
+    from hf_mixedprec.integrations.deepspeed import deepspeed_config
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+    from tests.integrations.test_integration import Bytes
+
+    seen = {}
+    for name, strategy, checkpoint in (
+        ("plain_run", "none", ds_checkpoint),
+        ("deepspeed_run", "deepspeed", None),
+        ("one_of_two", "deepspeed", two_rank_checkpoint),
+    ):
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        # TrainingArguments(deepspeed=...) of the runs before set ACCELERATE_USE_DEEPSPEED in this process's
+        # environment, which would make any later Trainer a DeepSpeed one; the plain run is built without it
+        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+        distributed = {"strategy": "deepspeed", "zero_stage": 1} if strategy == "deepspeed" else {"strategy": "none"}
+        recipe = resolve_recipe({"name": name, "extends": "cpu-fp32", "distributed": distributed})
+        model = tiny_llama(0)
+        if checkpoint is None:  # what a run without DeepSpeed leaves: model.safetensors and optimizer.pt
+            checkpoint = f"{plain}/checkpoint-3"
+            os.makedirs(checkpoint, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{checkpoint}/model.safetensors")
+            torch.save({"state": {}, "param_groups": []}, f"{checkpoint}/optimizer.pt")
+            TrainerState(global_step=3, max_steps=6).save_to_json(f"{checkpoint}/trainer_state.json")
+        ds = {"deepspeed": deepspeed_config(recipe)[0]} if strategy == "deepspeed" else {}
+        args = recipe.training_args(
+            output_dir=f"{plain}-{name}", max_steps=2, per_device_train_batch_size=2, report_to=[], use_cpu=True,
+            disable_tqdm=True, save_strategy="no", **ds,
+        )  # fmt: skip
+        trainer = Trainer(model=model, args=args, train_dataset=Bytes(n=8, seq_len=16), callbacks=recipe.callbacks())
+        try:
+            trainer.train(resume_from_checkpoint=checkpoint)
+            seen[name] = ("trained", "")
+        except Exception as exc:
+            seen[name] = (type(exc).__name__, str(exc))
+        seen[f"{name}_step"] = trainer.state.global_step
+        seen[f"{name}_deepspeed"] = bool(trainer.is_deepspeed_enabled)
+    return seen
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_engine_is_refused_in_one_line_before_anything_loads(ran):
+    """DeepSpeed resumes only its own checkpoints, and a run without it would resume a DeepSpeed checkpoint's weights
+    with a fresh optimizer (its state is partitioned in DeepSpeed's files): each direction is refused in one line
+    that names the checkpoint, what wrote it and what to do, before a step; so is a ZeRO checkpoint of 2 ranks
+    resumed on 1 (each rank loads its own partition; DeepSpeed's universal checkpoint is the way across)."""
+    seen = ran("layouts")
+    assert (
+        seen["plain_run_deepspeed"] is False and seen["deepspeed_run_deepspeed"] is seen["one_of_two_deepspeed"] is True
+    )
+    kind, message = seen["plain_run"]
+    assert kind == "CheckpointLayoutRefusal" and "\n" not in message, message
+    assert message.startswith("resume: checkpoint-3 was written by DeepSpeed (its optimizer state is partitioned in ")
+    assert "global_step3/" in message and "distributed.strategy deepspeed" in message
+    kind, message = seen["deepspeed_run"]
+    assert kind == "CheckpointLayoutRefusal" and "\n" not in message, message
+    assert "written by a run without DeepSpeed and this run uses DeepSpeed" in message
+    kind, message = seen["one_of_two"]
+    assert kind == "CheckpointLayoutRefusal" and "\n" not in message, message
+    assert "partitioned over 2 rank(s) and this run has 1" in message and "ds_to_universal" in message
+    assert seen["plain_run_step"] == seen["deepspeed_run_step"] == seen["one_of_two_step"] == 0
 
 
 @pytest.mark.slow
