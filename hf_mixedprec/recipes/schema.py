@@ -23,7 +23,7 @@ import yaml
 from pydantic import BeforeValidator, Field, PrivateAttr, ValidationError, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
-from hf_mixedprec.recipes.detectors import NVFP4_LAYER_THRESHOLDS
+from hf_mixedprec.recipes.detectors import LAYER_DETECTORS, NVFP4_LAYER_THRESHOLDS
 from hf_mixedprec.recipes.kinds import (
     CLIP_DEFAULTS,
     TORCHAO_AMAX_EPS,
@@ -246,7 +246,30 @@ def _phase_rules(spec: RecipeSpec) -> tuple[RecipeSpec, ...]:
 
 
 #: DeepSpeed ZeRO stages an FP8 recipe trains under (DeepSpeed in FP32, hf_mixedprec's FP8 layers and BF16 autocast).
-DEEPSPEED_FP8_STAGES: tuple[int, ...] = (1, 2)
+DEEPSPEED_FP8_STAGES: tuple[int, ...] = (1, 2, 3)
+
+
+def _fp8_under_zero3(spec: RecipeSpec) -> None:
+    """What an FP8 recipe cannot do under ZeRO-3, each refused in one line. ZeRO-3 gathers a module's partitioned
+    weights through hooks DeepSpeed registers on the modules it finds at ``deepspeed.initialize``
+    (deepspeed/runtime/zero/parameter_offload.py): the FP8 layers are converted before that and keep them, but a
+    layer a health ``fallback`` moves to BF16 is a new module without them (its weight a rank's empty partition).
+    ``zero3_init`` builds the model already partitioned, before the FP8 conversion reads each weight's shape."""
+    for name in LAYER_DETECTORS:
+        if getattr(spec.health.detectors, name).reaction == "fallback":
+            raise _rule(
+                f"health.detectors.{name}.reaction",
+                "'fallback' with precision fp8 under deepspeed zero_stage 3: a layer moved to BF16 would be a module "
+                "DeepSpeed never hooked, so its partitioned weight would not be gathered (allowed: any other "
+                "reaction; or zero_stage 1/2, ddp, fsdp2)",
+            )
+    if spec.distributed.zero3_init:
+        raise _rule(
+            "distributed.zero3_init",
+            "true with precision fp8: the model would be built already partitioned, and the FP8 conversion reads "
+            "each Linear's whole weight (its shape, for the layers it converts) before DeepSpeed starts (allowed: "
+            "false)",
+        )
 
 
 class RecipeSpec(_Section):
@@ -352,17 +375,14 @@ class RecipeSpec(_Section):
         if self.distributed.strategy == "deepspeed":
             stage = self.distributed.zero_stage
             if self.precision == "fp8" and stage not in DEEPSPEED_FP8_STAGES:
-                why = (
-                    "ZeRO-3 gathers each layer's weights through hooks DeepSpeed puts on the modules it finds at "
-                    "initialization, and an FP8 layer moved to BF16 by a health fallback would be a module without them"
-                    if stage == 3
-                    else "stage 0 is DeepSpeed without ZeRO: use distributed.strategy ddp for that"
-                )
                 raise _rule(
                     "distributed.zero_stage",
-                    f"{stage} with precision fp8: {why} (allowed with fp8: zero_stage "
-                    f"{', '.join(map(str, DEEPSPEED_FP8_STAGES))}; or strategy ddp/fsdp2)",
+                    f"{stage} with precision fp8: stage 0 is DeepSpeed without ZeRO: use distributed.strategy ddp "
+                    f"for that (allowed with fp8: zero_stage {', '.join(map(str, DEEPSPEED_FP8_STAGES))}; or strategy "
+                    "ddp/fsdp2)",
                 )
+            if self.precision == "fp8" and stage == 3:
+                _fp8_under_zero3(self)
             ls = self.loss_scale
             if ls is not None:
                 if ls.growth_factor != 2.0 or ls.backoff_factor != 0.5:

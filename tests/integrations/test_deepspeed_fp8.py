@@ -18,7 +18,12 @@ KINDS = {
     "emulated-delayed-zero1": ("h100-fp8-delayed", {}, 1),
     "torchao-current-zero2": ("h100-fp8-current", {"fp8": {"backend": "torchao"}}, 2),
     "moe-delayed-zero2": ("h100-fp8-delayed", {}, 2),  # a tiny Qwen3-MoE: its experts in FP8 too
+    "emulated-delayed-zero3": ("h100-fp8-delayed", {}, 3),
+    "torchao-current-zero3": ("h100-fp8-current", {"fp8": {"backend": "torchao"}}, 3),
+    "moe-delayed-zero3": ("h100-fp8-delayed", {}, 3),
 }
+#: the kinds whose one-process run saves after step 3 and is resumed from there
+RESUMED = ("emulated-delayed-zero1", "emulated-delayed-zero3")
 
 
 def _model(kind: str):
@@ -71,6 +76,8 @@ def _fp8_run(rank: int, world: int, kind: str, out: str, save_every: int = 0, re
         "zero_stage": int(trainer.model_wrapped.zero_optimization_stage()),
         "world": int(trainer.model_wrapped.dp_world_size),
         "weight_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+        # ZeRO-3's partitioned parameters: each holds 1/world of its elements between gathers (ds_tensor)
+        "partitioned": [p.ds_tensor.numel() for p in trainer.model.parameters() if hasattr(p, "ds_tensor")][:1],
         "experts": converted_experts(trainer.model),
         "notes": [*config_notes, *runtime_of(trainer).notes],
     }
@@ -98,8 +105,11 @@ def ran(tmp_path_factory) -> Callable[..., dict]:
     two = [(f"two-{kind}", _fp8_run, (2, kind, f"{out}/two-{kind}", 3 if kind == delayed else 0)) for kind in KINDS]
     alone = [
         # saves after step 3: the straight run of the resume test too (saving changes no figure)
-        *[(f"one-{kind}", _fp8_run, (1, kind, f"{out}/one-{kind}", 3 if kind == delayed else 0)) for kind in KINDS],
-        ("resumed", _fp8_run, (1, delayed, f"{out}/resumed", 3, f"{out}/one-{delayed}-run/checkpoint-3")),
+        *[(f"one-{kind}", _fp8_run, (1, kind, f"{out}/one-{kind}", 3 if kind in RESUMED else 0)) for kind in KINDS],
+        *[
+            (f"resumed-{k}", _fp8_run, (1, k, f"{out}/resumed-{k}", 3, f"{out}/one-{k}-run/checkpoint-3"))
+            for k in RESUMED
+        ],
         ("late", _late_run, (f"{out}/late",)),
         (
             "layouts",
@@ -137,6 +147,10 @@ def test_fp8_under_deepspeed_trains_as_one_process_on_the_same_global_batches(fp
     moe = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"] if kind.startswith("moe") else []
     assert two["experts"] == other["experts"] == one["experts"] == moe  # the experts' grouped GEMMs in FP8
     assert not two["engine_bf16"] and two["weight_dtypes"] == ["torch.float32"]
+    if KINDS[kind][2] == 3:  # the first parameter (the embedding) split over the ranks: each holds half of it
+        assert one["partitioned"] and two["partitioned"] == [one["partitioned"][0] // 2], two["partitioned"]
+    else:
+        assert two["partitioned"] == [] == one["partitioned"]
     assert any("FP8 under DeepSpeed ZeRO-" in n for n in two["notes"]), two["notes"]
     assert not any("FALLBACK" in n for n in two["notes"]), two["notes"]
     assert other["loss"] == two["loss"] and other["amax"] == two["amax"]  # both ranks saw the same figures
@@ -160,29 +174,43 @@ def test_fp8_statistics_and_delayed_scaling_state_are_global_under_deepspeed(fp8
         assert any("experts" in k for k in two["fp8_state"]) == kind.startswith("moe")
 
 
-def test_fp8_under_deepspeed_is_refused_at_stages_0_and_3_naming_the_key():
+def test_fp8_under_deepspeed_refuses_stage_0_and_what_zero3_cannot_do_naming_the_key():
+    """Stage 0 is refused (DeepSpeed without ZeRO); under ZeRO-3, a per-layer health fallback (a new module DeepSpeed
+    never hooked) and zero3_init (the model built partitioned before the FP8 conversion reads it) are refused, each
+    in one line naming its key; ZeRO-3 with neither is accepted."""
     from hf_mixedprec.integrations.recipe import RecipeError, resolve_recipe
 
-    for stage, why in ((0, "stage 0 is DeepSpeed without ZeRO"), (3, "ZeRO-3 gathers each layer's weights")):
+    def recipe(stage: int, **extra: object) -> object:
+        ds = {"strategy": "deepspeed", "zero_stage": stage, **extra.pop("distributed", {})}
+        return resolve_recipe({"name": "x", "extends": "h100-fp8-delayed", "distributed": ds, **extra})
+
+    for kwargs, words in (
+        ({"stage": 0}, "distributed.zero_stage: 0 with precision fp8: stage 0 is DeepSpeed without ZeRO"),
+        (
+            {"stage": 3, "health": {"detectors": {"fp8_underflow": {"reaction": "fallback"}}}},
+            "health.detectors.fp8_underflow.reaction: 'fallback' with precision fp8 under deepspeed zero_stage 3",
+        ),
+        (
+            {"stage": 3, "distributed": {"zero3_init": True}},
+            "distributed.zero3_init: true with precision fp8: the model would be built already partitioned",
+        ),
+    ):
         with pytest.raises(RecipeError) as err:
-            resolve_recipe(
-                {
-                    "name": "x",
-                    "extends": "h100-fp8-delayed",
-                    "distributed": {"strategy": "deepspeed", "zero_stage": stage},
-                }
-            )
-        assert f"distributed.zero_stage: {stage} with precision fp8: {why}" in str(err.value)
+            recipe(**kwargs)
+        assert words in str(err.value) and "\n" not in str(err.value).strip(), str(err.value)
+    assert recipe(3).distributed.zero_stage == 3
+    assert recipe(3, health={"detectors": {"fp8_underflow": {"reaction": "warn"}}}).distributed.zero_stage == 3
 
 
 @pytest.mark.slow
-def test_an_fp8_deepspeed_run_resumes_to_the_straight_run(ran):
-    """Delayed scaling's amax histories and scales come back with a DeepSpeed checkpoint (ZeRO-1, one process):
-    resumed from step 3, steps 4-6 give the straight run's losses and FP8 state bit for bit. (The resumed run comes
-    after another kind's run in the straight run's process: every Trainer builds its model afresh, and what is
-    compared comes back from the checkpoint.)"""
-    a, b = ran("one-emulated-delayed-zero1"), ran("resumed")
-    assert b["zero_stage"] == 1
+@pytest.mark.parametrize("kind", RESUMED)
+def test_an_fp8_deepspeed_run_resumes_to_the_straight_run(ran, kind):
+    """Delayed scaling's amax histories and scales come back with a DeepSpeed checkpoint (ZeRO-1, and ZeRO-3 with
+    its partitioned weights and optimizer state; one process): resumed from step 3, steps 4-6 give the straight run's
+    losses and FP8 state bit for bit. (The resumed run comes after another kind's run in the straight run's process:
+    every Trainer builds its model afresh, and what is compared comes back from the checkpoint.)"""
+    a, b = ran(f"one-{kind}"), ran(f"resumed-{kind}")
+    assert b["zero_stage"] == KINDS[kind][2]
     assert b["loss"][-3:] == a["loss"][-3:]
     assert b["fp8_state"] == a["fp8_state"] and a["fp8_state"]
 
