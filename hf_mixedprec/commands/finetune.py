@@ -345,11 +345,18 @@ def _prepare_run_folder(out: Path, *, overwrite: bool, resume: str | None) -> st
 
 def _make_trainer(run: RunSettings, prepared: Prepared, rec: Recipe, interrupt: Any) -> tuple[Any, Any, str]:
     """The Trainer, its model and the model's description. The arguments come first: under DeepSpeed ZeRO-3
-    they make ``from_pretrained`` load the model already partitioned over the ranks."""
+    they make ``from_pretrained`` load the model already partitioned over the ranks; except for an FP8 recipe,
+    whose layers are converted from whole weights before DeepSpeed partitions them (``deepspeed.initialize``)."""
     from transformers import PrinterCallback, Trainer, default_data_collator
 
     from hf_mixedprec.training.run_control import Progress
 
+    # loaded as saved (a BF16 checkpoint stays BF16 until the recipe's storage decides); DeepSpeed casts the module
+    # itself and keeps its FP32 master from the loaded weights
+    dtype = torch.float32 if rec.distributed.strategy == "deepspeed" else "auto"
+    whole_first = rec.distributed.strategy == "deepspeed" and "fp8" in rec.precisions()
+    if whole_first:
+        net, desc = build_model(run.model, prepared.tokenizer, seq_len=run.seq_len, seed=run.seed, dtype=dtype)
     targs = rec.training_args(
         output_dir=str(run.out),
         max_steps=run.max_steps,
@@ -369,10 +376,8 @@ def _make_trainer(run: RunSettings, prepared: Prepared, rec: Recipe, interrupt: 
         eval_steps=run.save_steps,
         per_device_eval_batch_size=run.batch_size,
     )
-    # loaded as saved (a BF16 checkpoint stays BF16 until the recipe's storage decides); DeepSpeed casts the module
-    # itself and keeps its FP32 master from the loaded weights
-    dtype = torch.float32 if rec.distributed.strategy == "deepspeed" else "auto"
-    net, desc = build_model(run.model, prepared.tokenizer, seq_len=run.seq_len, seed=run.seed, dtype=dtype)
+    if not whole_first:
+        net, desc = build_model(run.model, prepared.tokenizer, seq_len=run.seq_len, seed=run.seed, dtype=dtype)
     tr = Trainer(
         model=net,
         args=targs,

@@ -108,38 +108,82 @@ def manage_checkpoints(
 
 def _layout_for_this_run(trainer: Any, target: Any, note: Callable[[str], None]) -> Path | None:
     """A resume whose checkpoint was written sharded (FSDP, N ranks) by a run that now trains unsharded (one process
-    or data parallel): the checkpoint gathered into a hidden folder beside it (:func:`gather_sharded_checkpoint`,
-    written by rank 0 while the others wait), which Trainer then resumes from; an unsharded checkpoint resumed by an
-    FSDP run, the other way (:func:`_sharded_for_this_run`); None when the layouts agree."""
+    or data parallel): the checkpoint gathered whole (:func:`gather_sharded_checkpoint`) into a hidden folder of this
+    run's output dir, which Trainer then resumes from; an unsharded checkpoint resumed by an FSDP run is written
+    sharded the same way (:func:`shard_ready_checkpoint`); None when the layouts agree. The optimizer positions are
+    named by :func:`_optimizer_groups`; a checkpoint they do not fit is refused in one line. DeepSpeed checkpoints:
+    :func:`_deepspeed_layout`."""
     if not isinstance(target, (str, os.PathLike)) or not Path(target).is_dir():
         return None
     folder = Path(target)
     ranks = sharded_ranks(folder)
     fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
     _deepspeed_layout(trainer, folder, ranks)
-    if ranks is None and fsdp and safetensors_files(folder):
-        return _sharded_for_this_run(trainer, folder, note)
-    if ranks is None or fsdp:
+    if ranks is not None and not fsdp:
+        how, kind = "gathered", f"written sharded by {ranks} FSDP rank(s)"
+
+        def write(dest: Path) -> None:
+            gather_sharded_checkpoint(folder, dest, _optimizer_groups(trainer))
+
+        told = (
+            "this run is unsharded, so its model and optimizer state were gathered whole (Distributed Checkpoint "
+            "resharding)"
+        )
+    elif ranks is None and fsdp and safetensors_files(folder):
+        how, kind = "sharded", "written by an unsharded run"
+
+        def write(dest: Path) -> None:
+            shard_ready_checkpoint(folder, dest, trainer.model, _optimizer_groups(trainer))
+
+        told = "this run shards with FSDP, so its model and optimizer state were written as Distributed Checkpoints"
+    else:
         return None
-    dest = folder.parent / f".{folder.name}-gathered"
-    if trainer.args.should_save:
-        names = [n for n, _ in trainer.model.named_parameters()]
+    out = Path(trainer.args.output_dir)
+    dest = out / f".resume-{folder.name}-{how}"
+    box: list[str | None] = [None]
+    if trainer.args.process_index == 0:  # one writer; every rank reads what it wrote
+        for stale in out.glob(".resume-checkpoint-*"):  # what a killed resume left
+            shutil.rmtree(stale, ignore_errors=True)
         try:
-            gather_sharded_checkpoint(folder, dest, names)
-        except ValueError as exc:
+            out.mkdir(parents=True, exist_ok=True)
+            write(dest)
+        except Exception as exc:
             shutil.rmtree(dest, ignore_errors=True)
-            raise CheckpointLayoutRefusal(
-                f"resume: {folder.name} was written sharded by {ranks} FSDP rank(s) and cannot be gathered for this "
-                f"unsharded run: {exc}; resume it with the recipe it was written under"
-            ) from None
+            why = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            box[0] = (
+                f"resume: {folder.name} was {kind} and this run cannot load it as it is, nor could it be rewritten "
+                f"for this run ({why}); resume it with the recipe it was written under"
+            )
     if several_ranks():
-        dist.barrier()  # every rank loads what rank 0 wrote
-    note(
-        f"resume: {folder.name} was written sharded by {ranks} FSDP rank(s); this run is unsharded, so its model and "
-        f"optimizer state were gathered whole (Distributed Checkpoint resharding) into {dest.name} for Trainer to "
-        "load, removed once training ends"
-    )
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise CheckpointLayoutRefusal(box[0])
+    note(f"resume: {folder.name} was {kind}; {told} into {dest}, removed once training ends")
     return dest
+
+
+def _optimizer_groups(trainer: Any) -> list[list[str]]:
+    """The parameter names of each group of the optimizer this run resumes into, in order: the one given to the
+    Trainer where there is one, else those ``Trainer.create_optimizer`` builds (the trainable parameters that decay,
+    then the others, each in the model's order; an empty group is kept, as Trainer keeps it). Raises ``ValueError``
+    for a parameter of the given optimizer that the model does not name."""
+    model = trainer.model
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = getattr(trainer, "optimizer", None)
+    if optimizer is not None:
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        groups = [[name_of.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
+        if any(n is None for g in groups for n in g):
+            raise ValueError("the optimizer given to the Trainer holds a parameter the model does not name")
+        return groups  # type: ignore[return-value]
+    decay = set(trainer.get_decay_parameter_names(model))
+    return [[n for n, _ in named if n in decay], [n for n, _ in named if n not in decay]]
+
+
+def _step_number(name: str) -> int:
+    """``global_step12`` -> 12 (a text sort puts global_step10 before global_step9)."""
+    digits = "".join(ch for ch in name if ch.isdigit())
+    return int(digits) if digits else -1
 
 
 def _deepspeed_layout(trainer: Any, folder: Path, ranks: int | None) -> None:
@@ -150,7 +194,12 @@ def _deepspeed_layout(trainer: Any, folder: Path, ranks: int | None) -> None:
     on another number of ranks, which DeepSpeed's engine refuses on every rank once the model is built
     (``ZeRORuntimeException``, deepspeed/runtime/engine.py ``_load_zero_checkpoint``), unless the run loads
     DeepSpeed's universal checkpoint (``checkpoint.load_universal``)."""
-    steps = sorted(p.name for p in folder.glob("global_step*") if p.is_dir())
+    steps = sorted((p.name for p in folder.glob("global_step*") if p.is_dir()), key=_step_number)
+    latest = folder / "latest"  # the tag DeepSpeed loads (deepspeed/runtime/engine.py, load_checkpoint)
+    with contextlib.suppress(OSError):
+        tag = latest.read_text(encoding="utf-8").strip()
+        if tag in steps:
+            steps.append(tag)
     deepspeed = bool(getattr(trainer, "is_deepspeed_enabled", False))
     if steps and not deepspeed:
         raise CheckpointLayoutRefusal(
@@ -162,7 +211,7 @@ def _deepspeed_layout(trainer: Any, folder: Path, ranks: int | None) -> None:
     if deepspeed and steps:
         written = {
             m.group(1)
-            for f in (folder / steps[-1]).glob("*zero_pp_rank_*_mp_rank_*_optim_states.pt")
+            for f in (folder / steps[-1]).glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt")
             if (m := re.search(r"zero_pp_rank_(\d+)_", f.name))
         }
         world = int(getattr(trainer.args, "world_size", 1) or 1)
@@ -182,37 +231,6 @@ def _deepspeed_layout(trainer: Any, folder: Path, ranks: int | None) -> None:
             "checkpoints (global_step* folders); resume it with the recipe it was written under, or start a new "
             "run from its weights"
         )
-
-
-def _sharded_for_this_run(trainer: Any, folder: Path, note: Callable[[str], None]) -> Path:
-    """An unsharded checkpoint resumed by an FSDP run: written again as a sharded one (:func:`shard_ready_checkpoint`)
-    in a hidden folder beside it, by rank 0 while the others wait; its optimizer positions are named by the groups
-    Trainer builds (``Trainer.create_optimizer``: the parameters that decay, then the others, each in the model's
-    order), and refused in one line when they do not fit."""
-    dest = folder.parent / f".{folder.name}-sharded"
-    if trainer.args.should_save:
-        model = trainer.model
-        decay = set(trainer.get_decay_parameter_names(model))
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = [[n for n, _ in named if n in decay], [n for n, _ in named if n not in decay]]
-        groups = [g for g in groups if g]
-        try:
-            shard_ready_checkpoint(folder, dest, model, groups)
-        except ValueError as exc:
-            shutil.rmtree(dest, ignore_errors=True)
-            raise CheckpointLayoutRefusal(
-                f"resume: {folder.name} was written by an unsharded run and this run shards with FSDP, but its "
-                f"optimizer state does not fit this run's parameters: {exc}; resume it with the recipe it was "
-                "written under"
-            ) from None
-    if several_ranks():
-        dist.barrier()  # every rank loads what rank 0 wrote
-    note(
-        f"resume: {folder.name} was written by an unsharded run; this run shards with FSDP, so its model and optimizer "
-        f"state were written as Distributed Checkpoints into {dest.name}, which every rank's load reshards, removed "
-        "once training ends"
-    )
-    return dest
 
 
 @contextlib.contextmanager

@@ -216,6 +216,15 @@ def fp8_under_deepspeed(rt: Any, model: Any, state: Any, *, late: bool = False) 
                 "cast the FP8 layers' scaling state to 16 bits (allowed: bf16 and fp16 disabled, DeepSpeed in FP32, "
                 "as deepspeed_config(recipe) writes)"
             )
+    partitioned = next((n for n, p in model.named_parameters() if hasattr(p, "ds_id")), None)
+    if partitioned is not None:
+        raise ValueError(
+            f"recipe {rt.recipe.name!r} (precision fp8) under DeepSpeed ZeRO-3: the model was built already "
+            f"partitioned over the ranks ({partitioned} holds 1/N of its elements: from_pretrained after "
+            "TrainingArguments with a ZeRO-3 config loads it so), and the FP8 conversion needs each layer's whole "
+            "weight; load the model before building the TrainingArguments (hf-mixedprec finetune --model does for "
+            "an FP8 recipe)"
+        )
     rt.convert_model(model)
     rt.wrap_forward_with_autocast(model)
     rt.note(

@@ -146,16 +146,16 @@ def sharded_ranks(folder: str | Path) -> int | None:
     return max(1, len(list(folder.glob("rng_state_*.pth"))))
 
 
-def gather_sharded_checkpoint(folder: str | Path, dest: str | Path, names: list[str] | None = None) -> Path:
+def gather_sharded_checkpoint(folder: str | Path, dest: str | Path, groups: list[list[str]] | None = None) -> Path:
     """Write ``dest``: the Trainer checkpoint ``folder`` of a sharded (FSDP) run as an unsharded run writes one, for a
     run that resumes it without FSDP (another world size: one process, or data parallel). Distributed Checkpoint
     reshards as it reads (``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``: every shard of a tensor
     read back into the whole tensor, exactly), so the model becomes ``model.safetensors`` and the optimizer state,
     keyed by parameter name in the checkpoint, becomes ``optimizer.pt`` keyed by position in its parameter groups,
     which is how the unsharded Trainer builds its optimizer (the same groups, the same order). Every other file is
-    copied (rank 0's RNG state also as ``rng_state.pth``); ``folder`` is not changed. ``names``: the resuming model's
-    parameter names in its order; each group's names must follow it (Trainer groups parameters in that order), else
-    ``ValueError`` says which name does not."""
+    copied (rank 0's RNG state also as ``rng_state.pth``); ``folder`` is not changed. ``groups``: the parameter
+    names of each group of the optimizer that will load it, in order; the checkpoint's groups must be those, else
+    ``ValueError`` says where they part."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -177,8 +177,8 @@ def gather_sharded_checkpoint(folder: str | Path, dest: str | Path, names: list[
         optim = torch.load(whole, weights_only=True)
         optim = optim.get("optimizer", optim)
         order = [name for group in optim["param_groups"] for name in group["params"]]
-        if names is not None:
-            _check_group_order(optim["param_groups"], names)
+        if groups is not None:
+            _check_groups([list(g["params"]) for g in optim["param_groups"]], groups)
         index = {name: i for i, name in enumerate(order)}
         groups, start = [], 0
         for group in optim["param_groups"]:
@@ -191,20 +191,15 @@ def gather_sharded_checkpoint(folder: str | Path, dest: str | Path, names: list[
     return dest
 
 
-def _check_group_order(groups: list[dict[str, Any]], names: list[str]) -> None:
-    position = {n: i for i, n in enumerate(names)}
-    for g, group in enumerate(groups):
-        seen = -1
-        for name in group["params"]:
-            if name not in position:
-                raise ValueError(
-                    f"parameter group {g} of the checkpoint's optimizer holds {name!r}, which the model lacks"
-                )
-            if position[name] < seen:
-                raise ValueError(
-                    f"parameter group {g} of the checkpoint's optimizer holds {name!r} out of the model's order"
-                )
-            seen = position[name]
+def _check_groups(saved: list[list[str]], wanted: list[list[str]]) -> None:
+    if [len(g) for g in saved] != [len(g) for g in wanted]:
+        raise ValueError(
+            f"its optimizer has groups of {[len(g) for g in saved]} parameters, this run's has {[len(g) for g in wanted]}"
+        )
+    for g, (mine, theirs) in enumerate(zip(saved, wanted, strict=True)):
+        for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+            if a != b:
+                raise ValueError(f"its optimizer's group {g} holds {a!r} at position {i}, this run's {b!r}")
 
 
 def shard_ready_checkpoint(

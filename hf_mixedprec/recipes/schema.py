@@ -23,7 +23,7 @@ import yaml
 from pydantic import BeforeValidator, Field, PrivateAttr, ValidationError, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
-from hf_mixedprec.recipes.detectors import LAYER_DETECTORS, NVFP4_LAYER_THRESHOLDS
+from hf_mixedprec.recipes.detectors import NVFP4_LAYER_THRESHOLDS
 from hf_mixedprec.recipes.kinds import (
     CLIP_DEFAULTS,
     TORCHAO_AMAX_EPS,
@@ -253,22 +253,22 @@ def _fp8_under_zero3(spec: RecipeSpec) -> None:
     """What an FP8 recipe cannot do under ZeRO-3, each refused in one line. ZeRO-3 gathers a module's partitioned
     weights through hooks DeepSpeed registers on the modules it finds at ``deepspeed.initialize``
     (deepspeed/runtime/zero/parameter_offload.py): the FP8 layers are converted before that and keep them, but a
-    layer a health ``fallback`` moves to BF16 is a new module without them (its weight a rank's empty partition).
-    ``zero3_init`` builds the model already partitioned, before the FP8 conversion reads each weight's shape."""
-    for name in LAYER_DETECTORS:
-        if getattr(spec.health.detectors, name).reaction == "fallback":
+    ``fallback`` moves FP8 layers to BF16 as new modules without them (a layer's own detector moves that layer, a
+    step detector every FP8 layer), their weights a rank's partition. ``zero3_init`` builds the model already
+    partitioned, before the FP8 conversion reads each weight."""
+    for name, detector in spec.health.detectors:
+        if getattr(detector, "reaction", None) == "fallback":
             raise _rule(
                 f"health.detectors.{name}.reaction",
-                "'fallback' with precision fp8 under deepspeed zero_stage 3: a layer moved to BF16 would be a module "
-                "DeepSpeed never hooked, so its partitioned weight would not be gathered (allowed: any other "
+                "'fallback' with precision fp8 under deepspeed zero_stage 3: the layers moved to BF16 would be modules "
+                "DeepSpeed never hooked, so their partitioned weights would not be gathered (allowed: any other "
                 "reaction; or zero_stage 1/2, ddp, fsdp2)",
             )
     if spec.distributed.zero3_init:
         raise _rule(
             "distributed.zero3_init",
             "true with precision fp8: the model would be built already partitioned, and the FP8 conversion reads "
-            "each Linear's whole weight (its shape, for the layers it converts) before DeepSpeed starts (allowed: "
-            "false)",
+            "each Linear's whole weight before DeepSpeed starts (allowed: false)",
         )
 
 

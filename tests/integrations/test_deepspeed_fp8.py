@@ -111,6 +111,7 @@ def ran(tmp_path_factory) -> Callable[..., dict]:
             for k in RESUMED
         ],
         ("late", _late_run, (f"{out}/late",)),
+        ("zero3-pretrained", _zero3_pretrained, (f"{out}/zero3-pretrained",)),
         (
             "layouts",
             _layout_refusals,
@@ -190,6 +191,10 @@ def test_fp8_under_deepspeed_refuses_stage_0_and_what_zero3_cannot_do_naming_the
             {"stage": 3, "health": {"detectors": {"fp8_underflow": {"reaction": "fallback"}}}},
             "health.detectors.fp8_underflow.reaction: 'fallback' with precision fp8 under deepspeed zero_stage 3",
         ),
+        (  # a step detector's fallback moves every FP8 layer
+            {"stage": 3, "health": {"detectors": {"loss_spike": {"reaction": "fallback"}}}},
+            "health.detectors.loss_spike.reaction: 'fallback' with precision fp8 under deepspeed zero_stage 3",
+        ),
         (
             {"stage": 3, "distributed": {"zero3_init": True}},
             "distributed.zero3_init: true with precision fp8: the model would be built already partitioned",
@@ -243,6 +248,51 @@ def _late_run(rank: int, out: str) -> dict:
     return {"seen": seen, "fp8_layers": fp8, "step": trainer.state.global_step}
 
 
+def _zero3_pretrained(rank: int, out: str) -> dict:
+    """An FP8 recipe under ZeRO-3 with a model loaded by ``from_pretrained``: after the TrainingArguments (which make
+    transformers load it already partitioned) and before them (whole, as ``finetune --model`` loads it for FP8):
+    what each ``train()`` did."""
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM, Trainer
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from hf_mixedprec.core.demo import tiny_llama
+    from hf_mixedprec.fp8.emulated import EmulatedFP8GEMM
+    from hf_mixedprec.integrations.deepspeed import deepspeed_config
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+    from tests.integrations.test_integration import Bytes
+
+    tiny_llama(0).save_pretrained(f"{out}-model")
+    recipe = resolve_recipe(
+        {"name": "z3", "extends": "h100-fp8-delayed", "distributed": {"strategy": "deepspeed", "zero_stage": 3}}
+    ).rehearsed(True)
+    seen: dict = {}
+    for order in ("args_first", "model_first"):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        # what a fresh process (finetune) starts from: no TrainingArguments yet, so from_pretrained loads whole (the
+        # runs before this one in the process left theirs registered with transformers)
+        unset_hf_deepspeed_config()
+        model = None if order == "args_first" else AutoModelForCausalLM.from_pretrained(f"{out}-model")
+        args = recipe.training_args(
+            output_dir=f"{out}-{order}", deepspeed=deepspeed_config(recipe)[0], max_steps=2,
+            per_device_train_batch_size=2, report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no",
+        )  # fmt: skip
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(f"{out}-model")
+        trainer = None
+        try:  # the refusal comes when the callback sets up, as the Trainer is built
+            trainer = Trainer(
+                model=model, args=args, train_dataset=Bytes(n=8, seq_len=16), callbacks=recipe.callbacks()
+            )
+            trainer.train()
+            seen[order] = "trained"
+        except ValueError as exc:
+            seen[order] = str(exc)
+        seen[f"{order}_fp8"] = any(isinstance(m, EmulatedFP8GEMM) for m in model.modules())
+        seen[f"{order}_step"] = trainer.state.global_step if trainer is not None else 0
+    return seen
+
+
 def _layout_refusals(rank: int, ds_checkpoint: str, plain: str, two_rank_checkpoint: str) -> dict:
     """Resumes across engines in one process: the DeepSpeed checkpoint of the run above by a Trainer without DeepSpeed,
     and a checkpoint written without DeepSpeed (``model.safetensors``, ``optimizer.pt``) by a DeepSpeed (ZeRO-1)
@@ -292,6 +342,20 @@ def _layout_refusals(rank: int, ds_checkpoint: str, plain: str, two_rank_checkpo
         seen[f"{name}_step"] = trainer.state.global_step
         seen[f"{name}_deepspeed"] = bool(trainer.is_deepspeed_enabled)
     return seen
+
+
+@pytest.mark.slow
+def test_an_fp8_model_loaded_partitioned_by_zero3_is_refused_and_one_loaded_whole_trains(ran):
+    """``from_pretrained`` after TrainingArguments with a ZeRO-3 config loads the model partitioned (each rank 1/N of
+    every weight): the callback, which converts from whole weights, refuses it in one line naming the fix as the
+    Trainer is built;
+    loaded before the arguments (as ``finetune --model`` does for an FP8 recipe), it converts and trains."""
+    seen = ran("zero3-pretrained")
+    message = seen["args_first"]
+    assert "the model was built already partitioned over the ranks" in message and "\n" not in message, message
+    assert "load the model before building the TrainingArguments" in message
+    assert seen["args_first_step"] == 0 and not seen["args_first_fp8"]
+    assert seen["model_first"] == "trained" and seen["model_first_fp8"] and seen["model_first_step"] == 2
 
 
 @pytest.mark.slow

@@ -283,7 +283,7 @@ def test_a_two_rank_checkpoint_resumes_in_one_process_gathered_whole(runs, caplo
         AcceleratorState._reset_state(reset_partial_state=True)
     assert code == 0
     assert "written sharded by 2 FSDP rank(s)" in caplog.text and "gathered whole" in caplog.text
-    assert not (out / ".checkpoint-3-gathered").exists() and verify(out / "checkpoint-3") is None
+    assert not (out / ".resume-checkpoint-3-gathered").exists() and verify(out / "checkpoint-3") is None
     two = runs["two"]
     for name in ("loss", "mp/grad_norm"):
         a, b = _series(two, name), _series(out, name)
@@ -324,7 +324,7 @@ def test_a_one_process_checkpoint_resumes_on_two_fsdp2_ranks_sharded_on_load(run
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert "written by an unsharded run; this run shards with FSDP" in res.stderr
-    assert not (out / ".checkpoint-3-sharded").exists() and verify(out / "checkpoint-3") is None
+    assert not (out / ".resume-checkpoint-3-sharded").exists() and verify(out / "checkpoint-3") is None
     for name in ("loss", "mp/grad_norm", "mp/loss_scale"):
         a, b = _series(one, name), _series(out, name)
         assert sorted(a) == sorted(b) == list(range(1, 7)), name

@@ -64,8 +64,7 @@ def test_sharded_and_gathered_back_every_tensor_comes_back_bit_for_bit(tmp_path)
     assert not (sharded / "model.safetensors").exists() and not (sharded / "optimizer.pt").exists()
     assert (sharded / "rng_state_0.pth").is_file() and (sharded / "trainer_state.json").is_file()
     assert sharded_ranks(sharded) == 1 and sharded_ranks(folder) is None
-    names = [n for n, _ in model.named_parameters()]
-    back = gather_sharded_checkpoint(sharded, tmp_path / "back", names)
+    back = gather_sharded_checkpoint(sharded, tmp_path / "back", groups)
     weights, original = load_file(back / "model.safetensors"), load_file(folder / "model.safetensors")
     assert torch.equal(weights["head.weight"], weights["embed.weight"])  # the tied name written under both
     assert all(torch.equal(weights[k], v) for k, v in original.items())
@@ -87,8 +86,32 @@ def test_an_optimizer_that_does_not_fit_the_model_is_refused_naming_what_does_no
     with pytest.raises(ValueError, match=r"'exp_avg' at position 0 has shape \(16, 8\), this run's parameter there "):
         shard_ready_checkpoint(folder, tmp_path / "b", model, swapped)
     sharded = shard_ready_checkpoint(folder, tmp_path / "c", model, groups)
-    names = [n for n, _ in model.named_parameters()]
-    with pytest.raises(ValueError, match=r"holds 'body.weight' out of the model's order"):
-        gather_sharded_checkpoint(sharded, tmp_path / "d", [names[1], names[0], *names[2:]])
-    with pytest.raises(ValueError, match=r"holds 'out.weight', which the model lacks"):
-        gather_sharded_checkpoint(sharded, tmp_path / "e", [n for n in names if n != "out.weight"])
+    with pytest.raises(ValueError, match=r"group 0 holds 'embed.weight' at position 0, this run's 'body.weight'"):
+        gather_sharded_checkpoint(sharded, tmp_path / "d", swapped)
+    with pytest.raises(ValueError, match=r"groups of \[3, 3\] parameters, this run's has \[2, 4\]"):
+        gather_sharded_checkpoint(sharded, tmp_path / "e", [groups[0][:-1], [groups[0][-1], *groups[1]]])
+    # an empty group (all norms and biases frozen, or BitFit's decay group) is a group as Trainer keeps it
+    assert gather_sharded_checkpoint(sharded, tmp_path / "f", groups).is_dir()
+
+
+def test_an_empty_parameter_group_is_kept_both_ways(tmp_path):
+    """Norms and biases frozen (or BitFit's frozen weights): Trainer still builds both groups, one empty, and
+    ``optimizer.state_dict()`` keeps it; the move to the sharded layout and back keeps it too."""
+    torch.manual_seed(0)
+    model = _Tied()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith("weight") and not name.startswith("norm"))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [[n for n, _ in named], []]
+    opt = torch.optim.AdamW([{"params": [p for _, p in named]}, {"params": [], "weight_decay": 0.0}], lr=1e-2)
+    model.out(model.norm(model.body(model.embed(torch.arange(4))))).square().mean().backward()
+    opt.step()
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    save_file({k: v for k, v in model.state_dict().items() if k != "head.weight"}, folder / "model.safetensors")
+    torch.save(opt.state_dict(), folder / "optimizer.pt")
+    assert [len(g["params"]) for g in opt.state_dict()["param_groups"]] == [3, 0]
+    sharded = shard_ready_checkpoint(folder, tmp_path / "sharded", model, groups)
+    back = torch.load(gather_sharded_checkpoint(sharded, tmp_path / "back", groups) / "optimizer.pt", weights_only=True)
+    assert [g["params"] for g in back["param_groups"]] == [[0, 1, 2], []]
+    assert all(torch.equal(back["state"][i]["exp_avg"], opt.state_dict()["state"][i]["exp_avg"]) for i in range(3))
