@@ -168,7 +168,6 @@ def _optimizer_groups(trainer: Any) -> list[list[str]]:
     then the others, each in the model's order; an empty group is kept, as Trainer keeps it). Raises ``ValueError``
     for a parameter of the given optimizer that the model does not name."""
     model = trainer.model
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = getattr(trainer, "optimizer", None)
     if optimizer is not None:
         name_of = {id(p): n for n, p in model.named_parameters()}
@@ -177,7 +176,8 @@ def _optimizer_groups(trainer: Any) -> list[list[str]]:
             raise ValueError("the optimizer given to the Trainer holds a parameter the model does not name")
         return groups  # type: ignore[return-value]
     decay = set(trainer.get_decay_parameter_names(model))
-    return [[n for n, _ in named if n in decay], [n for n, _ in named if n not in decay]]
+    named = [n for n, p in model.named_parameters() if p.requires_grad]
+    return [[n for n in named if n in decay], [n for n in named if n not in decay]]
 
 
 def _step_number(name: str) -> int:

@@ -176,26 +176,24 @@ def gather_sharded_checkpoint(folder: str | Path, dest: str | Path, groups: list
         dcp_to_torch_save(folder / SHARDED_OPTIMIZER, whole)
         optim = torch.load(whole, weights_only=True)
         optim = optim.get("optimizer", optim)
-        order = [name for group in optim["param_groups"] for name in group["params"]]
         if groups is not None:
             _check_groups([list(g["params"]) for g in optim["param_groups"]], groups)
+        order = [name for group in optim["param_groups"] for name in group["params"]]
         index = {name: i for i, name in enumerate(order)}
-        groups, start = [], 0
-        for group in optim["param_groups"]:
-            n = len(group["params"])
-            groups.append({**group, "params": list(range(start, start + n))})
-            start += n
+        positional = [{**g, "params": [index[name] for name in g["params"]]} for g in optim["param_groups"]]
         state = {index[name]: st for name, st in optim["state"].items() if name in index}
-        torch.save({"state": state, "param_groups": groups}, dest / "optimizer.pt")
+        torch.save({"state": state, "param_groups": positional}, dest / "optimizer.pt")
     whole.unlink(missing_ok=True)
     return dest
 
 
+def _check_group_sizes(saved: list[int], wanted: list[int]) -> None:
+    if saved != wanted:
+        raise ValueError(f"its optimizer has groups of {saved} parameters, this run's has {wanted}")
+
+
 def _check_groups(saved: list[list[str]], wanted: list[list[str]]) -> None:
-    if [len(g) for g in saved] != [len(g) for g in wanted]:
-        raise ValueError(
-            f"its optimizer has groups of {[len(g) for g in saved]} parameters, this run's has {[len(g) for g in wanted]}"
-        )
+    _check_group_sizes([len(g) for g in saved], [len(g) for g in wanted])
     for g, (mine, theirs) in enumerate(zip(saved, wanted, strict=True)):
         for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
             if a != b:
@@ -235,11 +233,7 @@ def shard_ready_checkpoint(
     optim_file = folder / "optimizer.pt"
     if optim_file.is_file() and groups is not None:
         saved = torch.load(optim_file, weights_only=True, map_location="cpu")
-        if [len(g["params"]) for g in saved["param_groups"]] != [len(g) for g in groups]:
-            raise ValueError(
-                f"its optimizer has groups of {[len(g['params']) for g in saved['param_groups']]} parameters, this "
-                f"run's has {[len(g) for g in groups]}"
-            )
+        _check_group_sizes([len(g["params"]) for g in saved["param_groups"]], [len(g) for g in groups])
         state: dict[str, Any] = {}
         for group, names in zip(saved["param_groups"], groups, strict=True):
             for index, name in zip(group["params"], names, strict=True):

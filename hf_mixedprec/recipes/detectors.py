@@ -183,8 +183,6 @@ DETECTORS: tuple[Detector, ...] = (
 if len({d.name for d in DETECTORS}) != len(DETECTORS):
     raise ValueError("two detectors share a name")
 
-#: The detectors evaluated step by step (events come out in this order), and the per-layer FP8 ones with the
-#: :class:`~hf_mixedprec.scaling.stats.RoleStats` metric each watches.
 #: The per-layer detectors' thresholds of an ``fp8.scaling: nvfp4`` recipe where it sets none: FP4 is coarser than FP8,
 #: and FP8's defaults flag every layer. Each is above what healthy NVFP4 layers of the embedded Llama measured with
 #: ``simulate --recipe b200-nvfp4`` (sr_seed 0-2): SQNR 16.1-19 dB, underflow up to 27% (1x16 blocks flush values
@@ -197,6 +195,8 @@ NVFP4_LAYER_THRESHOLDS: dict[str, float] = {
     "mx_clamp": 0.05,
 }
 
+#: The detectors evaluated step by step (events come out in this order), and the per-layer FP8 ones with the
+#: :class:`~hf_mixedprec.scaling.stats.RoleStats` metric each watches.
 STEP_DETECTORS: tuple[str, ...] = tuple(d.name for d in DETECTORS if d.kind not in ("fp8_layer", "experts"))
 LAYER_DETECTORS: dict[str, str] = {d.name: d.signal for d in DETECTORS if d.kind == "fp8_layer"}
 #: The MoE experts detectors, with the signal each watches, and the reactions they may take: their events concern a

@@ -280,30 +280,16 @@ def test_the_section_refuses_what_nvfp4_cannot_mean_in_one_line(tmp_path):
     (tmp_path / "i.yaml").write_text("name: i\nprecision: fp8\nfp8: {amax_history_len: 16}\n")
     child = resolve_recipe({"name": "j", "extends": str(tmp_path / "i.yaml"), "fp8": {"scaling": "delayed"}})
     assert child.fp8.amax_history_len == 16
+
     # a phase that switches to or from nvfp4 drops the format the same way
-    phased = resolve_recipe(
-        {
-            "name": "p",
-            "extends": "h100-fp8-delayed",
-            "phases": [
-                {"start": 0, "precision": "fp8"},
-                {"start": 0.5, "precision": "fp8", "fp8": {"scaling": "nvfp4"}},
-            ],
-        }
-    )
-    first, second = phased.phase_specs()
+    def phases(base: str, scaling: str) -> tuple:
+        second = {"start": 0.5, "precision": "fp8", "fp8": {"scaling": scaling}}
+        spec = {"name": "p", "extends": base, "phases": [{"start": 0, "precision": "fp8"}, second]}
+        return resolve_recipe(spec).phase_specs()
+
+    first, second = phases("h100-fp8-delayed", "nvfp4")
     assert first.fp8.format == "HYBRID" and second.fp8.scaling == "nvfp4" and second.fp8.format == "E4M3"
-    from_fp4 = resolve_recipe(
-        {
-            "name": "q",
-            "extends": "b200-nvfp4",
-            "phases": [
-                {"start": 0, "precision": "fp8"},
-                {"start": 0.5, "precision": "fp8", "fp8": {"scaling": "current"}},
-            ],
-        }
-    )
-    assert from_fp4.phase_specs()[1].fp8.format == "HYBRID"
+    assert phases("b200-nvfp4", "current")[1].fp8.format == "HYBRID"
 
 
 def test_blackwell_runs_nvfp4_and_hopper_refuses_it_naming_the_rehearsal():
