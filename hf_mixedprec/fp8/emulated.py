@@ -451,11 +451,27 @@ class EmulatedFP8Conv1D(EmulatedFP8GEMM):
         return conv
 
 
-def remember_gemm(ctx: Any, mod: EmulatedFP8GEMM, x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+def remember_gemm(
+    ctx: Any, mod: EmulatedFP8GEMM, x: Tensor, weight: Tensor, bias: Tensor | None, act: torch.dtype
+) -> None:
     """What a GEMM layer's backward needs besides its saved tensors (the emulated and native functions alike):
-    the layer, and ``ctx.meta = (x's leading dims, x's dtype, weight's dtype, has bias, bias's dtype)``."""
+    the layer, and ``ctx.meta = (x's leading dims, x's dtype, weight's dtype, has bias, bias's dtype, act)``;
+    ``act`` is the activation dtype (the autocast dtype, else x's)."""
     ctx.mod = mod
-    ctx.meta = (x.shape[:-1], x.dtype, weight.dtype, bias is not None, bias.dtype if bias is not None else None)
+    ctx.meta = (x.shape[:-1], x.dtype, weight.dtype, bias is not None, bias.dtype if bias is not None else None, act)
+
+
+def gemm_bias(bias: Tensor, act: torch.dtype) -> Tensor:
+    """The bias an FP8 GEMM adds to its FP32 accumulator: in the activation dtype, BF16 where that is FP32 (TE's
+    ``module/linear.py`` casts it so: cuBLAS takes no FP32 bias with FP8 operands)."""
+    return bias.to(torch.bfloat16 if act == torch.float32 else act).float()
+
+
+def activation_grad(g: Tensor, act: torch.dtype, dtype: torch.dtype) -> Tensor:
+    """A gradient GEMM's FP32 result as TE returns it: written in the activation dtype ``act`` (TE's dgrad and wgrad
+    GEMMs take ``out_dtype=activation_dtype``, ``module/linear.py``), then cast by autograd to the dtype of the
+    tensor it belongs to (an FP32 master under BF16 autocast gets a BF16-rounded gradient)."""
+    return g.to(act).to(dtype)
 
 
 class _EmulatedFP8Fn(torch.autograd.Function):
@@ -470,14 +486,14 @@ class _EmulatedFP8Fn(torch.autograd.Function):
         xq, wq = xquant.deq, wquant.deq
         y = xq @ wq.t()
         if bias is not None:
-            y = y + bias.float()
+            y = y + gemm_bias(bias, out_dtype)
         if mod.spec.scaling in ("delayed", "current"):
             x_w, w_d = xq, wq  # a per-tensor scale serves both orientations
         else:
             x_w = mod.quantize_for(x2, 0, gemm="wgrad", src_dtype=x.dtype).deq
             w_d = wq if mod.weight_serves_dgrad else mod.quantize_for(w, 1, gemm="dgrad", src_dtype=weight.dtype).deq
         ctx.save_for_backward(x_w, w_d)
-        remember_gemm(ctx, mod, x, weight, bias)
+        remember_gemm(ctx, mod, x, weight, bias, out_dtype)
         records = mod.forward_records(ctx, x2, xquant, w, wquant)
         out = y.to(out_dtype)  # 2-D: _run restores x's leading dims outside, where the view is autograd's own
         return (out, *records) if records else out
@@ -486,12 +502,12 @@ class _EmulatedFP8Fn(torch.autograd.Function):
     def backward(ctx: Any, gy: Tensor, *_records: Tensor) -> tuple[Tensor | None, ...]:
         x_w, w_d = ctx.saved_tensors
         mod: EmulatedFP8GEMM = ctx.mod
-        lead, x_dtype, w_dtype, has_bias, b_dtype = ctx.meta
+        lead, x_dtype, w_dtype, has_bias, b_dtype, act = ctx.meta
         g2 = gy.reshape(-1, gy.shape[-1]).float()
         gquant = mod.quantize_for(g2, 2, gemm="dgrad", src_dtype=gy.dtype)
         mod.grad_record(ctx, g2, gquant)
         g_d = gquant.deq
-        gx = (g_d @ w_d).to(x_dtype).reshape(*lead, w_d.shape[1]) if ctx.needs_input_grad[0] else None
+        gx = activation_grad(g_d @ w_d, act, x_dtype).reshape(*lead, w_d.shape[1]) if ctx.needs_input_grad[0] else None
         gw = None
         if ctx.needs_input_grad[1]:  # frozen weights (e.g. a PEFT base layer) need no wgrad GEMM
             g_w = (
@@ -499,6 +515,6 @@ class _EmulatedFP8Fn(torch.autograd.Function):
                 if mod.spec.scaling in ("delayed", "current")
                 else mod.quantize_for(g2, 2, gemm="wgrad", src_dtype=gy.dtype).deq
             )
-            gw = mod.weight_grad((g_w.t() @ x_w).to(w_dtype))
-        gb = g2.sum(0).to(b_dtype) if has_bias and ctx.needs_input_grad[2] else None
+            gw = mod.weight_grad(activation_grad(g_w.t() @ x_w, act, w_dtype))
+        gb = activation_grad(g2.sum(0), act, b_dtype) if has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None

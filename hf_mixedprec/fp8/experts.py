@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from hf_mixedprec.core._device import several_ranks
 from hf_mixedprec.core._private import is_fake_tensor
 from hf_mixedprec.core.formats import NumberFormat, get_format
-from hf_mixedprec.fp8.emulated import EmulationSpec
+from hf_mixedprec.fp8.emulated import EmulationSpec, activation_grad
 from hf_mixedprec.fp8.stats import SampledStats
 from hf_mixedprec.recipes.schema import TORCHAO_AMAX_EPS, CurrentFP8Config
 from hf_mixedprec.scaling import (
@@ -506,6 +506,8 @@ class _FP8GroupedLinear(torch.autograd.Function):
         record = state is not None and state[0].training
         sampled = stats is not None and stats.record_stats
         w = (weight.transpose(1, 2) if transposed else weight).float()  # [E, out, in]
+        x_dtype = x.dtype
+        x = x.to(out_dtype)  # TE's GroupedLinear casts its input to the activation dtype before quantizing it
         x32 = x.float()
         keep_x: list[Tensor | None] | None = [] if sampled else None
         keep_w: list[Tensor | None] | None = [] if sampled else None
@@ -533,7 +535,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
         ctx.spec, ctx.transposed, ctx.dtypes, ctx.state, ctx.record = (
             spec,
             transposed,
-            (x.dtype, weight.dtype),
+            (x_dtype, weight.dtype, out_dtype),
             state,
             record,
         )
@@ -544,7 +546,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
     def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
         x_w, w_d, offsets = ctx.saved_tensors
         spec: ExpertsFP8 = ctx.spec
-        x_dtype, w_dtype = ctx.dtypes
+        x_dtype, w_dtype, act = ctx.dtypes
         g32 = gy.float()
         keep: list[Tensor | None] | None = [] if ctx.stats is not None else None
         g_d = quantize_rows(
@@ -552,7 +554,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
         )
         if ctx.stats is not None and keep is not None:
             ctx.stats.note(2, g32, g_d, keep, _group_of_rows(offsets, g32.shape[0]).long(), offsets.numel(), spec)
-        gx = grouped_mm_f32(g_d, w_d, offsets).to(x_dtype) if ctx.needs_input_grad[0] else None
+        gx = activation_grad(grouped_mm_f32(g_d, w_d, offsets), act, x_dtype) if ctx.needs_input_grad[0] else None
         gw = None
         if ctx.needs_input_grad[1]:  # frozen experts need no weight-gradient GEMM
             if spec.per_tensor:
@@ -562,7 +564,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
             else:
                 g_w = quantize_rows(spec, g32, offsets, 2, along_tokens=True, src_dtype=gy.dtype)
             dw = grouped_mm_f32(g_w.t(), x_w, offsets)  # [E, out, in]
-            gw = (dw.transpose(1, 2) if ctx.transposed else dw).to(w_dtype)
+            gw = activation_grad(dw.transpose(1, 2) if ctx.transposed else dw, act, w_dtype)
         return gx, gw, None, None, None, None, None, None
 
 

@@ -32,6 +32,8 @@ from hf_mixedprec.fp8.emulated import (
     EmulatedFP8GEMM,
     EmulatedFP8Linear,
     EmulationSpec,
+    activation_grad,
+    gemm_bias,
     remember_gemm,
 )
 from hf_mixedprec.recipes.hardware import NATIVE_FP8_SCALINGS, torch_has_fp8_gemm
@@ -121,9 +123,9 @@ class _NativeFP8Fn(torch.autograd.Function):
         # cast would): no FP32 [tokens, out_features] buffer
         y = fp8_mm(xq.data, wq.data.t(), x_inv, w_inv, torch.float32 if bias is not None else out_dtype)
         if bias is not None:
-            y = y + bias.float()
+            y = y + gemm_bias(bias, out_dtype)
         ctx.save_for_backward(xq.data, wq.data, x_inv, w_inv)
-        remember_gemm(ctx, mod, x, weight, bias)
+        remember_gemm(ctx, mod, x, weight, bias, out_dtype)
         records = mod.forward_records(ctx, x2, xq, w, wq)
         out = y.to(out_dtype)  # 2-D: _run restores x's leading dims outside, where the view is autograd's own
         return (out, *records) if records else out
@@ -132,18 +134,18 @@ class _NativeFP8Fn(torch.autograd.Function):
     def backward(ctx: Any, gy: Tensor, *_records: Tensor) -> tuple[Tensor | None, ...]:
         xd, wd, x_inv, w_inv = ctx.saved_tensors
         mod: EmulatedFP8GEMM = ctx.mod
-        lead, x_dtype, w_dtype, has_bias, b_dtype = ctx.meta
+        lead, x_dtype, w_dtype, has_bias, b_dtype, act = ctx.meta
         g2 = gy.reshape(-1, gy.shape[-1])
         gq = mod.quantize_for(g2, 2, gemm="dgrad", src_dtype=gy.dtype)
         mod.grad_record(ctx, g2, gq)
         g_inv = _inv(gq.scale)
         gx = None
         if ctx.needs_input_grad[0]:
-            gx = fp8_mm(gq.data, wd, g_inv, w_inv, x_dtype).reshape(*lead, wd.shape[1])
+            gx = fp8_mm(gq.data, wd, g_inv, w_inv, act).to(x_dtype).reshape(*lead, wd.shape[1])
         gw = None
-        if ctx.needs_input_grad[1]:
-            gw = mod.weight_grad(fp8_mm(gq.data.t(), xd, g_inv, x_inv, w_dtype))  # the GEMM rounds to w_dtype once
-        gb = g2.float().sum(0).to(b_dtype) if has_bias and ctx.needs_input_grad[2] else None
+        if ctx.needs_input_grad[1]:  # the GEMMs round to the activation dtype once, as TE's (see activation_grad)
+            gw = mod.weight_grad(fp8_mm(gq.data.t(), xd, g_inv, x_inv, act).to(w_dtype))
+        gb = activation_grad(g2.float().sum(0), act, b_dtype) if has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None
 
 

@@ -122,14 +122,11 @@ def test_simulate_nvfp4_names_the_layer_an_outlier_ruins_and_passes_the_others(t
     assert res["scaling"] == "nvfp4"
     names = [layer["name"] for layer in res["layers"]]
     assert len(names) == 21 and not [n for n in names if n.startswith("model.layers.3.")]
-    flagged = set(res["recommend_keep_in_bf16"])
-    assert {"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"} <= flagged
-    # the underflow is block 0's alone: no later layer is named for it
+    # block 0's MLP, and nothing else: the other layers pass
+    assert set(res["recommend_keep_in_bf16"]) == {
+        f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")
+    }
     later = [layer for layer in res["layers"] if layer["name"].startswith(("model.layers.1.", "model.layers.2."))]
-    assert not [x["name"] for x in later if any("underflow" in r for r in x["reasons"])]
-    # downstream, the outlier in the residual stream leaves query gradients with blocks 10**6 below the tensor's
-    # largest value, whose E4M3 scales flush to zero: several times the share of a layer of a healthy model (at most
-    # 0.8% of the blocks on the embedded Llama, sr_seed 0-2)
-    assert max(x["grad"]["mx_clamp"] for x in later if x["name"].endswith("q_proj")) > 0.02
+    assert len(later) == 14 and not [x["name"] for x in later if x["reasons"]]
     gate = next(layer for layer in res["layers"] if layer["name"] == "model.layers.0.mlp.gate_proj")
     assert gate["grad"]["underflow"] > 0.4 and any(r.startswith("grad underflow") for r in gate["reasons"])

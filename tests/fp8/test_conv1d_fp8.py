@@ -123,8 +123,9 @@ def test_mxfp8_conv1d_blocks_run_along_in_features_not_the_stored_rows():
 
     w = conv.weight.detach()  # [in, out]
     y = mod(x).reshape(-1, 96)
-    along_k = qdq(x2, -1) @ qdq(w.t().contiguous(), -1).t() + conv.bias
-    along_stored_rows = qdq(x2, -1) @ qdq(w, -1) + conv.bias  # blocks along out_features: wrong for the GEMM
+    bias = conv.bias.detach().bfloat16().float()  # an FP8 GEMM's bias is BF16 with FP32 activations (TE's linear.py)
+    along_k = qdq(x2, -1) @ qdq(w.t().contiguous(), -1).t() + bias
+    along_stored_rows = qdq(x2, -1) @ qdq(w, -1) + bias  # blocks along out_features: wrong for the GEMM
     assert torch.equal(y, along_k)
     assert not torch.equal(y, along_stored_rows)
 

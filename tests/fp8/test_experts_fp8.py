@@ -494,7 +494,8 @@ def test_grouped_raw_stats_are_each_groups_raw_operand_stats(mx):
 def test_experts_report_fp8_statistics_per_projection_on_sampled_steps(recipe_name):
     """On a sampled step each experts module's two projections log their FP8 statistics like Linears
     (``mp/fp8/<module>.gate_up_proj/...``); the input amax is the largest value the experts were given, seen by a
-    hook of the test's own, and nothing is recorded on steps that are not sampled."""
+    hook of the test's own and rounded to the autocast's BF16 (TE's GroupedLinear quantizes its input cast to the
+    activation dtype), and nothing is recorded on steps that are not sampled."""
     from hf_mixedprec.core import metrics as M
     from hf_mixedprec.fp8.layers import sampled_layers
     from hf_mixedprec.integrations.recipe import resolve_recipe
@@ -504,7 +505,9 @@ def test_experts_report_fp8_statistics_per_projection_on_sampled_steps(recipe_na
     seen = {}
     for i in (0, 1):
         experts = model.model.layers[i].mlp.experts
-        experts.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, a[0].detach().abs().max().item()))
+        experts.register_forward_pre_hook(
+            lambda m, a, i=i: seen.__setitem__(i, a[0].detach().bfloat16().abs().max().item())
+        )
     recipe = resolve_recipe({"name": "s", "extends": recipe_name, "health": {"fp8_sample_every": 2}})
     rt = MixedPrecisionRuntime(recipe, rehearse=True)
     rt.prepare_storage(model)
@@ -523,10 +526,12 @@ def test_experts_report_fp8_statistics_per_projection_on_sampled_steps(recipe_na
         rt.after_optimizer_step(model, opt)
     rt.check(model, opt)
     got = rt.metrics()
-    assert got[M.fp8_layer_key(up, "input_amax")] == pytest.approx(seen[0], rel=1e-6)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32  # FP32 inputs, BF16 autocast
+    assert got[M.fp8_layer_key(up, "input_amax")] == seen[0]
     for name in (up, down, "model.layers.1.mlp.experts.down_proj"):
         assert 15 < got[M.fp8_layer_key(name, "sqnr_db")] < 40, name  # E4M3's 3 mantissa bits: about 25-31 dB
-        assert got[M.fp8_layer_key(name, "saturation")] < 1e-3, name  # at most the amax's own rounding
+        # current scaling maps the amax to E4M3's top value: only the few values within its top step saturate
+        assert got[M.fp8_layer_key(name, "saturation")] < 4e-3, name
     per_expert = stats[down].per_expert[1]
     assert per_expert.shape == (8, 8) and torch.all(per_expert[:, 0] == 64 * 32)  # one weight per expert
 

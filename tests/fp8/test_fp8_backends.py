@@ -12,6 +12,7 @@ from torch import nn
 from hf_mixedprec.core.demo import builtin_text, byte_batches, tiny_llama
 from hf_mixedprec.fp8 import EmulatedFP8Linear, FP8BackendUnavailable, convert, fp8_step, resolve_backend
 from hf_mixedprec.fp8.emulated import EmulationSpec
+from hf_mixedprec.fp8.native import native_available, native_layer
 from hf_mixedprec.integrations.recipe import load_recipe_file, resolve_recipe
 from hf_mixedprec.scaling import (
     current_scale,
@@ -41,6 +42,12 @@ def qdq_mx(t: torch.Tensor, dim: int, fmt: str = "e4m3") -> torch.Tensor:
     return dequantize_mxfp8(d, c, block_size=32, dim=dim)
 
 
+def te_bias(b: torch.Tensor) -> torch.Tensor:
+    """The bias an FP8 GEMM adds with FP32 activations: rounded to BF16 (TE's module/linear.py: cuBLAS takes no FP32
+    bias with FP8 operands)."""
+    return b.detach().bfloat16().float()
+
+
 def _linear_case(in_f=64, out_f=96, tokens=32, seed=0):
     torch.manual_seed(seed)
     lin = nn.Linear(in_f, out_f)
@@ -63,7 +70,7 @@ def test_current_scaling_linear_is_exactly_qdq_gemms():
     y.backward(gy)
     x2, g2 = x.reshape(-1, 64), gy.reshape(-1, 96)
     xq, wq, gq = qdq_tensor(x2, "e4m3"), qdq_tensor(w, "e4m3"), qdq_tensor(g2, "e5m2")
-    assert torch.equal(y.reshape(-1, 96), xq @ wq.t() + b)
+    assert torch.equal(y.reshape(-1, 96), xq @ wq.t() + te_bias(b))
     assert torch.equal(xr.grad.reshape(-1, 64), gq @ wq)
     assert torch.equal(lin.weight.grad, gq.t() @ xq)
     assert torch.equal(lin.bias.grad, g2.sum(0))
@@ -78,7 +85,7 @@ def test_mxfp8_linear_uses_blocks_along_each_gemms_contraction_dim():
     y.backward(gy)
     x2, g2 = x.reshape(-1, 64), gy.reshape(-1, 96)
     # fprop: contraction over in_features (last dim of x and W)
-    assert torch.equal(y.reshape(-1, 96), qdq_mx(x2, -1) @ qdq_mx(w, -1).t() + lin.bias.detach())
+    assert torch.equal(y.reshape(-1, 96), qdq_mx(x2, -1) @ qdq_mx(w, -1).t() + te_bias(lin.bias))
     # dgrad: contraction over out_features: dy rowwise, W columnwise (re-quantized from high precision)
     assert torch.equal(xr.grad.reshape(-1, 64), qdq_mx(g2, -1) @ qdq_mx(w, 0))
     # wgrad: contraction over tokens: dy and x columnwise
@@ -104,7 +111,7 @@ def test_blockwise_linear_tiles():
         return dequantize_blockwise(d, s, tile=(128, 128))
 
     x2, g2 = x.reshape(-1, 256), gy.reshape(-1, 128)
-    assert torch.equal(y.reshape(-1, 128), q1x128(x2) @ q128(w).t() + lin.bias.detach())
+    assert torch.equal(y.reshape(-1, 128), q1x128(x2) @ q128(w).t() + te_bias(lin.bias))
     assert torch.equal(xr.grad.reshape(-1, 256), q1x128(g2) @ q128(w))
     assert torch.equal(lin.weight.grad, q1x128(g2.t()) @ q1x128(x2.t()).t())
 
@@ -131,17 +138,36 @@ def test_delayed_scaling_uses_previous_steps_amax_and_is_in_state_dict():
     xq = dequantize_fp8(quantize_fp8(x_next.reshape(-1, 64), s0, "e4m3"), s0)
     s1 = mod.fp8_scale[1]
     wq = dequantize_fp8(quantize_fp8(lin.weight.detach(), s1, "e4m3"), s1)
-    assert torch.equal(y.reshape(-1, 96).detach(), xq @ wq.t() + lin.bias.detach())
+    assert torch.equal(y.reshape(-1, 96).detach(), xq @ wq.t() + te_bias(lin.bias))
 
 
-def test_output_dtype_follows_autocast_and_grads_keep_param_dtype():
-    lin, x, _ = _linear_case()
-    mod = EmulatedFP8Linear(lin, EmulationSpec(scaling="current"))
+@pytest.mark.parametrize("native", [False, True])
+def test_under_autocast_fp32_operands_quantize_as_they_are_and_gradients_round_to_bf16(native):
+    """FP32 weights and input under BF16 autocast, as TE's Linear computes them (module/linear.py): the FP8 input and
+    weight quantizers take the FP32 tensors as they are; the bias is added in BF16; the output, and the dgrad, wgrad
+    and bias-gradient GEMMs, are written in the activation dtype (BF16) and only then cast to the FP32 tensors
+    they belong to. The emulated and native layers alike."""
+    ok, why = native_available(torch.device("cpu"))
+    if native and not ok:
+        pytest.skip(why)
+    lin, x, gy = _linear_case()
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    spec = EmulationSpec(scaling="current", bwd_format="e5m2")
+    mod = native_layer("Linear", lin, spec) if native else EmulatedFP8Linear(lin, spec)
+    xr = x.clone().requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = mod(x)
+        y = mod(xr)
     assert y.dtype == torch.bfloat16
-    y.float().sum().backward()
-    assert lin.weight.grad.dtype == torch.float32
+    y.backward(gy.bfloat16())
+    x2, g2 = x.reshape(-1, 64), gy.bfloat16().float().reshape(-1, 96)
+    xq, wq, gq = qdq_tensor(x2, "e4m3"), qdq_tensor(w, "e4m3"), qdq_tensor(g2, "e5m2")
+    bf16 = lambda t: t.bfloat16().float()  # noqa: E731
+    assert torch.equal(y.reshape(-1, 96), (xq @ wq.t() + bf16(b)).bfloat16())
+    assert xr.grad.dtype == lin.weight.grad.dtype == lin.bias.grad.dtype == torch.float32
+    assert torch.equal(xr.grad.reshape(-1, 64), bf16(gq @ wq))
+    assert torch.equal(lin.weight.grad, bf16(gq.t() @ xq))
+    assert not torch.equal(lin.weight.grad, gq.t() @ xq)  # the FP32 wgrad is not what TE returns
+    assert torch.equal(lin.bias.grad, bf16(g2.sum(0)))
 
 
 # -- conversion policy -----------------------------------------------------------------------------
