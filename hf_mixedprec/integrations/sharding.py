@@ -11,7 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_mixedprec.core._private import ensure_scale_tensor, fsdp2_on_cpu, fsdp2_possible_on_cpu
+from hf_mixedprec.core._private import (
+    ensure_scale_tensor,
+    fsdp2_on_cpu,
+    fsdp2_possible_on_cpu,
+    set_mixed_precision,
+)
 from hf_mixedprec.core.model_dir import safetensors_files
 from hf_mixedprec.recipes.schema import RecipeSpec
 
@@ -55,6 +60,7 @@ def fsdp2_on_cpu_accelerator(accelerator: Any, recipe: RecipeSpec, rt: Any) -> b
         return False
     fp8 = "fp8" in recipe.precisions()
     fsdp2_on_cpu(accelerator, broadcast_weights=not fp8, mp_policy=fsdp2_policy(recipe))
+    keep_stored_dtypes(accelerator, recipe, rt)
     gather = " (FP8 weights all-gathered in FP8)" if recipe.distributed.fp8_all_gather else ""
     if fp8:
         gather += (
@@ -98,7 +104,24 @@ def fsdp2_policy_on_accelerate(accelerator: Any, recipe: RecipeSpec, rt: Any) ->
         return False
     plugin.mixed_precision_policy = fsdp2_policy(recipe)
     rt.note(f"FSDP2 precision from the recipe: {describe_policy(recipe)}")
+    keep_stored_dtypes(accelerator, recipe, rt)
     return True
+
+
+def keep_stored_dtypes(accelerator: Any, recipe: RecipeSpec, rt: Any) -> None:
+    """Under FSDP2 with BF16 trainable weights (``storage.master`` other than fp32): Accelerate's ``mixed_precision``
+    made ``no`` before the model is prepared. Its FSDP2 preparation upcasts every trainable weight that is not FP32
+    to FP32 whenever ``mixed_precision`` is not ``no`` (accelerate/utils/fsdp_utils.py, ``fsdp2_prepare_model``),
+    which would undo the recipe's storage; under FSDP2 Accelerate autocasts nothing either way (the runtime does)."""
+    if recipe.storage.master == "fp32" or accelerator.mixed_precision == "no":
+        return
+    before = accelerator.mixed_precision
+    set_mixed_precision(accelerator, "no")
+    rt.note(
+        f"storage.master {recipe.storage.master} under FSDP2: Accelerate's mixed_precision {before!r} made 'no' "
+        "before the model is prepared (its FSDP2 preparation upcasts trainable BF16 weights to FP32 otherwise); "
+        "the recipe's autocast is installed by hf_mixedprec"
+    )
 
 
 def keep_optimizer_params_by_name(accelerator: Any) -> None:

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hf_mixedprec.core._private import foreach_add_, foreach_copy_, foreach_sub_, fused_adamw_
 from hf_mixedprec.core.errors import StorageRefusal
@@ -52,22 +53,63 @@ CHUNK_ELEMENTS: dict[str, int] = {"cpu": 1 << 18, "default": 1 << 22}
 #: its parameter when no optimizer ever takes it (``estimate``'s fake model).
 _PENDING: dict[int, tuple[weakref.ref[torch.Tensor], dict[str, torch.Tensor]]] = {}
 
+#: The same entries by model and parameter name, for a parameter that sharding replaced: FSDP2's ``fully_shard``
+#: puts a new DTensor Parameter where the split one was (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), under
+#: the same name. Weak on the model.
+_PENDING_BY_NAME: dict[int, tuple[weakref.ref[torch.nn.Module], dict[str, dict[str, torch.Tensor]]]] = {}
 
-def pending_state(entries: Iterable[tuple[torch.nn.Parameter, str, torch.Tensor]]) -> None:
-    """Hand the optimizer the ``remainder`` or ``compensation`` of parameters split from FP32 before it was built."""
+
+def pending_state(
+    entries: Iterable[tuple[torch.nn.Parameter, str, torch.Tensor]],
+    model: torch.nn.Module | None = None,
+    names: dict[int, str] | None = None,
+) -> None:
+    """Hand the optimizer the ``remainder`` or ``compensation`` of parameters split from FP32 before it was built;
+    with ``model`` and ``names`` (parameter id -> name in ``model``) also by name, so that the optimizer of a model
+    sharded afterwards finds them for the sharded parameter."""
     for p, key, value in entries:
         got = _PENDING.get(id(p))
         if got is None or got[0]() is not p:
             got = _PENDING[id(p)] = (weakref.ref(p), {})
             weakref.finalize(p, _PENDING.pop, id(p), None)
         got[1][key] = value
+        if model is not None and names is not None and id(p) in names:
+            held = _PENDING_BY_NAME.get(id(model))
+            if held is None or held[0]() is not model:
+                held = _PENDING_BY_NAME[id(model)] = (weakref.ref(model), {})
+                weakref.finalize(model, _PENDING_BY_NAME.pop, id(model), None)
+            held[1].setdefault(names[id(p)], {})[key] = value
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the same storage: writing it writes the DTensor), any other tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _take_pending(p: torch.Tensor, key: str) -> torch.Tensor | None:
     got = _PENDING.get(id(p))
-    if got is None or got[0]() is not p:
+    if got is not None and got[0]() is p:
+        value = got[1].pop(key, None)
+        for held in _PENDING_BY_NAME.values():  # taken: not again by name
+            for entry in held[1].values():
+                if entry.get(key) is value:
+                    entry.pop(key)
+        return value
+    if not isinstance(p, DTensor):
         return None
-    return got[1].pop(key, None)
+    for model_ref, by_name in list(_PENDING_BY_NAME.values()):
+        model = model_ref()
+        if model is None:
+            continue
+        name = next((n for n, q in model.named_parameters() if q is p), None)
+        if name is not None and key in by_name.get(name, {}):
+            full = by_name[name].pop(key)
+            # rank 0's split, as its weights are the ones Accelerate broadcasts: each rank's shard of it, laid out as
+            # the parameter's (FSDP2 chunks dim 0 as a DTensor Shard(0) does); sent as FP32, which holds every int16
+            # and BF16 value exactly (gloo scatters neither dtype)
+            sent = distribute_tensor(full.to(p.device, torch.float32), p.device_mesh, p.placements, src_data_rank=0)
+            return sent.to(full.dtype)
+    return None
 
 
 class StorageAdamW(torch.optim.Optimizer):
@@ -100,7 +142,12 @@ class StorageAdamW(torch.optim.Optimizer):
             raise ValueError(f"chunk_elements {chunk_elements} (allowed: >= 1)")
         if eps < 0.0 or weight_decay < 0.0:
             raise ValueError(f"eps {eps}, weight_decay {weight_decay} (allowed: >= 0)")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        # the storage choice also rides in every parameter group: Distributed Checkpoint's optimizer state dict keeps
+        # "state" and "param_groups" only (torch/distributed/checkpoint/state_dict.py), so a sharded checkpoint
+        # still says what it was trained with
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        defaults |= {"storage_master": master, "storage_states": str(state_dtype).removeprefix("torch.")}
+        super().__init__(params, defaults)
         self.master = master
         self.state_dtype = state_dtype
         self.seed = seed
@@ -135,6 +182,9 @@ class StorageAdamW(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         ours = state_dict.pop("hf_mixedprec", None)
         wanted = {"master": self.master, "state_dtype": str(self.state_dtype).removeprefix("torch.")}
+        groups = state_dict.get("param_groups") or []
+        if ours is None and groups and "storage_master" in groups[0]:  # a sharded (Distributed Checkpoint) state
+            ours = {"master": groups[0]["storage_master"], "state_dtype": groups[0]["storage_states"]}
         if ours is None and state_dict.get("state"):
             raise StorageRefusal(
                 f"the optimizer checkpoint was not written by StorageAdamW (no remainders, compensation or rounding "
@@ -151,10 +201,16 @@ class StorageAdamW(torch.optim.Optimizer):
         # torch casts floating state to the parameter's dtype on load; the moments and buffers keep their own
         super().load_state_dict(state_dict)
         saved = state_dict["state"]
-        for index, p in enumerate(p for g in self.param_groups for p in g["params"]):
-            for key, value in saved.get(index, {}).items():
+        # the saved groups name each parameter by its index, or under Distributed Checkpoint by its qualified name;
+        # torch pairs them with this optimizer's parameters by position, and so does this
+        saved_keys = [k for g in state_dict["param_groups"] for k in g["params"]]
+        for saved_key, p in zip(saved_keys, (p for g in self.param_groups for p in g["params"])):
+            for key, value in saved.get(saved_key, {}).items():
                 if torch.is_tensor(value) and key in self.state[p]:
                     self.state[p][key] = value.to(device=p.device, dtype=value.dtype).clone()
+        for group in self.param_groups:  # a checkpoint from before the storage choice rode in the groups
+            group.setdefault("storage_master", self.master)
+            group.setdefault("storage_states", wanted["state_dtype"])
         self._generators = {}
         self._saved_generators = {t: st.cpu() for t, st in (ours or {}).get("generators", {}).items()}
 
@@ -189,6 +245,9 @@ class StorageAdamW(torch.optim.Optimizer):
             st = all_states[p]
             if not st:
                 st = self._init_state(p)
+            if isinstance(p, DTensor):  # a sharded parameter (FSDP2): the update is elementwise, on the local shard
+                st = _LocalState(st, _local(grad))
+                p = _local(p)
             params, states = by_kind.setdefault((p.device, p.dtype), ([], []))
             params.append(p)
             states.append(st)
@@ -199,9 +258,9 @@ class StorageAdamW(torch.optim.Optimizer):
                 # the weights are FP32 (their kind) and so are the moments (state_dtype; a checkpoint of another is
                 # refused on load): what is left to check is the gradient's dtype and every layout
                 fits = [
-                    p.grad.dtype == torch.float32
+                    _grad(p, st).dtype == torch.float32
                     and p.is_contiguous()
-                    and p.grad.is_contiguous()
+                    and _grad(p, st).is_contiguous()
                     and st["exp_avg"].is_contiguous()
                     and st["exp_avg_sq"].is_contiguous()
                     for p, st in zip(params, states)
@@ -258,7 +317,7 @@ class StorageAdamW(torch.optim.Optimizer):
         mode = "fp32" if dtype == torch.float32 else (self.master if dtype == torch.bfloat16 else "none")
         _check_master_state(params, states, mode)
 
-        grads = [p.grad for p in params]
+        grads = [_grad(p, st) for p, st in zip(params, states)]
         avgs = [st["exp_avg"] for st in states]
         sqs = [st["exp_avg_sq"] for st in states]
         flat_master = (
@@ -306,7 +365,10 @@ class StorageAdamW(torch.optim.Optimizer):
                 # step, under half a BF16 ulp (0.2-0.4%), so round-to-nearest would hold it at its largest value
                 bf16 = self.state_dtype == torch.bfloat16
                 _scatter(stochastic_round_bf16(flat, gen) if bf16 else flat, store, sizes)
-        if flat_master is not None:
+        if flat_master is not None and not (isinstance(lr, float) and lr == 0.0):
+            # a step at lr 0 leaves every master as it was, so its stored pair is left as it is: rounding a BF16
+            # weight plus a compensation that is not its own (Distributed Checkpoint's resume runs such a step on
+            # the checkpoint's weights before it loads their states, state_dict.py ``_init_optim_state``) could move it
             self._store_master(params, states, mode, flat_master, sizes, gen)
 
     def _gather_master(self, params: list[torch.Tensor], states: list[dict[str, Any]], mode: str) -> torch.Tensor:
@@ -340,6 +402,20 @@ class StorageAdamW(torch.optim.Optimizer):
             _scatter(stochastic_round_bf16(master, gen), params, sizes)
         else:
             _scatter(master, params, sizes)  # round to nearest (master none, or another dtype)
+
+
+class _LocalState(dict):
+    """A sharded parameter's state as the step sees it: each DTensor entry by its local shard (the step writes
+    every tensor in place, the step count included), and the local gradient."""
+
+    def __init__(self, state: dict[str, Any], grad: torch.Tensor) -> None:
+        super().__init__({k: _local(v) if torch.is_tensor(v) else v for k, v in state.items()})
+        self.grad = grad
+
+
+def _grad(p: torch.Tensor, st: dict[str, Any]) -> torch.Tensor:
+    """``p``'s gradient: its own, or for a local shard the one its state carries (a local tensor has none)."""
+    return st.grad if isinstance(st, _LocalState) else p.grad
 
 
 def _in_place(tensors: list[torch.Tensor]) -> bool:

@@ -69,7 +69,8 @@ def apply_storage(model: nn.Module, plan: Any) -> list[str]:
             up += p.numel()
         else:
             down += p.numel()
-    pending_state(pending)
+    names = {id(p): name for name, p in model.named_parameters()}
+    pending_state(pending, model, names)
     notes = []
     master = plan.storage["master"]
     if up:

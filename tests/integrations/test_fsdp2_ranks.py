@@ -47,6 +47,9 @@ def _alone(out: str, scenarios: list[Scenario], last: Scenario) -> None:
 
 PLUGIN_BASES = ("cpu-bf16", "h100-fp8-delayed")
 
+#: The BF16 masters FSDP2 trains with (stochastic rounding is refused there; fp32 is every other test's).
+STORAGE_MASTERS = ("bf16_remainder", "bf16_kahan", "none")
+
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> Callable[..., Any]:
@@ -56,6 +59,10 @@ def result(tmp_path_factory) -> Callable[..., Any]:
     alone = [(f"plugin-one-{base}", _plugin_loop, (1, base)) for base in PLUGIN_BASES]
     alone += [("moe-one", _moe_trainer, (1, f"{out}/moe-one"))]
     alone += [("unsharded-one", _across_layouts, (1, f"{out}/unsharded-one"))]
+    alone += [(f"storage-one-{m}", _storage_run, (1, m, f"{out}/storage-one-{m}")) for m in STORAGE_MASTERS]
+    # the 2 ranks' remainder checkpoint (written by the straight pair, which runs first) resumed by one process
+    remainder_ckpt = f"{out}/storage-two-bf16_remainder/checkpoint-3"
+    alone += [("storage-one-from-two", _storage_run, (1, "bf16_remainder", f"{out}/storage-12", remainder_ckpt))]
     straight = [
         ("inf", _inf_on_one_rank, (f"{out}/inf",)),
         ("raw", _reduce_raw, ()),  # needs the process group the Trainer above set up
@@ -64,20 +71,23 @@ def result(tmp_path_factory) -> Callable[..., Any]:
         *[(f"policy-{p}-{r}", _policy_loop, (p, r)) for p, r in (("auto", "fp32"), ("bf16", "bf16"))],
         ("plugin-resume", _plugin_resume, (f"{out}/ckpt", False)),
         ("moe-two", _moe_trainer, (2, f"{out}/moe-two")),
+        *[(f"storage-two-{m}", _storage_run, (2, m, f"{out}/storage-two-{m}")) for m in STORAGE_MASTERS],
     ]
     resumed = [  # a fresh pair: what comes back, comes back from the checkpoints
         ("fallback-resumed", _fallback_on_two_ranks, (f"{out}/fallback-again", f"{out}/fallback-run/checkpoint-3")),
         ("plugin-resumed", _plugin_resume, (f"{out}/ckpt", True)),
         # the one process's checkpoint, resumed by 2 FSDP2 ranks
         ("unsharded-resumed", _across_layouts, (2, f"{out}/unsharded-two", f"{out}/unsharded-one/checkpoint-3")),
-    ]
+        *[(f"storage-resumed-{m}", _storage_run, (2, m, f"{out}/storage-re-{m}", f"{out}/storage-two-{m}/checkpoint-3"))
+          for m in STORAGE_MASTERS],
+    ]  # fmt: skip
     te = ("te", _te_into_sharded, (free_port(),))
     ports = [free_port(), free_port()]
     return scenario_results(
         out,
         [
-            lambda: run_ranks(_alone, [(out, alone, te)]),
             lambda: run_two_ranks(_pair, [(r, ports[0], out, straight) for r in (0, 1)]),
+            lambda: run_ranks(_alone, [(out, alone, te)]),
             lambda: run_two_ranks(_pair, [(r, ports[1], out, resumed) for r in (0, 1)]),
         ],
     )
@@ -309,6 +319,91 @@ def _across_layouts(rank: int, world: int, out: str, resume: str | None = None) 
         "sums": full,
         "left": sorted(n for n in os.listdir(out) if n.startswith(".resume-")),
     }
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a tensor or DTensor (gloo gathers no int16: it travels as int32, which holds it exactly)."""
+    if not hasattr(t, "full_tensor"):
+        return t.detach()
+    return t.to(torch.int32).full_tensor().to(t.dtype) if t.dtype == torch.int16 else t.detach().full_tensor()
+
+
+def _masters(model: torch.nn.Module, optimizer: Any) -> dict:
+    """Each parameter's FP32 master as the optimizer keeps it (weight + remainder, weight + compensation, or the
+    weight), whole: its float64 sum and a digest of its bytes."""
+    import hashlib
+
+    from hf_mixedprec.storage.bits import combine_remainder
+
+    opt = getattr(optimizer, "optimizer", optimizer)
+    out = {}
+    for name, p in model.named_parameters():
+        st, w = opt.state.get(p, {}), _full(p)
+        if "remainder" in st:
+            w = combine_remainder(w, _full(st["remainder"]))
+        elif "compensation" in st:
+            w = w.float() + _full(st["compensation"]).float()
+        w = w.float().contiguous()
+        out[name] = [float(w.double().sum()), hashlib.sha1(w.numpy().tobytes()).hexdigest()]
+    return out
+
+
+def _storage_run(rank: int, world: int, master: str, out: str, resume: str | None = None) -> dict:
+    """a100-bf16 (rehearsed) with ``storage.master`` ``master`` through the Trainer for 6 steps on a global batch of 2
+    (a checkpoint after step 3): in one process, or on 2 FSDP2 ranks; or resuming ``resume``. The losses and gradient
+    norms, the masters after step 3 (or, resumed, before its first step) and at the end, the weights' dtype and how
+    the first weight's storage state is held on this rank, the notes."""
+    from transformers import Trainer, TrainerCallback
+
+    from hf_mixedprec.core.demo import tiny_llama
+    from hf_mixedprec.integrations.recipe import resolve_recipe
+    from hf_mixedprec.integrations.trainer import runtime_of
+    from tests.integrations.test_integration import Bytes
+
+    class Masters(TrainerCallback):
+        def __init__(self) -> None:
+            self.at: dict = {}
+
+        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kw):
+            if resume is not None and "resumed" not in self.at:
+                self.at["resumed"] = _masters(model, optimizer)
+
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kw):
+            if state.global_step == 3:
+                self.at["step3"] = _masters(model, optimizer)
+
+    distributed = {"strategy": "fsdp2"} if world == 2 else {"strategy": "none"}
+    recipe = resolve_recipe(
+        {"name": f"{master}-{world}", "extends": "a100-bf16", "storage": {"master": master}, "distributed": distributed}
+    ).rehearsed(True)
+    args = recipe.training_args(
+        output_dir=out, max_steps=6, per_device_train_batch_size=2 // world, report_to=[], use_cpu=True,
+        save_strategy="steps", save_steps=3, logging_steps=1, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    seen = Masters()
+    trainer = Trainer(
+        model=tiny_llama(0), args=args, train_dataset=Bytes(n=40, seq_len=16), callbacks=[seen, *recipe.callbacks()]
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    rows = [h for h in trainer.state.log_history if "loss" in h]
+    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    weight = trainer.model.model.layers[0].mlp.up_proj.weight
+    held = {k: [str(v.dtype), type(v).__name__, v.numel(), _local_numel(v)]
+            for k, v in opt.state[weight].items() if k in ("remainder", "compensation")}  # fmt: skip
+    return {
+        "loss": {int(h["step"]): h["loss"] for h in rows},
+        "grad_norm": {int(h["step"]): h["grad_norm"] for h in rows},
+        "optimizer": type(opt).__name__,
+        "dtypes": sorted({str(p.dtype) for p in trainer.model.parameters() if p.requires_grad}),
+        "weight": [type(weight).__name__, weight.numel(), _local_numel(weight)],
+        "held": held,
+        "masters": {**seen.at, "end": _masters(trainer.model, trainer.optimizer)},
+        "notes": list(runtime_of(trainer).notes),
+    }
+
+
+def _local_numel(t: torch.Tensor) -> int:
+    return (t.to_local() if hasattr(t, "to_local") else t).numel()
 
 
 def _fallback_on_two_ranks(rank: int, out: str, resume: str | None = None) -> dict:
@@ -625,3 +720,68 @@ def test_a_one_process_checkpoint_resumes_on_two_fsdp2_ranks_sharded_on_load(res
         assert two["sums"].keys() == one["sums"].keys()
         for name, total in one["sums"].items():
             assert two["sums"][name] == pytest.approx(total, rel=1e-3, abs=1e-2), name
+
+
+def _steps(run: dict) -> dict:
+    """A scenario's result with its per-step series keyed by int (JSON keys are text)."""
+    return {**run, **{k: {int(s): v for s, v in run[k].items()} for k in ("loss", "grad_norm")}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("master", STORAGE_MASTERS)
+def test_a_bf16_master_trains_on_two_fsdp2_ranks_as_one_process_does(master, result):
+    """``storage.master`` bf16_remainder / bf16_kahan / none on 2 FSDP2 ranks (a100-bf16, the Trainer, a global
+    batch of 2) against one process: the weights stay BF16 (Accelerate's upcast to FP32 is prevented, and a note
+    says so), each rank holds half of every weight and of its remainder or compensation (DTensor shards that
+    StorageAdamW updates locally), and the losses, gradient norms and FP32 masters follow the one process within
+    what a 2-rank reduction allows: BF16 gradients reduced over 2 ranks round differently from one process's, so
+    losses agree to 5e-4 and norms to 1e-2 (the FSDP2-against-one-process bounds of tests/integrations/test_fsdp2.py),
+    the masters' sums to 1e-4."""
+    (loss_rel, norm_rel, _), _ = BOUNDS["bf16"]
+    one = _steps(result(f"storage-one-{master}"))
+    assert one["optimizer"] == "StorageAdamW" and one["dtypes"] == ["torch.bfloat16"]
+    key = {"bf16_remainder": "remainder", "bf16_kahan": "compensation"}.get(master)
+    for rank in (0, 1):
+        two = _steps(result(f"storage-two-{master}", rank))
+        assert two["optimizer"] == "StorageAdamW" and two["dtypes"] == ["torch.bfloat16"], two["dtypes"]
+        assert any("mixed_precision 'bf16' made 'no'" in n for n in two["notes"]), two["notes"]
+        assert two["weight"] == ["DTensor", 64 * 32 * 4, 64 * 32 * 2]  # up_proj [128, 64]: half on each rank
+        assert list(two["held"]) == ([key] if key else [])
+        if key:
+            assert two["held"][key][1:] == ["DTensor", 64 * 32 * 4, 64 * 32 * 2]
+        assert sorted(two["loss"]) == sorted(one["loss"]) == list(range(1, 7))
+        assert two["loss"][1] == pytest.approx(one["loss"][1], rel=1e-5)
+        for step in range(1, 7):
+            assert two["loss"][step] == pytest.approx(one["loss"][step], rel=loss_rel), step
+            assert two["grad_norm"][step] == pytest.approx(one["grad_norm"][step], rel=norm_rel), step
+        for name, (total, _digest) in one["masters"]["end"].items():
+            assert two["masters"]["end"][name][0] == pytest.approx(total, rel=1e-4, abs=1e-3), name
+        assert two["masters"]["end"] == result(f"storage-two-{master}", 0)["masters"]["end"]  # whole: alike
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("master", STORAGE_MASTERS)
+def test_a_bf16_master_resumed_mid_run_on_two_fsdp2_ranks_ends_bit_for_bit_on_the_straight_run(master, result):
+    """A fresh pair of ranks resumes the straight run's step-3 Distributed Checkpoint: the weights and their
+    remainders or compensations come back shard by shard (the optimizer state keyed by parameter name; a first step
+    at lr 0 that Distributed Checkpoint runs to build the state leaves the weights as they were), and steps 4-6 and
+    every master at the end are the straight run's bit for bit."""
+    straight = _steps(result(f"storage-two-{master}"))
+    for rank in (0, 1):
+        again = _steps(result(f"storage-resumed-{master}", rank))
+        assert again["masters"]["resumed"] == straight["masters"]["step3"]
+        assert {s: again["loss"][s] for s in (4, 5, 6)} == {s: straight["loss"][s] for s in (4, 5, 6)}
+        assert {s: again["grad_norm"][s] for s in (4, 5, 6)} == {s: straight["grad_norm"][s] for s in (4, 5, 6)}
+        assert again["masters"]["end"] == straight["masters"]["end"]
+
+
+@pytest.mark.slow
+def test_a_remainder_master_from_two_fsdp2_ranks_resumes_in_one_process_as_the_same_fp32_master(result):
+    """The 2 ranks' bf16_remainder checkpoint after step 3, gathered whole for one process (Distributed Checkpoint
+    resharding): before its first step, every parameter's FP32 master (BF16 weight + int16 remainder) is the one the
+    2 ranks held after step 3, bit for bit, and it trains on to step 6."""
+    two = result("storage-two-bf16_remainder")
+    one = _steps(result("storage-one-from-two"))
+    assert any("written sharded by 2 FSDP rank(s)" in n for n in one["notes"]), one["notes"]
+    assert one["masters"]["resumed"] == two["masters"]["step3"]
+    assert sorted(one["loss"]) == list(range(1, 7))

@@ -805,18 +805,68 @@ def test_the_plugin_keeps_the_storage_whatever_the_order_of_prepare(bf16_dir, or
             acc.prepare(opt)
 
 
-def test_fsdp2_with_a_bf16_master_is_refused_when_the_recipe_is_read():
+@pytest.mark.parametrize(
+    ("storage", "key"),
+    [({"master": "bf16_stochastic"}, "storage.master"), ({"optimizer_states": "bf16"}, "storage.optimizer_states"),
+     ({"optimizer_states": "8bit"}, "storage.optimizer_states")],
+)  # fmt: skip
+def test_fsdp2_refuses_stochastic_rounding_and_low_bit_states_when_the_recipe_is_read(storage, key):
+    """Under FSDP2 the deterministic BF16 masters are accepted (tests/integrations/test_fsdp2_ranks.py trains them);
+    stochastic rounding and torchao's states are refused in one line naming the key, why, and what is allowed."""
     from hf_mixedprec.core.errors import RecipeError
 
-    with pytest.raises(RecipeError, match=r"not supported with distributed\.strategy fsdp2"):
-        resolve_recipe(
-            {
-                "name": "x",
-                "extends": "a100-bf16",
-                "storage": {"master": "bf16_remainder"},
-                "distributed": {"strategy": "fsdp2"},
-            }
-        )
+    fsdp2 = {"strategy": "fsdp2"}
+    with pytest.raises(RecipeError) as err:
+        resolve_recipe({"name": "x", "extends": "a100-bf16", "storage": storage, "distributed": fsdp2})
+    message = str(err.value)
+    assert f"{key}:" in message and "not supported with distributed.strategy fsdp2 yet" in message
+    assert "allowed under fsdp2: optimizer_states fp32 with master fp32, bf16_remainder, bf16_kahan or none" in message
+    for master in ("bf16_remainder", "bf16_kahan", "none"):
+        ok = resolve_recipe({"name": "x", "extends": "a100-bf16", "storage": {"master": master}, "distributed": fsdp2})
+        assert ok.storage.master == master
+
+
+def test_a_state_dict_keyed_by_parameter_name_loads_its_fp32_moments_and_the_storage_check():
+    """Distributed Checkpoint hands ``load_state_dict`` the state and the groups' parameters keyed by qualified name
+    (torch pairs them with the optimizer's parameters by position), and keeps no entry but "state" and
+    "param_groups": the FP32 moments of a BF16 parameter come back FP32 (torch alone casts them to BF16), the
+    remainder as it was, and the storage choice, carried in the groups, is still checked."""
+    p = torch.nn.Parameter(torch.randn(16, 8).to(torch.bfloat16))
+    opt = StorageAdamW([p], lr=1e-3, master="bf16_remainder")
+    for _ in range(3):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    sd = opt.state_dict()
+    by_name = {
+        "state": {"layer.weight": sd["state"][0]},
+        "param_groups": [{**g, "params": ["layer.weight"]} for g in sd["param_groups"]],
+    }
+    twin = torch.nn.Parameter(p.detach().clone())
+    again = StorageAdamW([twin], lr=1e-3, master="bf16_remainder")
+    again.load_state_dict(by_name)
+    for key in ("exp_avg", "exp_avg_sq", "remainder", "step"):
+        assert again.state[twin][key].dtype == opt.state[p][key].dtype, key
+        assert torch.equal(again.state[twin][key], opt.state[p][key]), key
+    with pytest.raises(StorageRefusal, match=r"storage\.master: .*'bf16_remainder', this run has 'bf16_kahan'"):
+        StorageAdamW([torch.nn.Parameter(p.detach().clone())], master="bf16_kahan").load_state_dict(by_name)
+
+
+def test_a_step_at_lr_0_leaves_a_kahan_weight_and_its_compensation_as_they_were():
+    """Distributed Checkpoint builds a resumed optimizer's state with one step at lr 0 on the checkpoint's weights
+    before it loads the states, so the compensation is then not the weight's own. Rounding weight + compensation
+    back would move the weight; the step leaves both as they were (and the moments take the zero gradient)."""
+    w = torch.tensor([1.0, 1.0, 2.0**-7, -3.0], dtype=torch.bfloat16)
+    p = torch.nn.Parameter(w.clone())
+    opt = StorageAdamW([p], lr=0.0, master="bf16_kahan")
+    opt.state[p].update(opt._init_state(p))
+    comp = torch.tensor([2.0**-9, -(2.0**-8), 2.0**-15, 2.0**-7], dtype=torch.bfloat16)  # not w's own
+    opt.state[p]["compensation"] = comp.clone()
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.equal(p.detach(), w) and torch.equal(opt.state[p]["compensation"], comp)
+    opt.param_groups[0]["lr"] = 1e-9  # a real step does store the rounded master
+    opt.step()
+    assert not torch.equal(p.detach(), w)
 
 
 def test_deepspeed_config_of_the_users_must_say_what_storage_says():
