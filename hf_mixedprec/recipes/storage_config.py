@@ -69,7 +69,9 @@ class StorageConfig(BaseModel):
         "needs AdamW.",
     )
     seed: int | None = Field(
-        None, ge=0, description="bf16_stochastic only: seed of the rounding's own generator (default 0)."
+        None,
+        ge=0,
+        description="bf16_stochastic only: seed of the rounding's random bits, hashed with the step count (default 0).",
     )
 
     @model_validator(mode="before")
@@ -147,14 +149,11 @@ def storage_rules(storage: StorageConfig, precision: str, strategy: str, zero_st
             else "BF16 storage under FP16 compute mixes two 16-bit formats"
         )
         raise _rule("storage.master", f"{m!r}: {why} (precision is fp16; allowed: fp32)")
-    if strategy == "fsdp2" and (m == "bf16_stochastic" or storage.optimizer_states != "fp32"):
+    if strategy == "fsdp2" and storage.optimizer_states in LOW_BIT_STATES:
         raise _rule(
-            "storage.master" if m == "bf16_stochastic" else "storage.optimizer_states",
-            # docs/storage.md#fsdp2: stochastic rounding draws from one generator per process (other draws than one
-            # process's, and no generator state in Distributed Checkpoint); torchao's states are untested on shards
-            f"master {m} with optimizer_states {storage.optimizer_states} is not supported with distributed.strategy "
-            "fsdp2 yet (per-process stochastic rounding; torchao states untested on shards; allowed under fsdp2: "
-            "optimizer_states fp32 with master fp32, bf16_remainder, bf16_kahan or none)",
+            "storage.optimizer_states",
+            f"{storage.optimizer_states} (torchao's low-bit AdamW) is not supported with distributed.strategy fsdp2 "
+            "yet: untested on sharded (DTensor) parameters (allowed under fsdp2: fp32, bf16)",
         )
     if strategy == "deepspeed":
         # DeepSpeed 0.19.8 keeps FP32 states beside a BF16 master only with ZeRO-Offload's DeepSpeedCPUAdam

@@ -8,9 +8,10 @@ magnitude), and the remainder the signed difference, so the forward pass sees a 
 pair still gives back every FP32 bit: ``bits = (upper << 16) + remainder`` in integer arithmetic.
 
 Stochastic rounding (Zamirai et al. 2020, "Revisiting BFloat16 Training") rounds up with probability equal to the
-dropped fraction, so an update smaller than half a BF16 ulp survives in expectation; Kahan-compensated summation
-keeps what rounding lost in a BF16 buffer and adds it back at the next update. All three are plain tensor
-operations on the device (no host read).
+dropped fraction, so an update smaller than half a BF16 ulp survives in expectation (a generator's draws; a seed
+made by :func:`hash_seed` from host values gives the same draws again); Kahan-compensated summation keeps what
+rounding lost in a BF16 buffer and adds it back at the next update. All three are plain tensor operations on the
+device (no host read).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 __all__ = [
     "combine_remainder",
+    "hash_seed",
     "kahan_store",
     "split_remainder",
     "stochastic_round_bf16",
@@ -64,6 +66,27 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = N
     noise = torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int32, generator=generator)
     rounded = ((_bits(x) + noise) >> 16).to(torch.int16)
     return rounded.view(torch.bfloat16)
+
+
+def _hash32(v: int) -> int:
+    """A 32-bit integer hash (xor-shift-multiply with the multipliers of C. Wellons' "lowbias32", from his
+    hash-prospector search): nearby inputs give unrelated outputs."""
+    v &= 0xFFFFFFFF
+    v ^= v >> 16
+    v = (v * 0x7FEB352D) & 0xFFFFFFFF
+    v ^= v >> 15
+    v = (v * 0x846CA68B) & 0xFFFFFFFF
+    return v ^ (v >> 16)
+
+
+def hash_seed(*parts: int) -> int:
+    """A generator seed (a non-negative 64-bit int) from ``parts`` (seed, step, stream, ...), each mixed in by a
+    32-bit hash, on the host: seeding a generator with it reads nothing from a device."""
+    h, lo = 0, 0
+    for part in parts:
+        h = _hash32((h ^ (part & 0xFFFFFFFF)) + 0x5BD1E995)
+        lo = _hash32(lo + h + 0x3C6EF372)
+    return (h << 32) | lo
 
 
 def kahan_store(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

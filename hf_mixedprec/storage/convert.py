@@ -55,7 +55,10 @@ TRANSITIONS: dict[tuple[str, str], str] = {
 #: The optimizer states a conversion carries over unchanged (low-bit states belong to torchao's classes).
 _STATES = ("fp32", "bf16")
 #: The keys of a parameter group that belong to the run's optimizer class, not to the checkpoint's.
-_OWN_FLAGS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
+_OWN_FLAGS = (
+    "amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay",
+    "storage_master", "storage_states",  # StorageAdamW's: what this run keeps, not what the checkpoint kept
+)  # fmt: skip
 
 
 def storage_transition(saved: Mapping[str, Any], now: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -183,12 +186,7 @@ def convert_optimizer_state(
         "param_groups": [_group(old, new) for old, new in zip(groups, optimizer.param_groups, strict=True)],
     }
     if isinstance(optimizer, StorageAdamW):
-        ours = saved.get("hf_mixedprec") or {}
-        out["hf_mixedprec"] = {
-            "master": target,
-            "state_dtype": str(optimizer.state_dtype).removeprefix("torch."),
-            "generators": dict(ours.get("generators", {})),  # BF16 moments' stochastic rounding draws on
-        }
+        out["hf_mixedprec"] = {"master": target, "state_dtype": str(optimizer.state_dtype).removeprefix("torch.")}
     return out
 
 

@@ -14,9 +14,10 @@ parameter dtype:
 * FP32 parameters are their own master (``master: fp32``);
 * BF16 parameters get the master their recipe chose: ``bf16_remainder`` (the BF16 weight plus the 16 bits BF16
   drops, an int16 per element: the FP32 master exactly, see :mod:`hf_mixedprec.storage.bits`), ``bf16_kahan`` (a
-  BF16 compensation buffer), ``bf16_stochastic`` (stochastic rounding with the optimizer's own generator, whose state
-  is saved in ``state_dict()`` so a resumed run draws the same numbers), or ``none`` (round to nearest: updates below
-  half a BF16 ulp are lost; chosen explicitly only);
+  BF16 compensation buffer), ``bf16_stochastic`` (stochastic rounding from a generator seeded afresh for every run
+  of parameters at every step from the seed, the optimizer's step count, the run and the rank's shard: a resumed run
+  draws the same numbers with nothing saved but that count, and data-parallel replicas draw alike), or ``none``
+  (round to nearest: updates below half a BF16 ulp are lost; chosen explicitly only);
 * moments (``exp_avg``, ``exp_avg_sq``) in ``state_dtype``: float32, or bfloat16 written with stochastic rounding
   (round to nearest would freeze ``exp_avg_sq``'s 0.1%-a-step decay).
 
@@ -29,14 +30,20 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hf_mixedprec.core._private import foreach_add_, foreach_copy_, foreach_sub_, fused_adamw_
 from hf_mixedprec.core.errors import StorageRefusal
-from hf_mixedprec.storage.bits import combine_remainder, kahan_store, split_remainder, stochastic_round_bf16
+from hf_mixedprec.storage.bits import (
+    combine_remainder,
+    hash_seed,
+    kahan_store,
+    split_remainder,
+    stochastic_round_bf16,
+)
 
 __all__ = ["CHUNK_ELEMENTS", "MASTER_MODES", "StorageAdamW", "keeps_updates", "pending_state"]
 
@@ -147,35 +154,19 @@ class StorageAdamW(torch.optim.Optimizer):
         # still says what it was trained with
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         defaults |= {"storage_master": master, "storage_states": str(state_dtype).removeprefix("torch.")}
+        # the stochastic rounding's seed and this optimizer's step count: a resumed run rounds on with the
+        # checkpoint's (Python ints, which Distributed Checkpoint keeps with the groups)
+        defaults |= {"storage_seed": seed, "storage_steps": 0}
         super().__init__(params, defaults)
         self.master = master
         self.state_dtype = state_dtype
         self.seed = seed
         self.chunk_elements = chunk_elements
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._saved_generators: dict[str, torch.Tensor] = {}  # device type -> state, from a checkpoint
-
-    # -- stochastic rounding's generator (saved with the optimizer) ---------------------------------------------
-    def _generator(self, device: torch.device) -> torch.Generator:
-        """One generator per device type, seeded alike: every data-parallel replica draws the same numbers, and a
-        resumed rank restores the one state saved (by rank 0) for its device type."""
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = self._generators[device] = torch.Generator(device=device)
-            saved = self._saved_generators.get(device.type)
-            if saved is not None:
-                gen.set_state(saved)
-            else:
-                gen.manual_seed(self.seed)
-        return gen
 
     def state_dict(self) -> dict[str, Any]:
         out = super().state_dict()
-        out["hf_mixedprec"] = {
-            "master": self.master,
-            "state_dtype": str(self.state_dtype).removeprefix("torch."),
-            "generators": {d.type: g.get_state() for d, g in self._generators.items()},
-        }
+        out["hf_mixedprec"] = {"master": self.master, "state_dtype": str(self.state_dtype).removeprefix("torch.")}
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -211,8 +202,8 @@ class StorageAdamW(torch.optim.Optimizer):
         for group in self.param_groups:  # a checkpoint from before the storage choice rode in the groups
             group.setdefault("storage_master", self.master)
             group.setdefault("storage_states", wanted["state_dtype"])
-        self._generators = {}
-        self._saved_generators = {t: st.cpu() for t, st in (ours or {}).get("generators", {}).items()}
+            group.setdefault("storage_seed", self.seed)
+            group.setdefault("storage_steps", 0)
 
     def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -228,13 +219,14 @@ class StorageAdamW(torch.optim.Optimizer):
         return state
 
     # -- the step -----------------------------------------------------------------------------------------------
-    def _chunks(self, group: dict[str, Any]) -> list[tuple[list[torch.Tensor], list[dict[str, Any]], bool]]:
-        """The group's parameters that have a gradient, with their states, by device and dtype, cut into runs of at
+    def _chunks(self, group: dict[str, Any]) -> list[_Run]:
+        """The group's parameters that have a gradient, with their states, by device, dtype and shard (a rank's local
+        shards of sharded parameters apart from whole, replicated ones: see :meth:`_salt`), cut into runs of at
         most ``chunk_elements`` elements (default by device type: :data:`CHUNK_ELEMENTS`; a larger parameter is a run
         of its own): a step's FP32 temporaries are those of one run. FP32 weights whose gradients and moments the
         kernel can update where they are (:func:`_in_place`) need none: they are one run, marked True. Each state is
         looked up once (a tensor's hash is a Python call)."""
-        by_kind: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[dict[str, Any]]]] = {}
+        by_kind: dict[tuple[torch.device, torch.dtype, int], tuple[list[torch.Tensor], list[dict[str, Any]]]] = {}
         all_states = self.state
         for p in group["params"]:
             grad = p.grad
@@ -245,15 +237,18 @@ class StorageAdamW(torch.optim.Optimizer):
             st = all_states[p]
             if not st:
                 st = self._init_state(p)
+            shard = -1  # a whole tensor, the same on every data-parallel replica
             if isinstance(p, DTensor):  # a sharded parameter (FSDP2): the update is elementwise, on the local shard
                 st = _LocalState(st, _local(grad))
+                coordinate = p.device_mesh.get_coordinate() or []
+                shard = sum(c * 1000003**i for i, c in enumerate(coordinate))
                 p = _local(p)
-            params, states = by_kind.setdefault((p.device, p.dtype), ([], []))
+            params, states = by_kind.setdefault((p.device, p.dtype, shard), ([], []))
             params.append(p)
             states.append(st)
-        runs: list[tuple[list[torch.Tensor], list[dict[str, Any]], bool]] = []
+        runs: list[_Run] = []
         scaled = getattr(self, "grad_scale", None) is not None
-        for (device, dtype), (params, states) in by_kind.items():
+        for (device, dtype, shard), (params, states) in by_kind.items():
             if dtype == torch.float32 and self.state_dtype == torch.float32 and not scaled:
                 # the weights are FP32 (their kind) and so are the moments (state_dtype; a checkpoint of another is
                 # refused on load): what is left to check is the gradient's dtype and every layout
@@ -267,7 +262,12 @@ class StorageAdamW(torch.optim.Optimizer):
                 ]
                 if any(fits):
                     runs.append(
-                        ([p for p, ok in zip(params, fits) if ok], [st for st, ok in zip(states, fits) if ok], True)
+                        _Run(
+                            [p for p, ok in zip(params, fits) if ok],
+                            [st for st, ok in zip(states, fits) if ok],
+                            True,
+                            shard,
+                        )
                     )
                     params = [p for p, ok in zip(params, fits) if not ok]
                     states = [st for st, ok in zip(states, fits) if not ok]
@@ -277,13 +277,13 @@ class StorageAdamW(torch.optim.Optimizer):
             size = 0
             for p, st in zip(params, states):
                 if run and size + p.numel() > limit:
-                    runs.append((run, run_states, False))
+                    runs.append(_Run(run, run_states, False, shard))
                     run, run_states, size = [], [], 0
                 run.append(p)
                 run_states.append(st)
                 size += p.numel()
             if run:
-                runs.append((run, run_states, False))
+                runs.append(_Run(run, run_states, False, shard))
         return runs
 
     @torch.no_grad()
@@ -292,20 +292,33 @@ class StorageAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        run_index = 0
         for group in self.param_groups:
-            for run, states, in_place in self._chunks(group):
-                self._step_run(group, run, states, in_place)
+            group["storage_steps"] = group.get("storage_steps", 0) + 1
+            for run in self._chunks(group):
+                self._step_run(group, run, run_index)
+                run_index += 1
         return loss
 
-    def _step_run(
-        self, group: dict[str, Any], params: list[torch.Tensor], states: list[dict[str, Any]], in_place: bool
-    ) -> None:
-        """One AdamW step of ``params`` (one device, one dtype; ``states`` theirs): torch's fused AdamW kernel over
+    def _seeded(self, device: torch.device, group: dict[str, Any], run_index: int, shard: int, stream: int) -> Any:
+        """The generator of one stochastic rounding, seeded on the host (no device read, no state to save) from the
+        seed, the step count, the run's place in the step (runs are made in the same order at every step, and after
+        a resume), the shard (a rank's local shards draw their own numbers; whole tensors, replicated on every
+        data-parallel rank, draw the same) and what is rounded (0: exp_avg, 1: exp_avg_sq, 2: the weights)."""
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+        seed = group.get("storage_seed", self.seed)
+        return gen.manual_seed(hash_seed(seed, group.get("storage_steps", 0), run_index, shard, stream))
+
+    def _step_run(self, group: dict[str, Any], run: _Run, run_index: int) -> None:
+        """One AdamW step of ``run.params`` (one device, one dtype, one shard; ``run.states`` theirs): torch's fused AdamW kernel over
         their FP32 masters, gradients and moments. A list whose tensors are FP32 and contiguous goes to the kernel as
         it is (updated in place; gradients only when there is no ``grad_scale`` to divide by, so a gradient is never
         changed); any other is gathered into one flat FP32 buffer and, after the kernel, written back in the storage
         the recipe chose. ``in_place``: :meth:`_chunks` found every list of the run so already. The number of
         operations does not depend on the number of parameters."""
+        params, states, in_place = run.params, run.states, run.in_place
         device, dtype = params[0].device, params[0].dtype
         sizes = [p.numel() for p in params]
         grad_scale: torch.Tensor | None = getattr(self, "grad_scale", None)
@@ -358,17 +371,18 @@ class StorageAdamW(torch.optim.Optimizer):
         )
         if found_inf is not None:  # the kernel skipped a flagged step; so does the step count, on the device
             foreach_sub_(steps, [found_inf] * len(steps))
-        gen = self._generator(device) if self.state_dtype == torch.bfloat16 or mode == "bf16_stochastic" else None
-        for flat, store in ((flat_avgs, avgs), (flat_sqs, sqs)):
+        for stream, (flat, store) in enumerate(((flat_avgs, avgs), (flat_sqs, sqs))):
             if flat is not None:
                 # BF16 moments are stochastically rounded: with beta2 = 0.999 the decay of exp_avg_sq is 0.1% a
                 # step, under half a BF16 ulp (0.2-0.4%), so round-to-nearest would hold it at its largest value
-                bf16 = self.state_dtype == torch.bfloat16
-                _scatter(stochastic_round_bf16(flat, gen) if bf16 else flat, store, sizes)
+                if self.state_dtype == torch.bfloat16:
+                    flat = stochastic_round_bf16(flat, self._seeded(device, group, run_index, run.shard, stream))
+                _scatter(flat, store, sizes)
         if flat_master is not None and not (isinstance(lr, float) and lr == 0.0):
             # a step at lr 0 leaves every master as it was, so its stored pair is left as it is: rounding a BF16
             # weight plus a compensation that is not its own (Distributed Checkpoint's resume runs such a step on
             # the checkpoint's weights before it loads their states, state_dict.py ``_init_optim_state``) could move it
+            gen = self._seeded(device, group, run_index, run.shard, 2) if mode == "bf16_stochastic" else None
             self._store_master(params, states, mode, flat_master, sizes, gen)
 
     def _gather_master(self, params: list[torch.Tensor], states: list[dict[str, Any]], mode: str) -> torch.Tensor:
@@ -402,6 +416,16 @@ class StorageAdamW(torch.optim.Optimizer):
             _scatter(stochastic_round_bf16(master, gen), params, sizes)
         else:
             _scatter(master, params, sizes)  # round to nearest (master none, or another dtype)
+
+
+class _Run(NamedTuple):
+    """Parameters updated together (:meth:`StorageAdamW._chunks`): local shards of sharded ones, their states, whether
+    every list goes to the kernel in place, and the shard (-1: whole tensors)."""
+
+    params: list[torch.Tensor]
+    states: list[dict[str, Any]]
+    in_place: bool
+    shard: int
 
 
 class _LocalState(dict):

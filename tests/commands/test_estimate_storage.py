@@ -183,19 +183,22 @@ def test_deepspeed_maps_master_none_and_bf16_states_to_two_bytes():
         _recipe("none", "fp32", **ds)
 
 
-def test_fsdp2_shards_every_component_and_refuses_a_bf16_master():
-    """FSDP2 shards weights, gradients and optimizer states; BF16 masters are refused with it (the storage math has
-    not been made to work on DTensor parameters)."""
+@pytest.mark.parametrize(
+    ("master", "states"), [("fp32", "fp32"), ("bf16_remainder", "fp32"), ("bf16_stochastic", "bf16")]
+)
+def test_fsdp2_shards_every_component_of_every_storage_choice_and_refuses_low_bit_states(master, states):
+    """FSDP2 shards weights, master, gradients and optimizer states of every StorageAdamW choice (each rank's shard
+    of each, tests/integrations/test_fsdp2_estimate.py measures them); torchao's low-bit states are refused with it."""
     cfg = tiny_llama_config()
-    one = estimate_memory(cfg, [_recipe("fp32", "fp32")], batch_size=1, seq_len=32).recipes[0]
+    one = estimate_memory(cfg, [_recipe(master, states)], batch_size=1, seq_len=32).recipes[0]
     fsdp = {"distributed": {"strategy": "fsdp2", "num_processes": 4}}
-    four = estimate_memory(cfg, [_recipe("fp32", "fp32", **fsdp)], batch_size=1, seq_len=32).recipes[0]
+    four = estimate_memory(cfg, [_recipe(master, states, **fsdp)], batch_size=1, seq_len=32).recipes[0]
     assert four.strategy == "fsdp2 x4"
     for key, value in one.components.items():
         assert four.components[key] == -(-value // 4), key
     assert four.bytes_per_param == pytest.approx(one.bytes_per_param / 4, abs=1e-3)
-    with pytest.raises(RecipeError, match=r"distributed\.strategy fsdp2"):
-        _recipe("bf16_remainder", "fp32", **fsdp)
+    with pytest.raises(RecipeError, match=r"8bit .* not supported with distributed\.strategy fsdp2"):
+        _recipe("fp32", "8bit", **fsdp)
 
 
 @pytest.mark.parametrize(

@@ -13,15 +13,19 @@ import torch
 from tests.commands.test_estimate import BATCH, SEQ, _Box, _Ids, _Peak, small_llama_cfg
 from tests.ranks import free_port, join_as_rank, leave_group, run_two_ranks
 
-RECIPES = ("cpu-bf16", "h100-fp8-delayed", "cpu-bf16+bf16_remainder", "cpu-bf16+bf16_kahan", "cpu-bf16+none")
+RECIPES = (
+    "cpu-bf16", "h100-fp8-delayed", "cpu-bf16+bf16_remainder", "cpu-bf16+bf16_kahan", "cpu-bf16+none",
+    "cpu-bf16+bf16_stochastic+bf16",
+)  # fmt: skip
 
 
 def _recipe(name: str):
-    """The recipe a name of :data:`RECIPES` stands for under FSDP2 (``base+master``: that storage.master)."""
+    """The recipe a name of :data:`RECIPES` stands for under FSDP2 (``base+master[+states]``: that storage.master and
+    optimizer_states)."""
     from hf_mixedprec.integrations.recipe import resolve_recipe
 
-    base, _, master = name.partition("+")
-    storage = {"storage": {"master": master}} if master else {}
+    base, *choice = name.split("+")
+    storage = {"storage": {"master": choice[0], "optimizer_states": (choice[1:] or ["fp32"])[0]}} if choice else {}
     recipe = resolve_recipe({"name": f"{base}-fsdp2", "extends": base, "distributed": {"strategy": "fsdp2"}, **storage})
     return recipe.rehearsed(True) if base != "cpu-bf16" else recipe
 
@@ -136,6 +140,9 @@ def test_fsdp2_estimate_per_rank_matches_what_each_rank_holds(per_rank, recipe):
         if "+" in recipe:
             bf16 = got["weights"] // 2  # the rank's parameters: its weights are BF16
             assert got["gradients"] == got["weights"]
-            assert mem.master_weights == (0 if recipe.endswith("+none") else pytest.approx(2 * bf16, rel=0.01))
+            kept = "+bf16_remainder" in recipe or "+bf16_kahan" in recipe  # 2 bytes beside each BF16 weight
+            assert mem.master_weights == (pytest.approx(2 * bf16, rel=0.01) if kept else 0)
+            moments = 2 * (2 if recipe.endswith("+bf16") else 4) * bf16
+            assert got["optimizer"] - mem.master_weights == pytest.approx(moments, rel=0.01)
         held = sum(got[p] for p in ("weights", "gradients", "optimizer", "fp8_extras", "activations"))
         assert abs(mem.total - held) <= 0.10 * held, (rank, mem.total, held)

@@ -19,6 +19,7 @@ from hf_mixedprec.storage import (
     split_remainder,
     stochastic_round_bf16,
 )
+from hf_mixedprec.storage.bits import hash_seed
 from hf_mixedprec.storage.optim import pending_state
 from tests.integrations.test_integration import Bytes
 
@@ -169,14 +170,15 @@ def test_remainder_masters_end_on_torch_fused_adamw_bit_for_bit_across_runs():
         assert float(opt.state[q]["step"]) == sum((i + j) % 3 != 2 for i in range(40))
     for q in low:
         q.grad = torch.zeros_like(q)
-    assert [len(run) for run, _, _ in opt._chunks(opt.param_groups[0])] == [1, 1, 1, 2]  # 3072 | 7 | 3300 | 25 + 24
+    assert [len(run.params) for run in opt._chunks(opt.param_groups[0])] == [1, 1, 1, 2]  # 3072 | 7 | 3300 | 25 + 24
 
 
 @pytest.mark.parametrize("master", ["bf16_kahan", "bf16_stochastic", "none"])
 def test_each_bf16_master_is_its_rule_applied_to_the_fused_update(master):
     """One step of one run written out: torch's fused AdamW on the FP32 master, then the rule of ``master`` (Kahan:
-    nearest BF16 and the BF16 compensation; stochastic: noise drawn for the whole run from the optimizer's generator,
-    seeded with ``seed``; none: nearest BF16)."""
+    nearest BF16 and the BF16 compensation; stochastic: noise drawn for the whole run from a generator seeded with
+    ``hash_seed(seed, step count, run, shard, stream)``: 7, the first step, run 0, whole tensors (-1), the weights (2);
+    none: nearest BF16)."""
     from hf_mixedprec.storage.bits import kahan_store
 
     torch.manual_seed(1)
@@ -195,7 +197,7 @@ def test_each_bf16_master_is_its_rule_applied_to_the_fused_update(master):
         got_comp = torch.cat([opt.state[p]["compensation"].reshape(-1) for p in low])
         assert torch.equal(got_comp.view(torch.int16), comp.view(torch.int16))
     elif master == "bf16_stochastic":
-        want = stochastic_round_bf16(flat, torch.Generator().manual_seed(7))
+        want = stochastic_round_bf16(flat, torch.Generator().manual_seed(hash_seed(7, 1, 0, -1, 2)))
     else:
         want = flat.to(torch.bfloat16)
     got = torch.cat([p.detach().reshape(-1) for p in low])
@@ -805,25 +807,25 @@ def test_the_plugin_keeps_the_storage_whatever_the_order_of_prepare(bf16_dir, or
             acc.prepare(opt)
 
 
-@pytest.mark.parametrize(
-    ("storage", "key"),
-    [({"master": "bf16_stochastic"}, "storage.master"), ({"optimizer_states": "bf16"}, "storage.optimizer_states"),
-     ({"optimizer_states": "8bit"}, "storage.optimizer_states")],
-)  # fmt: skip
-def test_fsdp2_refuses_stochastic_rounding_and_low_bit_states_when_the_recipe_is_read(storage, key):
-    """Under FSDP2 the deterministic BF16 masters are accepted (tests/integrations/test_fsdp2_ranks.py trains them);
-    stochastic rounding and torchao's states are refused in one line naming the key, why, and what is allowed."""
+@pytest.mark.parametrize("states", ["8bit", "4bit", "fp8"])
+def test_fsdp2_refuses_torchao_low_bit_states_when_the_recipe_is_read(states):
+    """Under FSDP2 every StorageAdamW choice is accepted (tests/integrations/test_fsdp2_ranks.py trains them); torchao's
+    low-bit states are refused in one line naming the key, why, and what is allowed."""
     from hf_mixedprec.core.errors import RecipeError
 
     fsdp2 = {"strategy": "fsdp2"}
     with pytest.raises(RecipeError) as err:
-        resolve_recipe({"name": "x", "extends": "a100-bf16", "storage": storage, "distributed": fsdp2})
+        resolve_recipe(
+            {"name": "x", "extends": "a100-bf16", "storage": {"optimizer_states": states}, "distributed": fsdp2}
+        )
     message = str(err.value)
-    assert f"{key}:" in message and "not supported with distributed.strategy fsdp2 yet" in message
-    assert "allowed under fsdp2: optimizer_states fp32 with master fp32, bf16_remainder, bf16_kahan or none" in message
-    for master in ("bf16_remainder", "bf16_kahan", "none"):
-        ok = resolve_recipe({"name": "x", "extends": "a100-bf16", "storage": {"master": master}, "distributed": fsdp2})
-        assert ok.storage.master == master
+    assert f"storage.optimizer_states: {states} (torchao's low-bit AdamW) is not supported with distributed." in message
+    assert "untested on sharded (DTensor) parameters (allowed under fsdp2: fp32, bf16)" in message
+    for master in ("bf16_remainder", "bf16_kahan", "bf16_stochastic", "none"):
+        for states in ("fp32", "bf16"):
+            storage = {"master": master, "optimizer_states": states}
+            ok = resolve_recipe({"name": "x", "extends": "a100-bf16", "storage": storage, "distributed": fsdp2})
+            assert (ok.storage.master, ok.storage.optimizer_states) == (master, states)
 
 
 def test_a_state_dict_keyed_by_parameter_name_loads_its_fp32_moments_and_the_storage_check():
