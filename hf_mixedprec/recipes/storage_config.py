@@ -133,6 +133,15 @@ class StorageConfig(BaseModel):
         return "unchanged" if self.is_default else "StorageAdamW"
 
 
+#: What torchao 0.18 (the version tested) does wrong with its low-bit states on FSDP2's sharded parameters, seen on 2
+#: gloo ranks under the Trainer: its 8-bit states over FP32 weights train and resume exactly, the rest fail.
+_TORCHAO_FSDP2_FAILURES = {
+    "4bit": "torchao's compiled 4-bit step fails a shape check",
+    "fp8": "torchao's FP8 state has no qmap",
+    "8bit-bf16": "torchao's 8-bit state lacks aten.view.dtype over BF16 weights",
+}
+
+
 def storage_rules(storage: StorageConfig, precision: str, strategy: str, zero_stage: int | None) -> None:
     """Cross-section rules (raised at ``storage.<key>``): what the recipe's precision and launch allow."""
     m = storage.master
@@ -149,11 +158,13 @@ def storage_rules(storage: StorageConfig, precision: str, strategy: str, zero_st
             else "BF16 storage under FP16 compute mixes two 16-bit formats"
         )
         raise _rule("storage.master", f"{m!r}: {why} (precision is fp16; allowed: fp32)")
-    if strategy == "fsdp2" and storage.optimizer_states in LOW_BIT_STATES:
+    states = storage.optimizer_states
+    fsdp2_failure = _TORCHAO_FSDP2_FAILURES.get(states if m == "fp32" or states != "8bit" else "8bit-bf16")
+    if strategy == "fsdp2" and fsdp2_failure:
         raise _rule(
             "storage.optimizer_states",
-            f"{storage.optimizer_states} (torchao's low-bit AdamW) is not supported with distributed.strategy fsdp2 "
-            "yet: untested on sharded (DTensor) parameters (allowed under fsdp2: fp32, bf16)",
+            f"{states} with master {m} is not supported with distributed.strategy fsdp2 ({fsdp2_failure} on sharded "
+            "parameters; allowed under fsdp2: fp32, bf16, or 8bit with master fp32)",
         )
     if strategy == "deepspeed":
         # DeepSpeed 0.19.8 keeps FP32 states beside a BF16 master only with ZeRO-Offload's DeepSpeedCPUAdam

@@ -186,9 +186,9 @@ def test_deepspeed_maps_master_none_and_bf16_states_to_two_bytes():
 @pytest.mark.parametrize(
     ("master", "states"), [("fp32", "fp32"), ("bf16_remainder", "fp32"), ("bf16_stochastic", "bf16")]
 )
-def test_fsdp2_shards_every_component_of_every_storage_choice_and_refuses_low_bit_states(master, states):
+def test_fsdp2_shards_every_component_of_every_storage_choice_and_refuses_4bit_states(master, states):
     """FSDP2 shards weights, master, gradients and optimizer states of every StorageAdamW choice (each rank's shard
-    of each, tests/integrations/test_fsdp2_estimate.py measures them); torchao's low-bit states are refused with it."""
+    of each, tests/integrations/test_fsdp2_estimate.py measures them); torchao's 4-bit states are refused with it."""
     cfg = tiny_llama_config()
     one = estimate_memory(cfg, [_recipe(master, states)], batch_size=1, seq_len=32).recipes[0]
     fsdp = {"distributed": {"strategy": "fsdp2", "num_processes": 4}}
@@ -197,8 +197,8 @@ def test_fsdp2_shards_every_component_of_every_storage_choice_and_refuses_low_bi
     for key, value in one.components.items():
         assert four.components[key] == -(-value // 4), key
     assert four.bytes_per_param == pytest.approx(one.bytes_per_param / 4, abs=1e-3)
-    with pytest.raises(RecipeError, match=r"8bit .* not supported with distributed\.strategy fsdp2"):
-        _recipe("fp32", "8bit", **fsdp)
+    with pytest.raises(RecipeError, match=r"4bit with master fp32 is not supported with distributed\.strategy fsdp2"):
+        _recipe("fp32", "4bit", **fsdp)
 
 
 @pytest.mark.parametrize(
