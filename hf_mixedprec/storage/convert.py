@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from hf_mixedprec.core.errors import StorageRefusal
 from hf_mixedprec.core.model_dir import safetensors_files
@@ -135,6 +136,14 @@ def convert_optimizer_state(
         taken = ", ".join(f"{a} -> {b}" for a, b in TRANSITIONS)
         raise StorageRefusal(f"storage.master {source} -> {target} is not converted at resume (allowed: {taken})")
     groups = list(saved["param_groups"])
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(isinstance(k, str) for g in groups for k in g["params"]) or any(isinstance(p, DTensor) for p in params):
+        # Distributed Checkpoint names the parameters and holds shards: the conversion below reads whole tensors
+        # by index, and would find no state at all
+        raise StorageRefusal(
+            f"storage.master {source} -> {target} is not converted at resume for a sharded (FSDP2) checkpoint "
+            f"(allowed: storage.master {source}, the checkpoint's)"
+        )
     sizes, own = [len(g["params"]) for g in groups], [len(g["params"]) for g in optimizer.param_groups]
     if sizes != own:
         raise StorageRefusal(
@@ -143,7 +152,6 @@ def convert_optimizer_state(
         )
     state: dict[int, dict[str, Any]] = {}
     old_state = saved.get("state", {})
-    params = [p for g in optimizer.param_groups for p in g["params"]]
     pending: list[tuple[torch.nn.Parameter, str, torch.Tensor]] = []
     dropped = 0
     with torch.no_grad():
@@ -246,6 +254,9 @@ def convert_next_load(
             own(converted)
             return
         ours = state_dict.get("hf_mixedprec") if isinstance(state_dict, Mapping) else None
+        groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+        if ours is None and groups and "storage_master" in groups[0]:  # Distributed Checkpoint keeps the groups only
+            ours = {"master": groups[0]["storage_master"], "state_dtype": groups[0].get("storage_states")}
         if isinstance(ours, Mapping) and not isinstance(optimizer, StorageAdamW):
             raise StorageRefusal(
                 f"the optimizer checkpoint was written by hf_mixedprec's StorageAdamW (storage.master "

@@ -161,6 +161,38 @@ def test_a_storage_adamw_state_is_never_loaded_into_another_class_unconverted():
     assert not convert_next_load(plain, None)() and "load_state_dict" not in plain.__dict__  # no load: removed
 
 
+def _by_name(state_dict: dict) -> dict:
+    """``state_dict`` as Distributed Checkpoint hands it to ``load_state_dict``: "state" and "param_groups" only,
+    each parameter named."""
+    names = [f"p{i}" for g in state_dict["param_groups"] for i in g["params"]]
+    return {
+        "state": {names[i]: st for i, st in state_dict["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state_dict["param_groups"]],
+    }
+
+
+def test_a_sharded_checkpoint_is_refused_a_storage_change_and_never_loaded_into_another_class():
+    """A Distributed Checkpoint (FSDP2) names its parameters and keeps no entry but "state" and "param_groups": the
+    conversion, which reads whole tensors by index, refuses it in one line rather than find no state; and the
+    storage choice the groups carry still stops a StorageAdamW state from loading into torch's AdamW."""
+    p, opt = _stepped("bf16_remainder")
+    sharded = _by_name(opt.state_dict())
+    fp32 = StorageAdamW([torch.nn.Parameter(p.detach().float())], master="fp32")
+    finish = convert_next_load(fp32, ("bf16_remainder", "fp32"))
+    with pytest.raises(StorageRefusal) as err:
+        fp32.load_state_dict(sharded)
+    assert str(err.value) == (
+        "storage.master bf16_remainder -> fp32 is not converted at resume for a sharded (FSDP2) checkpoint "
+        "(allowed: storage.master bf16_remainder, the checkpoint's)"
+    )
+    assert finish() and not fp32.state
+    adamw = torch.optim.AdamW([torch.nn.Parameter(p.detach().float())])
+    convert_next_load(adamw, None)
+    with pytest.raises(StorageRefusal, match=r"written by hf_mixedprec's StorageAdamW \(storage.master bf16_remainder"):
+        adamw.load_state_dict(sharded)
+    assert not adamw.state
+
+
 # -- under the Trainer -----------------------------------------------------------------------------------------------
 class _AtBegin(TrainerCallback):
     """The parameters and optimizer right after Trainer loaded the checkpoint (on_train_begin)."""
