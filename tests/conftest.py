@@ -57,7 +57,6 @@ LONGEST_FIRST = (
     "integrations/test_parity.py",
     "integrations/test_integration.py",
     "commands/test_estimate_storage.py",
-    "integrations/test_fsdp2_estimate.py",
     "training/test_faults.py",
     "integrations/test_deepspeed_fp8.py",
     "integrations/test_clients.py",

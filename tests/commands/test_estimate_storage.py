@@ -188,7 +188,7 @@ def test_deepspeed_maps_master_none_and_bf16_states_to_two_bytes():
 )
 def test_fsdp2_shards_every_component_of_every_storage_choice_and_refuses_4bit_states(master, states):
     """FSDP2 shards weights, master, gradients and optimizer states of every StorageAdamW choice (each rank's shard
-    of each, tests/integrations/test_fsdp2_estimate.py measures them); torchao's 4-bit states are refused with it."""
+    of each, tests/fsdp2_estimate.py measures them); torchao's 4-bit states are refused with it."""
     cfg = tiny_llama_config()
     one = estimate_memory(cfg, [_recipe(master, states)], batch_size=1, seq_len=32).recipes[0]
     fsdp = {"distributed": {"strategy": "fsdp2", "num_processes": 4}}

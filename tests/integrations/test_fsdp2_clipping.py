@@ -1,10 +1,10 @@
 """Adaptive clipping on FSDP2-sharded gradients: two gloo ranks, each holding half of every gradient (``fully_shard``),
-clip as one process does on the same global batch, with one all-reduce per clip and nothing gathered."""
+clip as one process does on the same global batch, with one all-reduce per clip and nothing gathered. The ranks run
+:func:`sharded_clipping` in tests/integrations/test_fsdp2_ranks.py's shared processes, whose tests check it with the
+functions here."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +12,6 @@ import torch
 
 from hf_mixedprec.core.demo import tiny_llama
 from hf_mixedprec.training.clipping import make_clipper
-from tests.ranks import leave_group, run_two_ranks
 
 METHODS = {
     "norm": {"max_norm": 0.5},
@@ -63,31 +62,17 @@ def _train(method: str, rank: int | None, collectives: list[dict[str, int]] | No
     }
 
 
-def _rank(rank: int, init: str, out: str) -> None:
-    torch.set_num_threads(1)  # two ranks share the 2 cores
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+def sharded_clipping(rank: int) -> dict[str, Any]:
+    """On each of 2 ranks (a scenario of tests/integrations/test_fsdp2_ranks.py's shared processes, whose process
+    group it uses): every method's run on this rank's half of the batches, with the collectives of each clip."""
     result = {}
     for method in METHODS:
         collectives: list[dict[str, int]] = []
         result[method] = {**_train(method, rank, collectives), "collectives": collectives}
-    if rank == 0:
-        Path(out).write_text(json.dumps(result))
-    leave_group()
+    return result
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("fsdp2")
-    out = tmp / "ranks.json"
-    run_two_ranks(_rank, [(r, f"file://{tmp / 'init'}", str(out)) for r in (0, 1)])
-    return json.loads(out.read_text())
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("method", list(METHODS))
-def test_two_sharded_ranks_clip_as_one_process_on_the_global_batch(two_ranks, method):
+def check_clipping_as_one_process(two_ranks: dict[str, Any], method: str) -> None:
     """Tolerance: the global norm is summed in another order (each rank's shards, then across ranks), so it agrees
     to float32 rounding (relative 1e-5 here, measured about 2e-7), not bit for bit; every clip decision is the same;
     the weights after 6 AdamW steps agree to 1e-5."""
@@ -105,8 +90,8 @@ def test_two_sharded_ranks_clip_as_one_process_on_the_global_batch(two_ranks, me
         assert torch.allclose(torch.tensor(two["weights"][name]), torch.tensor(w), atol=1e-5), name
 
 
-@pytest.mark.slow
-def test_the_global_norm_of_shards_costs_one_all_reduce_and_no_gather(two_ranks):
+def check_one_all_reduce_and_no_gather(two_ranks: dict[str, Any]) -> None:
+    """The global norm of shards costs one all-reduce per clip, and AGC gathers nothing."""
     for method in ("norm", "zclip", "autoclip"):
         for step, counts in enumerate(two_ranks[method]["collectives"], start=1):
             assert counts == {"c10d.allreduce_": 1}, (method, step, counts)

@@ -18,7 +18,15 @@ from typing import Any
 import pytest
 import torch
 
+from tests.fsdp2_estimate import RECIPES as ESTIMATE_RECIPES
+from tests.fsdp2_estimate import check_estimate_per_rank, measured_per_rank
 from tests.integrations.test_fsdp2 import BOUNDS
+from tests.integrations.test_fsdp2_clipping import (
+    METHODS,
+    check_clipping_as_one_process,
+    check_one_all_reduce_and_no_gather,
+    sharded_clipping,
+)
 from tests.ranks import (
     Scenario,
     free_port,
@@ -72,6 +80,8 @@ def result(tmp_path_factory) -> Callable[..., Any]:
         ("plugin-resume", _plugin_resume, (f"{out}/ckpt", False)),
         ("moe-two", _moe_trainer, (2, f"{out}/moe-two")),
         *[(f"storage-two-{m}", _storage_run, (2, m, f"{out}/storage-two-{m}")) for m in STORAGE_CHOICES],
+        ("estimate", measured_per_rank, (f"{out}/estimate",)),
+        ("clipping", sharded_clipping, ()),
     ]
     resumed = [  # a fresh pair: what comes back, comes back from the checkpoints
         ("fallback-resumed", _fallback_on_two_ranks, (f"{out}/fallback-again", f"{out}/fallback-run/checkpoint-3")),
@@ -807,3 +817,24 @@ def test_a_remainder_master_from_two_fsdp2_ranks_resumes_in_one_process_as_the_s
     assert any("written sharded by 2 FSDP rank(s)" in n for n in one["notes"]), one["notes"]
     assert one["masters"]["resumed"] == two["masters"]["step3"]
     assert sorted(one["loss"]) == list(range(1, 6))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ESTIMATE_RECIPES)
+def test_fsdp2_estimate_per_rank_matches_what_each_rank_holds(recipe, result):
+    """``estimate`` for 2 FSDP2 ranks against what each rank held in a real sharded Trainer step
+    (tests/fsdp2_estimate.py says what is compared, and to what tolerance)."""
+    check_estimate_per_rank([result("estimate", r) for r in (0, 1)], recipe)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(METHODS))
+def test_two_sharded_ranks_clip_as_one_process_on_the_global_batch(method, result):
+    """Each clipping method on FSDP2-sharded gradients against one process on the global batch
+    (tests/integrations/test_fsdp2_clipping.py says to what tolerance)."""
+    check_clipping_as_one_process(result("clipping"), method)
+
+
+@pytest.mark.slow
+def test_the_global_norm_of_shards_costs_one_all_reduce_and_no_gather(result):
+    check_one_all_reduce_and_no_gather(result("clipping"))

@@ -1,18 +1,16 @@
 """``estimate`` for FSDP2 against what each of 2 gloo ranks holds in a real sharded Trainer step: the rank's shards of
 the weights, gradients and optimizer states, counted from the tensors, and the peak of what autograd saves for
-backward, recorded by the same hook as tests/commands/test_estimate.py."""
+backward, recorded by the same hook as tests/commands/test_estimate.py. The ranks' side (:func:`measured_per_rank`)
+runs as a scenario of tests/integrations/test_fsdp2_ranks.py's shared processes, which also holds the test
+(:func:`check_estimate_per_rank`)."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.commands.test_estimate import BATCH, SEQ, _Box, _Ids, _Peak, small_llama_cfg
 from tests.commands.test_estimate_storage import _nbytes
-from tests.ranks import free_port, join_as_rank, leave_group, run_two_ranks
 
 RECIPES = (
     "cpu-bf16", "h100-fp8-delayed", "cpu-bf16+bf16_remainder", "cpu-bf16+bf16_kahan", "cpu-bf16+none",
@@ -57,8 +55,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _rank(rank: int, port: int, out: str) -> None:
-    join_as_rank(rank, 2, port)
+def measured_per_rank(rank: int, out: str) -> dict:
+    """On each of 2 ranks: one sharded Trainer step per recipe of :data:`RECIPES`, and what this rank held then."""
     from accelerate.state import AcceleratorState
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback
 
@@ -102,21 +100,10 @@ def _rank(rank: int, port: int, out: str) -> None:
         tr.train()
         seen[name] = {**counts.row, "activations": tr.peak.peak}
         AcceleratorState._reset_state(reset_partial_state=False)
-    Path(f"{out}-{rank}.json").write_text(json.dumps(seen))
-    leave_group()
+    return seen
 
 
-@pytest.fixture(scope="module")
-def per_rank(tmp_path_factory) -> list[dict]:
-    port = free_port()
-    out = tmp_path_factory.mktemp("fsdp2-estimate") / "rank"
-    run_two_ranks(_rank, [(r, port, str(out)) for r in (0, 1)])
-    return [json.loads(Path(f"{out}-{r}.json").read_text()) for r in (0, 1)]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_fsdp2_estimate_per_rank_matches_what_each_rank_holds(per_rank, recipe):
+def check_estimate_per_rank(per_rank: list[dict], recipe: str) -> None:
     """Weights, gradients, optimizer states and FP8 buffers per rank within 1% of the rank's own tensors (FSDP2
     pads each parameter's first dimension to a multiple of the ranks, so a shard may hold a row more than half);
     activations within 10% (the rule tests/commands/test_estimate.py holds one process to); the total within 10%.
