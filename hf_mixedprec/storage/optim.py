@@ -221,7 +221,7 @@ class StorageAdamW(torch.optim.Optimizer):
     # -- the step -----------------------------------------------------------------------------------------------
     def _chunks(self, group: dict[str, Any]) -> list[_Run]:
         """The group's parameters that have a gradient, with their states, by device, dtype and shard (a rank's local
-        shards of sharded parameters apart from whole, replicated ones: see :meth:`_salt`), cut into runs of at
+        shards of sharded parameters apart from whole, replicated ones: see :meth:`_seeded`), cut into runs of at
         most ``chunk_elements`` elements (default by device type: :data:`CHUNK_ELEMENTS`; a larger parameter is a run
         of its own): a step's FP32 temporaries are those of one run. FP32 weights whose gradients and moments the
         kernel can update where they are (:func:`_in_place`) need none: they are one run, marked True. Each state is
@@ -312,11 +312,11 @@ class StorageAdamW(torch.optim.Optimizer):
         return gen.manual_seed(hash_seed(seed, group.get("storage_steps", 0), run_index, shard, stream))
 
     def _step_run(self, group: dict[str, Any], run: _Run, run_index: int) -> None:
-        """One AdamW step of ``run.params`` (one device, one dtype, one shard; ``run.states`` theirs): torch's fused AdamW kernel over
-        their FP32 masters, gradients and moments. A list whose tensors are FP32 and contiguous goes to the kernel as
-        it is (updated in place; gradients only when there is no ``grad_scale`` to divide by, so a gradient is never
-        changed); any other is gathered into one flat FP32 buffer and, after the kernel, written back in the storage
-        the recipe chose. ``in_place``: :meth:`_chunks` found every list of the run so already. The number of
+        """One AdamW step of ``run.params`` (one device, one dtype, one shard; ``run.states`` theirs): torch's fused
+        AdamW kernel over their FP32 masters, gradients and moments. A list whose tensors are FP32 and contiguous goes
+        to the kernel as it is (updated in place; gradients only when there is no ``grad_scale`` to divide by, so a
+        gradient is never changed); any other is gathered into one flat FP32 buffer and, after the kernel, written
+        back in the storage the recipe chose. ``in_place``: :meth:`_chunks` found every list of the run so already. The number of
         operations does not depend on the number of parameters."""
         params, states, in_place = run.params, run.states, run.in_place
         device, dtype = params[0].device, params[0].dtype
