@@ -159,7 +159,7 @@ def storage_rules(storage: StorageConfig, precision: str, strategy: str, zero_st
         )
         raise _rule("storage.master", f"{m!r}: {why} (precision is fp16; allowed: fp32)")
     states = storage.optimizer_states
-    fsdp2_failure = _TORCHAO_FSDP2_FAILURES.get(states if m == "fp32" or states != "8bit" else "8bit-bf16")
+    fsdp2_failure = _TORCHAO_FSDP2_FAILURES.get("8bit-bf16" if states == "8bit" and m != "fp32" else states)
     if strategy == "fsdp2" and fsdp2_failure:
         raise _rule(
             "storage.optimizer_states",

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from hf_mixedprec.core.errors import StorageRefusal
 from hf_mixedprec.core.model_dir import safetensors_files
 from hf_mixedprec.storage.bits import combine_remainder, split_remainder
-from hf_mixedprec.storage.optim import StorageAdamW, _take_pending, pending_state
+from hf_mixedprec.storage.optim import StorageAdamW, _take_pending, pending_state, saved_storage
 
 __all__ = [
     "TRANSITIONS",
@@ -253,11 +253,8 @@ def convert_next_load(
                 cache["state"] = converted
             own(converted)
             return
-        ours = state_dict.get("hf_mixedprec") if isinstance(state_dict, Mapping) else None
-        groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
-        if ours is None and groups and "storage_master" in groups[0]:  # Distributed Checkpoint keeps the groups only
-            ours = {"master": groups[0]["storage_master"], "state_dtype": groups[0].get("storage_states")}
-        if isinstance(ours, Mapping) and not isinstance(optimizer, StorageAdamW):
+        ours = saved_storage(state_dict)
+        if ours is not None and not isinstance(optimizer, StorageAdamW):
             raise StorageRefusal(
                 f"the optimizer checkpoint was written by hf_mixedprec's StorageAdamW (storage.master "
                 f"{ours.get('master')}, optimizer_states {ours.get('state_dtype')}), and this run's optimizer is "

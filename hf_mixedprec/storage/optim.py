@@ -29,7 +29,7 @@ on the device, weights, moments, remainders and step count alike.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -45,7 +45,7 @@ from hf_mixedprec.storage.bits import (
     stochastic_round_bf16,
 )
 
-__all__ = ["CHUNK_ELEMENTS", "MASTER_MODES", "StorageAdamW", "keeps_updates", "pending_state"]
+__all__ = ["CHUNK_ELEMENTS", "MASTER_MODES", "StorageAdamW", "keeps_updates", "pending_state", "saved_storage"]
 
 #: How a BF16 parameter's master is kept (``storage.master`` minus ``fp32``, which upcasts the parameter itself).
 MASTER_MODES: tuple[str, ...] = ("fp32", "bf16_remainder", "bf16_kahan", "bf16_stochastic", "none")
@@ -60,9 +60,9 @@ CHUNK_ELEMENTS: dict[str, int] = {"cpu": 1 << 18, "default": 1 << 22}
 #: its parameter when no optimizer ever takes it (``estimate``'s fake model).
 _PENDING: dict[int, tuple[weakref.ref[torch.Tensor], dict[str, torch.Tensor]]] = {}
 
-#: The same entries by model and parameter name, for a parameter that sharding replaced: FSDP2's ``fully_shard``
-#: puts a new DTensor Parameter where the split one was (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), under
-#: the same name. Weak on the model.
+#: The same entries (the same dicts: taking one by either way takes it from both) by model and parameter name, for a
+#: parameter that sharding replaced: FSDP2's ``fully_shard`` puts a new DTensor Parameter where the split one was
+#: (torch/distributed/fsdp/_fully_shard/_fsdp_param.py), under the same name. Weak on the model.
 _PENDING_BY_NAME: dict[int, tuple[weakref.ref[torch.nn.Module], dict[str, dict[str, torch.Tensor]]]] = {}
 
 
@@ -85,7 +85,7 @@ def pending_state(
             if held is None or held[0]() is not model:
                 held = _PENDING_BY_NAME[id(model)] = (weakref.ref(model), {})
                 weakref.finalize(model, _PENDING_BY_NAME.pop, id(model), None)
-            held[1].setdefault(names[id(p)], {})[key] = value
+            held[1][names[id(p)]] = got[1]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -96,12 +96,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _take_pending(p: torch.Tensor, key: str) -> torch.Tensor | None:
     got = _PENDING.get(id(p))
     if got is not None and got[0]() is p:
-        value = got[1].pop(key, None)
-        for held in _PENDING_BY_NAME.values():  # taken: not again by name
-            for entry in held[1].values():
-                if entry.get(key) is value:
-                    entry.pop(key)
-        return value
+        return got[1].pop(key, None)
     if not isinstance(p, DTensor):
         return None
     for model_ref, by_name in list(_PENDING_BY_NAME.values()):
@@ -170,12 +165,10 @@ class StorageAdamW(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        ours = saved_storage(state_dict)
         state_dict = dict(state_dict)
-        ours = state_dict.pop("hf_mixedprec", None)
+        state_dict.pop("hf_mixedprec", None)
         wanted = {"master": self.master, "state_dtype": str(self.state_dtype).removeprefix("torch.")}
-        groups = state_dict.get("param_groups") or []
-        if ours is None and groups and "storage_master" in groups[0]:  # a sharded (Distributed Checkpoint) state
-            ours = {"master": groups[0]["storage_master"], "state_dtype": groups[0]["storage_states"]}
         if ours is None and state_dict.get("state"):
             raise StorageRefusal(
                 f"the optimizer checkpoint was not written by StorageAdamW (no remainders, compensation or rounding "
@@ -316,8 +309,8 @@ class StorageAdamW(torch.optim.Optimizer):
         AdamW kernel over their FP32 masters, gradients and moments. A list whose tensors are FP32 and contiguous goes
         to the kernel as it is (updated in place; gradients only when there is no ``grad_scale`` to divide by, so a
         gradient is never changed); any other is gathered into one flat FP32 buffer and, after the kernel, written
-        back in the storage the recipe chose. ``in_place``: :meth:`_chunks` found every list of the run so already. The number of
-        operations does not depend on the number of parameters."""
+        back in the storage the recipe chose. ``in_place``: :meth:`_chunks` found every list of the run so already.
+        The number of operations does not depend on the number of parameters."""
         params, states, in_place = run.params, run.states, run.in_place
         device, dtype = params[0].device, params[0].dtype
         sizes = [p.numel() for p in params]
@@ -416,6 +409,21 @@ class StorageAdamW(torch.optim.Optimizer):
             _scatter(stochastic_round_bf16(master, gen), params, sizes)
         else:
             _scatter(master, params, sizes)  # round to nearest (master none, or another dtype)
+
+
+def saved_storage(state_dict: Any) -> dict[str, Any] | None:
+    """The storage choice (``master``, ``state_dtype``) a saved optimizer state says :class:`StorageAdamW` wrote it
+    with, or None for another optimizer's: its own entry, or, where Distributed Checkpoint kept only "state" and
+    "param_groups", what its parameter groups carry."""
+    if not isinstance(state_dict, Mapping):
+        return None
+    ours = state_dict.get("hf_mixedprec")
+    if ours is not None:
+        return dict(ours)
+    groups = state_dict.get("param_groups") or []
+    if groups and "storage_master" in groups[0]:
+        return {"master": groups[0]["storage_master"], "state_dtype": groups[0]["storage_states"]}
+    return None
 
 
 class _Run(NamedTuple):
