@@ -8,6 +8,13 @@ are discarded. The table gives the median step and its ratio to torch's ``AdamW(
 (Trainer's ``adamw_torch_fused``), and the operations of one step that launch a kernel (aten operations seen by a
 ``TorchDispatchMode``, views not counted): what a GPU would launch.
 
+``--low-bit`` adds torchao's 8-bit AdamW over BF16 weights two ways, each handed a zero skip flag as a BF16 run's
+scale-1 guard hands it every step: torchao's own class, which ``GradScaler.step`` steps after reading the flag on the
+host (``found_inf.item()``), and hf_mixedprec's (``storage/lowbit.py``), which takes it inside ``step()`` and keeps a
+copy of each parameter's weight and states to select from. On a CPU the host read costs nothing, so the ratio of
+the two is the price of the device-side skip alone; its gain, a step without a sync, only shows on a GPU. Their
+operations are not counted (torchao's compiled update refuses to run under the counting mode).
+
 ``--legacy FILE`` adds a row for another ``StorageAdamW`` implementation loaded from a file (for instance the
 per-parameter one of an earlier commit: ``git show REV:hf_mixedprec/storage/optim.py > /tmp/old_optim.py``).
 
@@ -28,7 +35,9 @@ from typing import Any
 import bench_harness as bh
 import torch
 
+from hf_mixedprec.core._private import found_inf_handed_to
 from hf_mixedprec.storage import StorageAdamW
+from hf_mixedprec.storage.lowbit import low_bit_class
 
 #: name -> (parameter dtype, StorageAdamW keyword arguments); None: torch's fused AdamW (the reference).
 VARIANTS: dict[str, tuple[torch.dtype, dict[str, Any] | None]] = {
@@ -42,26 +51,60 @@ VARIANTS: dict[str, tuple[torch.dtype, dict[str, Any] | None]] = {
 }
 
 
-def kernel_ops(opt: torch.optim.Optimizer) -> int:
-    """Kernel-launching aten operations of one ``opt.step()``."""
+#: --low-bit: name -> whether hf_mixedprec's class (flag inside step()) or torchao's (flag read on the host)
+LOW_BIT = {"torchao AdamW8bit, flag read on the host": False, "AdamW8bit, flag on the device (hf_mixedprec)": True}
+
+
+def kernel_ops(opt: torch.optim.Optimizer) -> int | None:
+    """Kernel-launching aten operations of one ``opt.step()`` (None for torchao's compiled update)."""
+    if type(opt).__module__.startswith("torchao") or type(opt).__name__ == "AdamW8bit":
+        return None
     with bh.OpCounter(views=False) as count:
         opt.step()
     return count.n
+
+
+def stepper(name: str, opt: torch.optim.Optimizer) -> Any:
+    """What one timed step calls: ``opt.step``, or for the --low-bit rows the step as a scale-1 guard makes it."""
+    if name not in LOW_BIT:
+        return opt.step
+    flag = torch.zeros(())
+    if LOW_BIT[name]:
+
+        def on_device() -> None:
+            with found_inf_handed_to(opt, flag):
+                opt.step()
+
+        return on_device
+
+    def on_host() -> None:  # torch/amp/grad_scaler.py _maybe_opt_step
+        if not flag.item():
+            opt.step()
+
+    return on_host
 
 
 def build(name: str, n: int, rows: int, cols: int, legacy: type | None) -> tuple[list[torch.Tensor], Any]:
     dtype, kwargs = VARIANTS.get(name, (torch.bfloat16, {"master": "bf16_remainder"}))
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(rows, cols, generator=gen).to(dtype)) for _ in range(n)]
+    if name in LOW_BIT:
+        import torchao.optim as ao
+
+        cls = low_bit_class("8bit") if LOW_BIT[name] else ao.AdamW8bit
+        return params, cls(params, lr=1e-4, weight_decay=0.01)
     if kwargs is None:
         return params, torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
     cls = legacy if name.startswith("legacy") else StorageAdamW
     return params, cls(params, lr=1e-4, weight_decay=0.01, **kwargs)
 
 
-def measure(n: int, rows: int, cols: int, repeats: int, warmup: int, legacy: type | None) -> list[dict[str, Any]]:
-    names = list(VARIANTS) + ([f"legacy {legacy.__module__}"] if legacy else [])
+def measure(
+    n: int, rows: int, cols: int, repeats: int, warmup: int, legacy: type | None, low_bit: bool = False
+) -> list[dict[str, Any]]:
+    names = list(VARIANTS) + ([f"legacy {legacy.__module__}"] if legacy else []) + (list(LOW_BIT) if low_bit else [])
     runs = {name: build(name, n, rows, cols, legacy) for name in names}
+    steps = {name: stepper(name, opt) for name, (_, opt) in runs.items()}
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(rows, cols, generator=gen) * 1e-2 for _ in range(n)]
     for params, _ in runs.values():
@@ -71,9 +114,8 @@ def measure(n: int, rows: int, cols: int, repeats: int, warmup: int, legacy: typ
     for r in range(warmup + repeats):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
-            opt = runs[name][1]
             start = time.perf_counter()
-            opt.step()
+            steps[name]()
             took = time.perf_counter() - start
             if r >= warmup:
                 times[name].append(took)
@@ -112,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="steps discarded first")
     parser.add_argument("--legacy", metavar="FILE", help="a file defining another StorageAdamW, timed beside")
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument(
+        "--low-bit", action="store_true", help="add torchao's AdamW8bit: its own class and hf_mixedprec's (see above)"
+    )
     args = parser.parse_args(argv)
     try:
         counts = [int(c) for c in args.params.split(",")]
@@ -127,11 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     print("| parameters | variant | ms/step | x fused AdamW | kernel ops/step |")
     print("| ---: | --- | ---: | ---: | ---: |")
     for n in counts:
-        for row in measure(n, args.rows, args.cols, args.repeats, args.warmup, legacy):
+        for row in measure(n, args.rows, args.cols, args.repeats, args.warmup, legacy, args.low_bit):
             rows.append(row)
             print(
                 f"| {n} | {row['variant']} | {row['ms_per_step']:.2f} | {row['x_fused_adamw']:.3f} | "
-                f"{row['kernel_ops_per_step']} |",
+                f"{'-' if row['kernel_ops_per_step'] is None else row['kernel_ops_per_step']} |",
                 flush=True,
             )
     if args.out:

@@ -3,6 +3,8 @@ rounding), in what dtype optimizer states are kept, and the optimizer that does 
 
 - :mod:`~hf_mixedprec.storage.bits`: the bit-level math (remainder split/combine, stochastic rounding, Kahan);
 - :mod:`~hf_mixedprec.storage.optim`: :class:`StorageAdamW`, AdamW over those stores;
+- :mod:`~hf_mixedprec.storage.lowbit`: torchao's low-bit AdamW (8-bit, 4-bit, FP8 states), skipping flagged steps on
+  the device;
 - :mod:`~hf_mixedprec.storage.setup`: putting a precision plan's storage into effect on a model and optimizer;
 - :mod:`~hf_mixedprec.storage.convert`: a checkpoint's weights and optimizer state converted for another master.
 

@@ -18,6 +18,7 @@ from hf_mixedprec.core.errors import StorageRefusal
 from hf_mixedprec.core.formats import FORMATS
 from hf_mixedprec.recipes.storage_config import LOW_BIT_STATES, StorageConfig
 from hf_mixedprec.storage.bits import kahan_store, split_remainder
+from hf_mixedprec.storage.lowbit import low_bit_class
 from hf_mixedprec.storage.optim import StorageAdamW, pending_state
 
 __all__ = [
@@ -142,7 +143,8 @@ def matches_storage(storage: StorageConfig, optimizer: Any) -> bool:
     if storage.is_default:
         return True
     cls, kwargs = optimizer_class(storage)
-    if type(optimizer) is not cls:
+    # torchao's own low-bit class keeps the same storage (it only skips flagged steps on the host)
+    if type(optimizer) not in (cls, getattr(cls, "torchao_class", cls)):
         return False
     if isinstance(optimizer, StorageAdamW):
         return optimizer.master == kwargs["master"] and optimizer.state_dtype == kwargs["state_dtype"]
@@ -154,12 +156,11 @@ def optimizer_class(storage: StorageConfig, **hparams: Any) -> tuple[type[torch.
     weight_decay, plus the storage's own)."""
     if storage.optimizer_states in LOW_BIT_STATES:
         try:
-            import torchao.optim as ao
+            cls = low_bit_class(storage.optimizer_states)  # torchao's, skipping flagged steps on the device
         except ImportError as exc:  # pragma: no cover - torchao is a dependency of the test extra
             raise StorageRefusal(
                 f"storage.optimizer_states {storage.optimizer_states} needs torchao (pip install torchao)"
             ) from exc
-        cls = {"8bit": ao.AdamW8bit, "4bit": ao.AdamW4bit, "fp8": ao.AdamWFp8}[storage.optimizer_states]
         return cls, {**hparams, "bf16_stochastic_round": storage.master == "bf16_stochastic"}
     state_dtype = torch.bfloat16 if storage.optimizer_states == "bf16" else torch.float32
     return StorageAdamW, {**hparams, "master": storage.master, "state_dtype": state_dtype, "seed": storage.seed or 0}
