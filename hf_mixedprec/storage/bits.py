@@ -16,6 +16,8 @@ device (no host read).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 __all__ = [
@@ -36,25 +38,38 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), nan, x.view(torch.int32))
 
 
+def _halves(bits: torch.Tensor) -> torch.Tensor:
+    """The int16 halves of contiguous int32 ``bits``, shape ``(*bits.shape, 2)``: ``[..., 0]`` the low half read as a
+    signed int16, ``[..., 1]`` the high half (a view: torch's devices are little-endian, low half first)."""
+    if sys.byteorder != "little":  # pragma: no cover - every platform torch supports is little-endian
+        raise RuntimeError("hf_mixedprec's BF16 remainder layout assumes a little-endian host")
+    return bits.view(torch.int16).view(*bits.shape, 2)
+
+
 def split_remainder(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bf16, remainder)`` of a float32 tensor: ``bf16`` is ``x`` rounded to nearest (ties away from zero),
     ``remainder`` (int16) the signed difference of the bit patterns, so :func:`combine_remainder` gives ``x`` back
     bit for bit (infinities and signed zeros included; a NaN comes back as the quiet NaN, and its BF16 weight is a
-    NaN, so the forward pass and the health detectors see it). Int32 arithmetic only: for a finite value
-    ``bits - remainder`` is the rounded pattern with a zero low half, which cannot overflow."""
+    NaN, so the forward pass and the health detectors see it).
+
+    In int16, on the pattern's halves: the remainder is the low half read as a signed int16, and the rounded upper
+    half, ``(bits - remainder) >> 16``, is the high half plus the carry a negative remainder brings (its ``>> 15`` is
+    -1). For a finite value that cannot overflow (a finite float's high half is below the infinities')."""
     if x.dtype != torch.float32:
         raise TypeError(f"split_remainder needs float32 (got {x.dtype})")
-    bits = _bits(x)
-    low = bits & 0xFFFF
-    rem = low - ((low & 0x8000) << 1)  # the low half read as a signed int16, in [-32768, 32767]
-    upper = (bits - rem) >> 16  # arithmetic shift: the rounded upper half with its sign, in [-32768, 32767]
-    return upper.to(torch.int16).view(torch.bfloat16), rem.to(torch.int16)
+    halves = _halves(_bits(x))
+    rem = halves[..., 0].contiguous()  # two plain copies, then contiguous arithmetic: faster than strided
+    upper = halves[..., 1].contiguous()
+    upper -= rem >> 15
+    return upper.view(torch.bfloat16), rem
 
 
 def combine_remainder(upper: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """The float32 tensor :func:`split_remainder` split into ``upper`` (bf16) and ``remainder`` (int16)."""
-    # upper * 2**16 is in [-2**31, 2**31 - 2**16] and adding the remainder gives back the original int32 pattern
-    return (upper.view(torch.int16).to(torch.int32) * 65536 + remainder.to(torch.int32)).view(torch.float32)
+    """The float32 tensor :func:`split_remainder` split into ``upper`` (bf16) and ``remainder`` (int16): the
+    pattern's high half is the weight's less the borrow of a negative remainder, its low half the remainder's 16
+    bits (``upper * 2**16 + remainder`` in int32, done on the halves)."""
+    high = upper.view(torch.int16) + (remainder >> 15)
+    return torch.stack((remainder, high), dim=-1).view(torch.float32).squeeze(-1)
 
 
 def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -62,6 +62,29 @@ def test_remainder_gives_back_every_fp32_bit_and_a_nearest_bf16_weight():
     assert bool((low[off] == 0x8000).all()) and int(off.sum()) < 20
 
 
+def test_the_int16_split_is_the_int32_formula_on_every_kind_of_pattern():
+    """The split works on the int16 halves of each pattern; it must give what the defining int32 arithmetic gives
+    (``rem`` = the low half read signed, ``upper`` = ``(bits - rem) >> 16``) on 4M random patterns and every
+    pattern whose halves sit at the borrow and carry edges (NaN patterns aside: they become the quiet NaN)."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 22,), generator=gen, dtype=torch.int64).to(torch.int32)
+    highs = torch.tensor([0, 1, 0x7F7F, 0x7F80, 0x8000, 0x8001, 0xFF7F, 0xFF80], dtype=torch.int64)
+    lows = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64)
+    edges = ((highs[:, None] << 16) | lows[None, :]).reshape(-1)
+    bits = torch.cat([bits, (edges - ((edges >> 31) << 32)).to(torch.int32)])
+    x = bits.view(torch.float32)
+    x = x[~torch.isnan(x)]
+    b = x.view(torch.int32)
+    low = b & 0xFFFF
+    rem = low - ((low & 0x8000) << 1)
+    upper = (b - rem) >> 16
+    got_upper, got_rem = split_remainder(x)
+    assert torch.equal(got_rem, rem.to(torch.int16))
+    assert torch.equal(got_upper.view(torch.int16), upper.to(torch.int16))
+    back = (upper * 65536 + rem).view(torch.float32)
+    assert torch.equal(combine_remainder(got_upper, got_rem).view(torch.int32), back.view(torch.int32))
+
+
 def test_a_nan_master_is_a_nan_weight():
     """CUDA's canonical NaN (0x7FFFFFFF), x86's (0xFFC00000) and a low-half-only payload: the BF16 weight the forward
     reads is NaN (never a zero or an inf that would hide it from the detectors), and NaN comes back."""
