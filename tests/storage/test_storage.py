@@ -113,10 +113,10 @@ def test_stochastic_rounding_is_unbiased_and_repeats_with_its_generator():
 # -- StorageAdamW --------------------------------------------------------------------------------------------------
 
 
-def _twins(master: str, steps: int, lr: float = 1e-5, state_dtype=torch.float32):
+def _twins(master: str, steps: int, lr: float = 1e-5, state_dtype=torch.float32, shape=(64, 48)):
     """An FP32-master StorageAdamW and one keeping ``master`` for the same BF16 start, fed the same BF16 gradients."""
     torch.manual_seed(0)
-    w0 = torch.randn(64, 48)
+    w0 = torch.randn(*shape)
     if master != "bf16_remainder":  # the others start from the BF16 weight itself
         w0 = w0.to(torch.bfloat16).float()
     ref = torch.nn.Parameter(w0.clone())
@@ -127,7 +127,7 @@ def _twins(master: str, steps: int, lr: float = 1e-5, state_dtype=torch.float32)
     o_ref = StorageAdamW([ref], lr=lr, weight_decay=0.01)
     o_low = StorageAdamW([low], lr=lr, weight_decay=0.01, master=master, state_dtype=state_dtype, seed=1)
     for _ in range(steps):
-        g = (torch.randn(64, 48) * 1e-2).to(torch.bfloat16)
+        g = (torch.randn(*shape) * 1e-2).to(torch.bfloat16)
         low.grad = g
         ref.grad = g.float()
         o_ref.step()
@@ -277,8 +277,10 @@ def test_chunk_elements_is_checked():
 def test_bf16_masters_track_the_fp32_master_and_none_stalls(master):
     """Same BF16 start and gradients at lr 1e-5, where an update is a fraction of a BF16 ulp: Kahan follows the FP32
     master element by element, stochastic rounding on average (its movement along the FP32 master's is ~1), plain
-    BF16 (none) loses most of it."""
-    ref, low, opt, w0 = _twins(master, 200)
+    BF16 (none) loses most of it. 256 x 192 elements: the stochastic gain is a mean over them, and over seeds 0-11 of
+    the rounding it spread 0.91-1.07 (std ~0.045; 0.72-1.23 with the 64 x 48 it had, where the bound held by the
+    seed's luck)."""
+    ref, low, opt, w0 = _twins(master, 200, shape=(256, 192))
     state = opt.state[low]
     got = low.data.float() + (state["compensation"].float() if "compensation" in state else 0)
     want = ref.data - w0
