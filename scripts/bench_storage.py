@@ -66,13 +66,17 @@ def recipe_for(name: str, storage: dict[str, Any]) -> Any:
     return resolve_recipe({"name": f"cpu-bf16-storage-{slug}", "extends": "cpu-bf16", "storage": storage})
 
 
-def build_model(seed: int = 0) -> torch.nn.Module:
+def build_model(seed: int = 0, layers: int | None = None) -> torch.nn.Module:
+    """The default model; with ``layers``, that many decoder layers (9 parameter tensors each, 3 besides)."""
     from transformers import LlamaForCausalLM
 
     from hf_mixedprec.core.demo import default_model_config
 
     bh.seed_all(seed)
-    return LlamaForCausalLM(default_model_config())
+    cfg = default_model_config()
+    if layers is not None:
+        cfg.num_hidden_layers = layers
+    return LlamaForCausalLM(cfg)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -133,7 +137,8 @@ def recipe_trainer(
         seed=0,
         dataloader_num_workers=0,
     )
-    return Trainer(model=build_model(), args=args, train_dataset=data, callbacks=[*callbacks, *recipe.callbacks()])
+    model = build_model(layers=getattr(opts, "layers", None))  # bench_modules.py passes its own options
+    return Trainer(model=model, args=args, train_dataset=data, callbacks=[*callbacks, *recipe.callbacks()])
 
 
 def lockstep_round(order: list[str], opts: argparse.Namespace, data: Any) -> dict[str, Any]:
@@ -250,6 +255,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=8, help="blocks per step (default 8, as finetune)")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per block (default 128, as finetune)")
     ap.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default 1e-5)")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="decoder layers of the model (default: the default model's 4, 39 parameter tensors; 12 gives 111)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, see bench_overhead.py)")
     ap.add_argument("--cpu", type=int, default=-1, help="pin to this CPU (default -1: the last allowed; -2: no pin)")
     ap.add_argument("--low-bit", action="store_true", help="add torchao's 8bit, 4bit and fp8 optimizer states")
@@ -262,12 +273,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     known = {**CHOICES, **LOW_BIT}
     names = [opts.one_rss] if opts.one_rss else opts.only or [*CHOICES, *(LOW_BIT if opts.low_bit else {})]
     bad = [n for n in names if n not in known]
+    if opts.layers is not None and opts.layers < 1:
+        ap.error(f"--layers {opts.layers}: at least 1")
     if bad or opts.steps < 2 or opts.rounds < 1 or opts.warmup < 0:
         ap.error(f"unknown choice {bad} (allowed: {', '.join(known)})" if bad else "--steps >= 2, --rounds >= 1")
     opts.choices = {n: known[n] for n in names}
     opts.passthrough = [
         *("--steps", str(opts.steps), "--warmup", str(opts.warmup), "--batch-size", str(opts.batch_size)),
         *("--seq-len", str(opts.seq_len), "--lr", str(opts.lr), "--threads", str(opts.threads), "--cpu", str(opts.cpu)),
+        *(["--layers", str(opts.layers)] if opts.layers is not None else []),
         *(["--low-bit"] if opts.low_bit else []),
     ]
     return opts

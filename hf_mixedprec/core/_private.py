@@ -113,6 +113,18 @@ def fused_adamw_(
     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, maximize=False, **hyper)
 
 
+def no_recompile_limit() -> Any:
+    # torch/_dynamo/utils.py: lifts dynamo's recompile limit for a block, as torchao's low-bit AdamW step does around
+    # its per-parameter compiled update (one compile per parameter shape and dtype, a fixed number per model)
+    return torch._dynamo.utils.disable_cache_limit()
+
+
+def torchao_new_state(optimizer: Any, p: torch.Tensor, signed: bool) -> torch.Tensor:
+    # torchao/optim/adam.py ``_AdamBase._new_buffer``: the low-bit (or FP32, for small tensors) moment torchao's own
+    # step makes on a parameter's first step
+    return optimizer._new_buffer(p, signed)
+
+
 def has_scaled_mm() -> bool:
     """Whether this torch has its FP8 GEMM."""
     return hasattr(torch, "_scaled_mm")
@@ -561,6 +573,8 @@ PRIVATES: tuple[Private, ...] = (
     Private("torch:_foreach_sub_", "torch 2.13", "StorageAdamW's step counters back on a skipped step"),
     Private("torch:_fused_adamw_", "torch 2.13", "StorageAdamW's update (AdamW(fused=True)'s kernel)"),
     Private("torch:_scaled_mm", "torch 2.13", "the FP8 GEMM of fp8.backend native"),
+    Private("torch._dynamo.utils:disable_cache_limit", "torch 2.13", "torchao's update compiled per parameter"),
+    Private("torchao.optim.adam:_AdamBase._new_buffer", "torchao 0.18", "a low-bit moment made as torchao makes it"),
     Private("torch._subclasses.fake_tensor:FakeTensorMode", "torch 2.13", "estimate's data-free training step"),
     Private(
         "torch._subclasses.fake_tensor:FakeTensor", "torch 2.13", "the FP8 experts' grouped GEMM on estimate's tensors"

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from hf_mixedprec.core._private import no_recompile_limit, torchao_new_state
+
 __all__ = ["LOW_BIT_CLASSES", "low_bit_class"]
 
 
@@ -67,7 +69,9 @@ class _SkipsOnDevice:
             with torch.enable_grad():
                 loss = closure()
         update = torch.compile(single_param_adam, fullgraph=True, dynamic=False)  # as torchao's step compiles it
-        with torch._dynamo.utils.disable_cache_limit():
+        # the skip flag as a bool on each device the parameters are on (GradScaler hands the sum of all devices' flags)
+        flags: dict[torch.device, torch.Tensor] = {}
+        with no_recompile_limit():
             for group in self.param_groups:
                 if not isinstance(group["lr"], torch.Tensor):
                     raise RuntimeError(
@@ -80,9 +84,12 @@ class _SkipsOnDevice:
                     if p.grad.is_sparse:
                         raise RuntimeError("Sparse gradient is not supported")
                     state = self._state_of(p, group)
-                    local = _parts(p)[0]
-                    # GradScaler hands the sum of every device's flag; where() wants a bool on this one
-                    flag = None if found is None else found.to(local.device) > 0
+                    device = _parts(p)[0].device
+                    flag = None
+                    if found is not None:
+                        if device not in flags:
+                            flags[device] = found.to(device) > 0
+                        flag = flags[device]
                     held = [p, *(state[k] for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in state)]
                     tensors = [part for t in held for part in _parts(t)]
                     kept = [t.clone() for t in tensors] if flag is not None else []
@@ -114,10 +121,10 @@ class _SkipsOnDevice:
         takes it back there, without a host read; torchao keeps it on the host)."""
         state = self.state[p]
         if not state:
-            state["exp_avg"] = self._new_buffer(p, True)
-            state["exp_avg_sq"] = self._new_buffer(p, False)
+            state["exp_avg"] = torchao_new_state(self, p, True)
+            state["exp_avg_sq"] = torchao_new_state(self, p, False)
             if group["amsgrad"]:
-                state["max_exp_avg_sq"] = self._new_buffer(p, False)
+                state["max_exp_avg_sq"] = torchao_new_state(self, p, False)
         device = _parts(p)[0].device
         step = state.get("step")
         if step is None or step.device != device:  # a first step, or a state loaded on the host: once
