@@ -30,8 +30,12 @@ def _state_parts(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -
     return [part.clone() for p in params for key in sorted(opt.state[p]) for part in _parts(opt.state[p][key])]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("states", ["8bit", "4bit", "fp8"])
+@pytest.mark.parametrize(
+    ("states", "dtype"),
+    # each state class once and each weight dtype twice (every case compiles torchao's update afresh)
+    [("8bit", torch.float32), ("8bit", torch.bfloat16), ("4bit", torch.bfloat16), ("fp8", torch.float32)],
+    ids=["8bit-fp32", "8bit-bf16", "4bit-bf16", "fp8-fp32"],
+)
 def test_unflagged_steps_are_torchaos_and_a_flagged_one_changes_nothing(states, dtype):
     """The same weights and gradients through torchao's class and ours: torchao steps at steps 1, 2 and 4, ours
     at 1-4 with step 3 flagged (an inf in its gradient). Ours leaves every weight, state tensor (codes, scales) and
