@@ -12,6 +12,14 @@ FP8 path is aimed at what costs most.
     python scripts/profile_fp8_step.py --out runs/profile            # one CUDA GPU (H100/H200), ~2 minutes
     python scripts/profile_fp8_step.py --cpu-smoke --out /tmp/prof    # tiny shapes on any machine: checks the script
 
+``--memory`` (CUDA) also records the caching allocator's history over the profiled steps of each variant and writes
+it to ``<out>/memory-<variant>.pickle`` (open it at https://pytorch.org/memory_viz), with each variant's peak
+allocated GiB over those steps in the table: the GPU kit measured hf_mixedprec's torchao row 6.3 GiB above
+Accelerate's own torchao path at Llama-3-8B shapes, and this is how to see which tensors make the difference:
+
+    python scripts/profile_fp8_step.py --memory --out runs/memory \
+        --variants accel-fp8-hf_mixedprec-compile accel-fp8-ao-compile fp8-torchao-tensorwise bf16-compile
+
 ``--cpu-smoke`` runs the test suite's tiny Llama on the CPU (torchao emulated, compilation skipped): its numbers
 are no measurement. Exit status 0, 1 when a variant failed, 2 for a mistake in the input (or no GPU without
 ``--cpu-smoke``).
@@ -50,8 +58,10 @@ class _Profiled:
     """Stands in for ``bench_gpu_variants.timed``: the warm-up steps as they are, then the timed steps under
     ``torch.profiler``; the profile of the last variant run is kept in :attr:`events`."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory_to: Path | None = None) -> None:
         self.events: Any = None
+        self.memory_to = memory_to  # --memory: where the allocator history of the variant run next goes (CUDA)
+        self.peak_gib: float | None = None
 
     def __call__(self, ctx: variants.Ctx, step: Any) -> list[float]:
         for i in range(ctx.warmup):
@@ -60,10 +70,22 @@ class _Profiled:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if ctx.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
-            for i in range(ctx.steps):
-                step(ctx.batches[(ctx.warmup + i) % len(ctx.batches)])
-                ctx.sync()
+        recording = self.memory_to is not None and ctx.cuda
+        if recording:
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        try:
+            with torch.profiler.profile(activities=activities) as prof:
+                for i in range(ctx.steps):
+                    step(ctx.batches[(ctx.warmup + i) % len(ctx.batches)])
+                    ctx.sync()
+            if recording:
+                assert self.memory_to is not None
+                self.peak_gib = torch.cuda.max_memory_allocated(ctx.device) / 2**30
+                torch.cuda.memory._dump_snapshot(str(self.memory_to))
+        finally:
+            if recording:
+                torch.cuda.memory._record_memory_history(enabled=None)
         self.events = prof.key_averages()
         return []
 
@@ -96,16 +118,21 @@ def top_ops(events: Any, steps: int, top: int, cuda: bool) -> dict[str, Any]:
     }
 
 
-def profile(names: list[str], ctx: variants.Ctx, top: int) -> list[dict[str, Any]]:
+def profile(names: list[str], ctx: variants.Ctx, top: int, memory_dir: Path | None = None) -> list[dict[str, Any]]:
     hook = _Profiled()
     variants.timed = hook  # the runners look it up at call time
     out = []
     for name in names:
         row: dict[str, Any] = {"key": name, "variant": variants.VARIANTS[name], "notes": []}
-        hook.events = None
+        hook.events, hook.peak_gib = None, None
+        hook.memory_to = None if memory_dir is None else memory_dir / f"memory-{name}.pickle"
+        if memory_dir is not None and not ctx.cuda:
+            row["notes"].append("--memory: no allocator history off CUDA")
         try:
             variants.RUNNERS[name](ctx, row)
             row.update(status="ok", **top_ops(hook.events, ctx.steps, top, ctx.cuda))
+            if hook.peak_gib is not None:
+                row.update(peak_gib=hook.peak_gib, memory_snapshot=str(hook.memory_to))
         except bh.Skip as exc:
             row.update(status="skipped", reason=str(exc))
         except Exception as exc:  # a failed variant is a row, the others still run
@@ -123,7 +150,8 @@ def render(doc: dict[str, Any]) -> str:
         if row["status"] != "ok":
             parts += [f"{row['status']}: {row.get('reason', '')}", ""]
             continue
-        parts.append(f"{row['ms_per_step']:.2f} ms of {row['time']} time per step; the top operations:")
+        peak = f"; peak {row['peak_gib']:.2f} GiB allocated ({row['memory_snapshot']})" if "peak_gib" in row else ""
+        parts.append(f"{row['ms_per_step']:.2f} ms of {row['time']} time per step{peak}; the top operations:")
         parts.append("")
         cells = [
             [f"`{r['name'][:90]}`", f"{r['calls_per_step']:g}", f"{r['ms_per_step']:.3f}", f"{100 * r['share']:.1f}%"]
@@ -142,7 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=15, help="operations listed per variant")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU: checks the script only")
     ap.add_argument("--out", help="folder for profile.json and profile.md")
+    ap.add_argument(
+        "--memory", action="store_true", help="also the allocator history and peak of each variant (CUDA; needs --out)"
+    )
     o = ap.parse_args(argv)
+    if o.memory and not o.out:
+        ap.error("--memory writes a snapshot per variant: give --out FOLDER")
     for flag in ("layers", "warmup", "steps", "top"):
         if getattr(o, flag) < (0 if flag == "warmup" else 1):
             ap.error(f"--{flag} {getattr(o, flag)} (allowed: >= {0 if flag == 'warmup' else 1})")
@@ -153,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     batch, seq = (2, 64) if o.cpu_smoke else (4, 2048)
     from hf_mixedprec.core.demo import builtin_text, byte_batches
 
+    if o.out:
+        Path(o.out).mkdir(parents=True, exist_ok=True)
     data = byte_batches(builtin_text(), seq_len=seq, batch_size=batch, n_batches=min(o.warmup + o.steps, 8))
     data = [d.remainder(config["vocab_size"]).to(device) for d in data]
     ctx = variants.Ctx(device, o.cpu_smoke, config, data, o.warmup, o.steps)
@@ -164,11 +199,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{'tiny Llama (--cpu-smoke)' if o.cpu_smoke else 'Llama-3-8B layer shapes'}, "
             f"{config['num_hidden_layers']} layers, batch {batch} x {seq}, {o.steps} profiled steps after {o.warmup}"
         ),
-        "variants": profile(o.variants, ctx, o.top),
+        "variants": profile(o.variants, ctx, o.top, Path(o.out) if o.memory else None),
     }
     text = render(doc)
     if o.out:
-        Path(o.out).mkdir(parents=True, exist_ok=True)
         bh.write_json(Path(o.out) / "profile.json", doc)
         (Path(o.out) / "profile.md").write_text(text + "\n")
     print(text)

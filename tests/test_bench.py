@@ -244,7 +244,7 @@ def test_profile_fp8_step_cpu_smoke(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench_gpu_variants, "timed", bench_gpu_variants.timed)  # the script swaps it; put it back
     monkeypatch.setattr(bench_harness, "quiet", lambda *a, **k: None)  # it would silence our logger in this worker
-    args = ["--cpu-smoke", "--warmup", "1", "--steps", "2", "--top", "1000", "--out", str(tmp_path)]
+    args = ["--cpu-smoke", "--warmup", "1", "--steps", "2", "--top", "1000", "--out", str(tmp_path), "--memory"]
     assert profile_fp8_step.main(args) == 0
     doc = json.loads((tmp_path / "profile.json").read_text())
     rows = {r["key"]: r for r in doc["variants"]}
@@ -252,6 +252,7 @@ def test_profile_fp8_step_cpu_smoke(tmp_path, monkeypatch):
     linears = 7 * bench_gpu_variants.TINY["num_hidden_layers"]  # q, k, v, o, gate, up, down per layer
     for key, row in rows.items():
         assert row["status"] == "ok", (key, row.get("reason"))
+        assert "peak_gib" not in row and "--memory: no allocator history off CUDA" in row["notes"]
         ms = [r["ms_per_step"] for r in row["top"]]
         assert ms == sorted(ms, reverse=True) and ms[0] > 0
         assert math.isclose(sum(r["share"] for r in row["top"]), 1.0, rel_tol=1e-6)
@@ -264,4 +265,7 @@ def test_profile_fp8_step_cpu_smoke(tmp_path, monkeypatch):
     assert "### fp8 native delayed" in md and "| operation | calls/step | ms/step | share |" in md
     with pytest.raises(SystemExit) as bad:
         profile_fp8_step.main(["--cpu-smoke", "--steps", "0"])
+    assert bad.value.code == 2
+    with pytest.raises(SystemExit) as bad:
+        profile_fp8_step.main(["--cpu-smoke", "--memory"])  # a snapshot per variant needs a folder
     assert bad.value.code == 2
