@@ -14,7 +14,8 @@ FP8 path is aimed at what costs most.
 
 ``--memory`` (CUDA) also records the caching allocator's history over the profiled steps of each variant and writes
 it to ``<out>/memory-<variant>.pickle`` (open it at https://pytorch.org/memory_viz), with each variant's peak
-allocated GiB over those steps in the table: the GPU kit measured hf_mixedprec's torchao row 6.3 GiB above
+allocated GiB over those steps in the table (recording stack traces slows the profiled steps: read their times
+from a run without ``--memory``): the GPU kit measured hf_mixedprec's torchao row 6.3 GiB above
 Accelerate's own torchao path at Llama-3-8B shapes, and this is how to see which tensors make the difference:
 
     python scripts/profile_fp8_step.py --memory --out runs/memory \
@@ -70,22 +71,17 @@ class _Profiled:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if ctx.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        recording = self.memory_to is not None and ctx.cuda
+        recording = self.memory_to is not None and ctx.cuda  # the history runs since before the model was built
         if recording:
-            torch.cuda.reset_peak_memory_stats(ctx.device)
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
-        try:
-            with torch.profiler.profile(activities=activities) as prof:
-                for i in range(ctx.steps):
-                    step(ctx.batches[(ctx.warmup + i) % len(ctx.batches)])
-                    ctx.sync()
-            if recording:
-                assert self.memory_to is not None
-                self.peak_gib = torch.cuda.max_memory_allocated(ctx.device) / 2**30
-                torch.cuda.memory._dump_snapshot(str(self.memory_to))
-        finally:
-            if recording:
-                torch.cuda.memory._record_memory_history(enabled=None)
+            torch.cuda.reset_peak_memory_stats(ctx.device)  # the peak of the profiled steps, not of compilation
+        with torch.profiler.profile(activities=activities) as prof:
+            for i in range(ctx.steps):
+                step(ctx.batches[(ctx.warmup + i) % len(ctx.batches)])
+                ctx.sync()
+        if recording:
+            assert self.memory_to is not None
+            self.peak_gib = torch.cuda.max_memory_allocated(ctx.device) / 2**30
+            torch.cuda.memory._dump_snapshot(str(self.memory_to))
         self.events = prof.key_averages()
         return []
 
@@ -128,6 +124,9 @@ def profile(names: list[str], ctx: variants.Ctx, top: int, memory_dir: Path | No
         hook.memory_to = None if memory_dir is None else memory_dir / f"memory-{name}.pickle"
         if memory_dir is not None and not ctx.cuda:
             row["notes"].append("--memory: no allocator history off CUDA")
+        recording = hook.memory_to is not None and ctx.cuda
+        if recording:  # from before the runner builds the model: weights and optimizer states get their stacks too
+            torch.cuda.memory._record_memory_history(max_entries=500_000)
         try:
             variants.RUNNERS[name](ctx, row)
             row.update(status="ok", **top_ops(hook.events, ctx.steps, top, ctx.cuda))
@@ -137,6 +136,9 @@ def profile(names: list[str], ctx: variants.Ctx, top: int, memory_dir: Path | No
             row.update(status="skipped", reason=str(exc))
         except Exception as exc:  # a failed variant is a row, the others still run
             row.update(status="error", reason=repr(exc)[:400])
+        finally:
+            if recording:
+                torch.cuda.memory._record_memory_history(enabled=None)
         print(f"  {name}: {row['status']}", file=sys.stderr)
         out.append(row)
         bh.release_memory(ctx.device)

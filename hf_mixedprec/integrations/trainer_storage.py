@@ -110,7 +110,9 @@ def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late
         name = getattr(cls, "__name__", "?")
         own_cls, own = optimizer_class(storage)
         keys = ("master", "state_dtype", "bf16_stochastic_round")
-        if cls is own_cls and all(kwargs.get(k) == own[k] for k in keys if k in own):  # said, not defaulted
+        # ours, or torchao's own low-bit class (accepted as it is: it keeps GradScaler's host check of the skip flag)
+        same = cls in (own_cls, getattr(own_cls, "torchao_class", own_cls))
+        if same and all(kwargs.get(k) == own[k] for k in keys if k in own):  # said, not defaulted
             return
         raise StorageRefusal(
             f"{what} needs {wanted}, but Trainer(optimizer_cls_and_kwargs=({name}, ...)) chooses another or other "

@@ -39,11 +39,12 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def _halves(bits: torch.Tensor) -> torch.Tensor:
-    """The int16 halves of contiguous int32 ``bits``, shape ``(*bits.shape, 2)``: ``[..., 0]`` the low half read as a
-    signed int16, ``[..., 1]`` the high half (a view: torch's devices are little-endian, low half first)."""
+    """The int16 halves of int32 ``bits`` (any shape and layout, 0-dim included), shape ``(*bits.shape, 2)``:
+    ``[..., 0]`` the low half read as a signed int16, ``[..., 1]`` the high half (torch's devices are little-endian,
+    low half first)."""
     if sys.byteorder != "little":  # pragma: no cover - every platform torch supports is little-endian
         raise RuntimeError("hf_mixedprec's BF16 remainder layout assumes a little-endian host")
-    return bits.view(torch.int16).view(*bits.shape, 2)
+    return bits.contiguous().unsqueeze(-1).view(torch.int16)
 
 
 def split_remainder(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,8 +9,14 @@ inside ``step()``. Each parameter is updated by torchao's own per-parameter func
 as torchao compiles it), on its gradient with a flagged step's values replaced by zeros (so no NaN reaches the
 states); where the step is flagged, the weight and its states are then put back from a copy of that one
 parameter's taken before its update (``torch.where`` on the device), and the step count is not advanced. An
-unflagged step is torchao's step bit for bit; a flagged one changes nothing. Without a flag (no scaler) ``step()`` is
-torchao's own.
+unflagged step is torchao's step; a flagged one changes no weight and no state. Without a flag (no scaler)
+``step()`` is torchao's own.
+
+Two differences from torchao's own class: the step count lives on the parameter's device (torchao keeps it on the
+host; a checkpoint's is moved at the first step run with a flag), so on a GPU the bias corrections are computed there,
+as torch's capturable AdamW computes them, which may differ from torchao's in the last bit; and with
+``bf16_stochastic_round`` a flagged step still draws its random numbers from torch's generator (undoing that would
+need the flag on the host), so the rounding of later steps draws other numbers than a run without that step.
 """
 
 from __future__ import annotations
@@ -26,13 +32,14 @@ __all__ = ["LOW_BIT_CLASSES", "low_bit_class"]
 
 
 def _parts(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors holding ``t``'s values: a DTensor's local shard, a tensor subclass's inner tensors (torchao's
-    ``OptimState8bit``: codes, scale, qmap), else ``t``."""
+    """The plain tensors holding ``t``'s values that an update writes: a DTensor's local shard, a tensor subclass's
+    inner tensors (torchao's ``OptimState8bit``: codes and scale; its ``qmap``, the constant code book, left out),
+    else ``t``."""
     if isinstance(t, DTensor):
         t = t._local_tensor
     if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
-        return [part for name in names for part in _parts(getattr(t, name))]
+        return [part for name in names if name != "qmap" for part in _parts(getattr(t, name))]
     return [t]
 
 
@@ -40,8 +47,10 @@ def _without_flagged(grad: torch.Tensor, flag: torch.Tensor | None, scale: torch
     """The gradient the update takes: divided by the loss scale (when the scaler did not unscale it), zeros where
     the step is flagged. A new tensor: the parameter's own gradient is left as it is."""
     local = grad._local_tensor if isinstance(grad, DTensor) else grad
-    if scale is not None:
-        local = local / scale.to(local.device)
+    if (
+        scale is not None
+    ):  # in FP32, as torch's fused AdamW unscales (torchao's update takes the FP32 values as they are)
+        local = local.float() / scale.to(local.device, torch.float32)
     if flag is not None:
         local = torch.where(flag, torch.zeros((), dtype=local.dtype, device=local.device), local)
     if isinstance(grad, DTensor):
@@ -61,7 +70,10 @@ class _SkipsOnDevice:
         found: torch.Tensor | None = getattr(self, "found_inf", None)
         scale: torch.Tensor | None = getattr(self, "grad_scale", None)
         if found is None and scale is None:
-            return super().step(closure)  # type: ignore[misc]
+            # torchao's own step without the step-hook wrapper torch puts on every optimizer class it builds
+            # (torch/optim/optimizer.py, _patch_step_function): this class's wrapper has run the hooks already
+            own = self.torchao_class.step
+            return (own.__wrapped__ if getattr(own, "hooked", False) else own)(self, closure)
         from torchao.optim.adam import single_param_adam
 
         loss = None

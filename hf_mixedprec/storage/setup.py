@@ -195,7 +195,8 @@ def replaceable(storage: StorageConfig, optimizer: torch.optim.Optimizer) -> dic
     """The AdamW hyperparameters :func:`replace_optimizer` builds the storage optimizer with (None: ``optimizer``
     stays as it is); refuses, before anything changes, an optimizer that cannot be replaced."""
     check_optimizer_family(storage, type(optimizer), "the optimizer passed to prepare()")
-    if storage.is_default or isinstance(optimizer, StorageAdamW) or type(optimizer).__module__.startswith("torchao."):
+    low_bit = type(optimizer).__module__.startswith("torchao.") or hasattr(type(optimizer), "torchao_class")
+    if storage.is_default or isinstance(optimizer, StorageAdamW) or low_bit:  # ours, or torchao's own, as it is
         return None
     if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
         raise StorageRefusal(

@@ -27,23 +27,31 @@ def _kernels_reading(code: str, buffer: str) -> int:
 
 def _compiled_step_code(scaling: str, device: str, m: int, k: int, n: int) -> tuple[str, str, torch.Tensor]:
     """Inductor's generated code (forward, backward) for one step of a compiled native FP8 Linear [k -> n] on a BF16
-    input [m, k] under BF16 autocast on ``device``, and the layer's output."""
+    input [m, k] under BF16 autocast on ``device``, and the layer's output. Only the layer is compiled and the
+    backward is fed a BF16 output gradient from outside, so the backward graph's [m, n] input is that gradient
+    itself (not a sum inductor would make of a loss's tangents first)."""
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(0)
     layer = NativeFP8Linear(torch.nn.Linear(k, n, bias=False), EmulationSpec(scaling=scaling)).to(device).train()
     x = torch.randn(m, k, dtype=torch.bfloat16, device=device, requires_grad=True)
+    gy = torch.randn(m, n, dtype=torch.bfloat16, device=device)
 
-    def step(x: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device, dtype=torch.bfloat16):
-            y = layer(x)
-        y.float().sum().backward()
+            return layer(x)
+
+    compiled = torch.compile(forward)
+
+    def step() -> torch.Tensor:
+        y = compiled(x)
+        y.backward(gy)
         return y
 
     torch._dynamo.reset()
-    y, (forward, backward) = run_and_get_code(torch.compile(step), x)
+    y, (forward_code, backward_code) = run_and_get_code(step)
     assert x.grad is not None and layer.weight.grad is not None
-    return forward, backward, y
+    return forward_code, backward_code, y
 
 
 def _buffer_of_shape(code: str, shape: tuple[int, int]) -> str:

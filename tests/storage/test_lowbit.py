@@ -13,8 +13,8 @@ import torchao.optim as ao
 import hf_mixedprec
 from hf_mixedprec.core._private import found_inf_handed_to
 from hf_mixedprec.recipes.storage_config import StorageConfig
-from hf_mixedprec.storage.lowbit import _parts, low_bit_class
-from hf_mixedprec.storage.setup import matches_storage, optimizer_class
+from hf_mixedprec.storage.lowbit import _parts, _without_flagged, low_bit_class
+from hf_mixedprec.storage.setup import matches_storage, optimizer_class, replace_optimizer
 from hf_mixedprec.training.runtime import MixedPrecisionRuntime
 
 TORCHAO = {"8bit": ao.AdamW8bit, "4bit": ao.AdamW4bit, "fp8": ao.AdamWFp8}
@@ -80,6 +80,46 @@ def test_a_loss_scale_handed_to_the_step_divides_the_gradient():
         opt.grad_scale = torch.tensor(1024.0)  # as GradScaler.step sets it for an AMP-aware optimizer
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(theirs, ours))
+
+
+def test_the_loss_scale_is_divided_out_in_fp32():
+    """Where the scaler did not unscale, the update takes the gradient divided by the scale in FP32, as torch's fused
+    AdamW divides it: a BF16 gradient divided in BF16 would be rounded once more."""
+    g = torch.randn(64, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    scale = torch.tensor(3.0)
+    got = _without_flagged(g, None, scale)
+    assert got.dtype == torch.float32 and torch.equal(got, g.float() / 3.0)
+    assert not torch.equal(got, (g / scale).float())  # the BF16 division rounds: this test can tell them apart
+    flagged = _without_flagged(g, torch.tensor(True), scale)
+    assert torch.equal(flagged, torch.zeros_like(got))
+
+
+@pytest.mark.parametrize("flag", [None, 0.0], ids=["no-flag", "flag"])
+def test_step_hooks_run_once(flag):
+    """torch wraps each optimizer class's step with the step hooks once a first instance is built; ours calls
+    torchao's step without its wrapper, so a hook runs once per step even after torchao's own class was built."""
+    ao.AdamW8bit(_params(torch.float32), lr=1e-2)  # torchao's class now carries the wrapper too
+    params = _params(torch.float32)
+    opt = low_bit_class("8bit")(params, lr=1e-2)
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    opt.register_step_post_hook(lambda *a: calls.append("post"))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    if flag is None:
+        opt.step()
+    else:
+        with found_inf_handed_to(opt, torch.tensor(flag)):
+            opt.step()
+    assert calls == ["pre", "post"]
+
+
+def test_an_own_loop_keeps_the_low_bit_optimizer_it_was_handed():
+    """``prepare()`` in an own Accelerate loop hands over the optimizer built with ``storage_optimizer``: ours is kept
+    as it is, and so is torchao's own class."""
+    storage = StorageConfig(master="fp32", optimizer_states="8bit")
+    for opt in (low_bit_class("8bit")(_params(torch.float32), lr=1e-3), ao.AdamW8bit(_params(torch.float32), lr=1e-3)):
+        assert replace_optimizer(storage, opt) is opt
 
 
 @contextlib.contextmanager

@@ -83,6 +83,12 @@ def test_the_int16_split_is_the_int32_formula_on_every_kind_of_pattern():
     assert torch.equal(got_upper.view(torch.int16), upper.to(torch.int16))
     back = (upper * 65536 + rem).view(torch.float32)
     assert torch.equal(combine_remainder(got_upper, got_rem).view(torch.int32), back.view(torch.int32))
+    # any shape and layout: a scalar parameter, a transposed or channels-last weight
+    grid = x[: 6 * 8 * 4 * 3].reshape(6, 8, 4, 3)
+    for t in (x[7].clone(), grid[0, 0].t(), grid.permute(0, 2, 3, 1), grid.to(memory_format=torch.channels_last)):
+        u, r = split_remainder(t)
+        assert u.shape == t.shape and r.shape == t.shape
+        assert torch.equal(combine_remainder(u, r).view(torch.int32), t.contiguous().view(torch.int32))
 
 
 def test_a_nan_master_is_a_nan_weight():
@@ -802,6 +808,35 @@ def test_an_optimizer_the_user_built_must_keep_the_recipes_storage(bf16_dir, tmp
     tr = Trainer(model=model, args=args, train_dataset=data, optimizers=(right, None), callbacks=recipe.callbacks())
     tr.train()
     assert tr.optimizer.optimizer is right and "remainder" in next(iter(right.state.values()))
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_low_bit_class_named_in_optimizer_cls_and_kwargs_is_taken(tmp_path):
+    """``optimizer_cls_and_kwargs`` naming the low-bit class the recipe needs is kept: hf_mixedprec's, or torchao's
+    own (it keeps GradScaler's host check of the skip flag); another low-bit class is refused."""
+    import torchao.optim as ao
+
+    from hf_mixedprec.storage.lowbit import low_bit_class
+
+    recipe = _recipe(master="fp32", optimizer_states="8bit")
+    args = recipe.training_args(output_dir=str(tmp_path), max_steps=1, report_to=[], disable_tqdm=True)
+    for cls in (low_bit_class("8bit"), ao.AdamW8bit):
+        tr = Trainer(
+            model=tiny_llama(0),
+            args=args,
+            train_dataset=Bytes(n=8, seq_len=32),
+            optimizer_cls_and_kwargs=(cls, {"lr": 1e-4, "bf16_stochastic_round": False}),
+            callbacks=recipe.callbacks(),
+        )
+        assert tr.optimizer_cls_and_kwargs[0] is cls
+    with pytest.raises(StorageRefusal, match="optimizer_cls_and_kwargs"):
+        Trainer(
+            model=tiny_llama(0),
+            args=args,
+            train_dataset=Bytes(n=8, seq_len=32),
+            optimizer_cls_and_kwargs=(ao.AdamW4bit, {"lr": 1e-4, "bf16_stochastic_round": False}),
+            callbacks=recipe.callbacks(),
+        )
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
