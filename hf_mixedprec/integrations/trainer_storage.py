@@ -89,6 +89,7 @@ def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late
     low-bit AdamW) with the hyperparameters of the AdamW it would have built (``Trainer.get_optimizer_cls_and_kwargs``);
     an optimizer the user chose, or one already built, is refused with the fix."""
     from hf_mixedprec.storage import StorageRefusal, trainer_optimizer
+    from hf_mixedprec.storage.lowbit import keeps_class
     from hf_mixedprec.storage.setup import matches_storage, optimizer_class
 
     storage = rt.recipe.storage
@@ -111,8 +112,7 @@ def _install_storage_optimizer(trainer: Trainer, rt: MixedPrecisionRuntime, late
         own_cls, own = optimizer_class(storage)
         keys = ("master", "state_dtype", "bf16_stochastic_round")
         # ours, or torchao's own low-bit class (accepted as it is: it keeps GradScaler's host check of the skip flag)
-        same = cls in (own_cls, getattr(own_cls, "torchao_class", own_cls))
-        if same and all(kwargs.get(k) == own[k] for k in keys if k in own):  # said, not defaulted
+        if keeps_class(cls, own_cls) and all(kwargs.get(k) == own[k] for k in keys if k in own):  # said, not defaulted
             return
         raise StorageRefusal(
             f"{what} needs {wanted}, but Trainer(optimizer_cls_and_kwargs=({name}, ...)) chooses another or other "

@@ -27,16 +27,16 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hf_mixedprec.core._private import no_recompile_limit, torchao_new_state
+from hf_mixedprec.storage.optim import _local
 
-__all__ = ["LOW_BIT_CLASSES", "low_bit_class"]
+__all__ = ["LOW_BIT_CLASSES", "keeps_class", "low_bit_class"]
 
 
 def _parts(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors holding ``t``'s values that an update writes: a DTensor's local shard, a tensor subclass's
     inner tensors (torchao's ``OptimState8bit``: codes and scale; its ``qmap``, the constant code book, left out),
     else ``t``."""
-    if isinstance(t, DTensor):
-        t = t._local_tensor
+    t = _local(t)
     if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
         return [part for name in names if name != "qmap" for part in _parts(getattr(t, name))]
@@ -46,10 +46,9 @@ def _parts(t: torch.Tensor) -> list[torch.Tensor]:
 def _without_flagged(grad: torch.Tensor, flag: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
     """The gradient the update takes: divided by the loss scale (when the scaler did not unscale it), zeros where
     the step is flagged. A new tensor: the parameter's own gradient is left as it is."""
-    local = grad._local_tensor if isinstance(grad, DTensor) else grad
-    if (
-        scale is not None
-    ):  # in FP32, as torch's fused AdamW unscales (torchao's update takes the FP32 values as they are)
+    local = _local(grad)
+    # unscaled in FP32, as torch's fused AdamW unscales (torchao's update takes the FP32 values as they are)
+    if scale is not None:
         local = local.float() / scale.to(local.device, torch.float32)
     if flag is not None:
         local = torch.where(flag, torch.zeros((), dtype=local.dtype, device=local.device), local)
@@ -95,8 +94,8 @@ class _SkipsOnDevice:
                         continue
                     if p.grad.is_sparse:
                         raise RuntimeError("Sparse gradient is not supported")
-                    state = self._state_of(p, group)
-                    device = _parts(p)[0].device
+                    device = _local(p).device
+                    state = self._state_of(p, group, device)
                     flag = None
                     if found is not None:
                         if device not in flags:
@@ -128,16 +127,15 @@ class _SkipsOnDevice:
                         step.sub_(flag.to(step.dtype))
         return loss
 
-    def _state_of(self: Any, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        """``p``'s state, made as torchao makes it on a first step, its step count on ``p``'s device (a flagged step
-        takes it back there, without a host read; torchao keeps it on the host)."""
+    def _state_of(self: Any, p: torch.Tensor, group: dict[str, Any], device: torch.device) -> dict[str, Any]:
+        """``p``'s state, made as torchao makes it on a first step, its step count on ``p``'s ``device`` (a flagged
+        step takes it back there, without a host read; torchao keeps it on the host)."""
         state = self.state[p]
         if not state:
             state["exp_avg"] = torchao_new_state(self, p, True)
             state["exp_avg_sq"] = torchao_new_state(self, p, False)
             if group["amsgrad"]:
                 state["max_exp_avg_sq"] = torchao_new_state(self, p, False)
-        device = _parts(p)[0].device
         step = state.get("step")
         if step is None or step.device != device:  # a first step, or a state loaded on the host: once
             state["step"] = torch.zeros((), device=device) if step is None else step.to(device, torch.float32)
@@ -159,6 +157,12 @@ def _make(base: type) -> type:
 
 
 LOW_BIT_CLASSES: dict[str, type[torch.optim.Optimizer]] = {}
+
+
+def keeps_class(cls: Any, wanted: type) -> bool:
+    """Whether an optimizer of class ``cls`` is what a storage that needs ``wanted`` asks for: ``wanted`` itself, or
+    for one of the classes here torchao's own (the same storage; it skips flagged steps with a host read)."""
+    return cls is wanted or cls is getattr(wanted, "torchao_class", None)
 
 
 def low_bit_class(states: str) -> type[torch.optim.Optimizer]:

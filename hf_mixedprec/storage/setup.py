@@ -18,7 +18,7 @@ from hf_mixedprec.core.errors import StorageRefusal
 from hf_mixedprec.core.formats import FORMATS
 from hf_mixedprec.recipes.storage_config import LOW_BIT_STATES, StorageConfig
 from hf_mixedprec.storage.bits import kahan_store, split_remainder
-from hf_mixedprec.storage.lowbit import low_bit_class
+from hf_mixedprec.storage.lowbit import keeps_class, low_bit_class
 from hf_mixedprec.storage.optim import StorageAdamW, pending_state
 
 __all__ = [
@@ -143,8 +143,7 @@ def matches_storage(storage: StorageConfig, optimizer: Any) -> bool:
     if storage.is_default:
         return True
     cls, kwargs = optimizer_class(storage)
-    # torchao's own low-bit class keeps the same storage (it only skips flagged steps on the host)
-    if type(optimizer) not in (cls, getattr(cls, "torchao_class", cls)):
+    if not keeps_class(type(optimizer), cls):
         return False
     if isinstance(optimizer, StorageAdamW):
         return optimizer.master == kwargs["master"] and optimizer.state_dtype == kwargs["state_dtype"]
