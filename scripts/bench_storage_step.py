@@ -57,7 +57,7 @@ LOW_BIT = {"torchao AdamW8bit, flag read on the host": False, "AdamW8bit, flag o
 
 def kernel_ops(opt: torch.optim.Optimizer) -> int | None:
     """Kernel-launching aten operations of one ``opt.step()`` (None for torchao's compiled update)."""
-    if type(opt).__module__.startswith("torchao") or type(opt).__name__ == "AdamW8bit":
+    if type(opt).__module__.startswith("torchao") or hasattr(type(opt), "torchao_class"):
         return None
     with bh.OpCounter(views=False) as count:
         opt.step()
