@@ -32,8 +32,22 @@ __all__ = [
 _NAN_BITS = 0x7FC00000
 
 
+def _nan_free_on_host(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a CPU tensor known to hold no NaN: its sum, read on the host, is a NaN if any element is one
+    (or if infinities of both signs cancel: the caller then takes its NaN-safe path too). The sum reads the tensor
+    once, where the NaN mask and select of :func:`_bits` read and write it twice more (over half of a remainder
+    split on a CPU). False without a read elsewhere: on a GPU the read would be a sync, and fake or traced tensors
+    have no values."""
+    if x.device.type != "cpu" or type(x) is not torch.Tensor or torch.compiler.is_compiling():
+        return False
+    return not torch.isnan(x.sum())
+
+
 def _bits(x: torch.Tensor) -> torch.Tensor:
-    """The int32 bit pattern of a float32 tensor, NaNs made the quiet NaN (the shifts below then never overflow)."""
+    """The int32 bit pattern of a float32 tensor, NaNs made the quiet NaN (the shifts below then never overflow):
+    ``x``'s own memory where it holds no NaN on a CPU (:func:`_nan_free_on_host`), a new tensor otherwise."""
+    if _nan_free_on_host(x):
+        return x.view(torch.int32)
     nan = torch.full((), _NAN_BITS, dtype=torch.int32, device=x.device)
     return torch.where(torch.isnan(x), nan, x.view(torch.int32))
 
@@ -59,8 +73,10 @@ def split_remainder(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dtype != torch.float32:
         raise TypeError(f"split_remainder needs float32 (got {x.dtype})")
     halves = _halves(_bits(x))
-    rem = halves[..., 0].contiguous()  # two plain copies, then contiguous arithmetic: faster than strided
-    upper = halves[..., 1].contiguous()
+    # two plain copies, then contiguous arithmetic (faster than strided); copies even where a half is contiguous
+    # already (one element): ``halves`` may be ``x``'s own memory, which the carry below must not write
+    rem = halves[..., 0].clone(memory_format=torch.contiguous_format)
+    upper = halves[..., 1].clone(memory_format=torch.contiguous_format)
     upper -= rem >> 15
     return upper.view(torch.bfloat16), rem
 

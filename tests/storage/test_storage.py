@@ -15,6 +15,7 @@ from hf_mixedprec.precision.plan import build_plan
 from hf_mixedprec.storage import (
     StorageAdamW,
     StorageRefusal,
+    bits,
     combine_remainder,
     split_remainder,
     stochastic_round_bf16,
@@ -98,6 +99,49 @@ def test_a_nan_master_is_a_nan_weight():
     upper, rem = split_remainder(nans)
     assert torch.isnan(upper).all() and torch.isnan(combine_remainder(upper, rem)).all()
     assert torch.isnan(stochastic_round_bf16(nans, torch.Generator().manual_seed(0))).all()
+
+
+def test_the_cpu_fast_path_splits_and_rounds_as_the_nan_safe_one(monkeypatch):
+    """On a CPU a run with no NaN is split and stochastically rounded from its own memory (no NaN select): the same
+    bits as the NaN-safe path, for every kind of pattern and layout, the tensor left as it was (a one-element
+    tensor's halves are views of it); a run with a NaN, or infinities that cancel in the probe's sum, takes the
+    safe path."""
+    gen = torch.Generator().manual_seed(1)
+    pats = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int64).to(torch.int32)
+    x = pats.view(torch.float32)
+    x = x[x.abs() < 1e30]  # every sign, zeros and subnormals; no sum of them overflows
+    grid = x[: 5 * 7 * 4 * 3].reshape(5, 7, 4, 3)
+    inf = torch.tensor([1.0, float("inf"), -0.0])
+    both = torch.tensor([1.0, float("inf"), -float("inf")])
+    cases = [x, x[9].clone(), x[:1].clone(), grid[0, 0].t(), grid.permute(0, 2, 3, 1), inf, both]
+    fast = [bits._nan_free_on_host(t) for t in cases]
+    assert fast == [True] * 6 + [False]
+    assert not bits._nan_free_on_host(torch.tensor([0.0, float("nan")]))
+    for t in cases:
+        before = t.clone()
+        got = [*split_remainder(t), stochastic_round_bf16(t, torch.Generator().manual_seed(5))]
+        assert torch.equal(t.view(torch.int32), before.view(torch.int32))  # read, never written
+        with monkeypatch.context() as m:
+            m.setattr(bits, "_nan_free_on_host", lambda _: False)
+            want = [*split_remainder(t), stochastic_round_bf16(t, torch.Generator().manual_seed(5))]
+        for a, b in zip(got, want):
+            assert a.shape == t.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_the_nan_probe_reads_only_cpu_tensors(monkeypatch):
+    """The probe is a host read: it runs on real CPU tensors only, never on a device tensor (a sync on a GPU; meta
+    stands in here), a fake one (``estimate``) or under ``torch.compile``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    reads = []
+    real = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: reads.append(self.device) or real(self))
+    assert not bits._nan_free_on_host(torch.ones(4, device="meta"))
+    with FakeTensorMode() as mode:
+        assert not bits._nan_free_on_host(mode.from_tensor(torch.ones(4)))
+    assert torch.compile(bits._nan_free_on_host, backend="eager", fullgraph=True)(torch.ones(4)) is False
+    assert reads == []
+    assert bits._nan_free_on_host(torch.ones(4)) and reads == [torch.device("cpu")]
 
 
 def test_stochastic_rounding_is_unbiased_and_repeats_with_its_generator():
@@ -713,6 +757,9 @@ def test_storage_steps_read_nothing_on_the_host_between_logs(tmp_path, monkeypat
     from tests.training.test_health import _run, _StepTracker, _SyncCounter
 
     recipe = health_recipe(f"{{storage: {{master: {master}, optimizer_states: bf16}}}}", base="cpu-bf16")
+    # on a CPU the split asks the host whether a run holds a NaN (a read that is no sync there); on a GPU it never
+    # asks (test_the_nan_probe_reads_only_cpu_tensors): this holds the path a GPU takes to its promise
+    monkeypatch.setattr(bits, "_nan_free_on_host", lambda x: False)
     counter = _SyncCounter(monkeypatch)
     tr = _run(recipe, tmp_path, steps=6, callbacks=[_StepTracker(counter)], logging_steps=3)
     assert type(tr.optimizer.optimizer) is StorageAdamW
