@@ -15,11 +15,15 @@ copy of each parameter's weight and states to select from. On a CPU the host rea
 the two is the price of the device-side skip alone; its gain, a step without a sync, only shows on a GPU. Their
 operations are not counted (torchao's compiled update refuses to run under the counting mode).
 
+``--device cuda`` runs every variant on the GPU (the step timed between two ``torch.cuda.synchronize()``, so the
+kernels it queued are counted), where each operation is a kernel launch: what "kernel ops/step" predicts there.
+
 ``--legacy FILE`` adds a row for another ``StorageAdamW`` implementation loaded from a file (for instance the
 per-parameter one of an earlier commit: ``git show REV:hf_mixedprec/storage/optim.py > /tmp/old_optim.py``).
 
     python scripts/bench_storage_step.py                               # 10, 100, 1000 parameters of 256 x 256
     python scripts/bench_storage_step.py --params 100 --repeats 50 --out step.json
+    python scripts/bench_storage_step.py --device cuda --params 100,1000 --low-bit   # on a GPU
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ VARIANTS: dict[str, tuple[torch.dtype, dict[str, Any] | None]] = {
 }
 
 
+CPU = torch.device("cpu")
+
 #: --low-bit: name -> whether hf_mixedprec's class (flag inside step()) or torchao's (flag read on the host)
 LOW_BIT = {"torchao AdamW8bit, flag read on the host": False, "AdamW8bit, flag on the device (hf_mixedprec)": True}
 
@@ -64,11 +70,11 @@ def kernel_ops(opt: torch.optim.Optimizer) -> int | None:
     return count.n
 
 
-def stepper(name: str, opt: torch.optim.Optimizer) -> Any:
+def stepper(name: str, opt: torch.optim.Optimizer, device: torch.device = CPU) -> Any:
     """What one timed step calls: ``opt.step``, or for the --low-bit rows the step as a scale-1 guard makes it."""
     if name not in LOW_BIT:
         return opt.step
-    flag = torch.zeros(())
+    flag = torch.zeros((), device=device)
     if LOW_BIT[name]:
 
         def on_device() -> None:
@@ -84,10 +90,12 @@ def stepper(name: str, opt: torch.optim.Optimizer) -> Any:
     return on_host
 
 
-def build(name: str, n: int, rows: int, cols: int, legacy: type | None) -> tuple[list[torch.Tensor], Any]:
+def build(
+    name: str, n: int, rows: int, cols: int, legacy: type | None, device: torch.device = CPU
+) -> tuple[list[torch.Tensor], Any]:
     dtype, kwargs = VARIANTS.get(name, (torch.bfloat16, {"master": "bf16_remainder"}))
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(rows, cols, generator=gen).to(dtype)) for _ in range(n)]
+    params = [torch.nn.Parameter(torch.randn(rows, cols, generator=gen).to(device, dtype)) for _ in range(n)]
     if name in LOW_BIT:
         import torchao.optim as ao
 
@@ -100,11 +108,19 @@ def build(name: str, n: int, rows: int, cols: int, legacy: type | None) -> tuple
 
 
 def measure(
-    n: int, rows: int, cols: int, repeats: int, warmup: int, legacy: type | None, low_bit: bool = False
+    n: int,
+    rows: int,
+    cols: int,
+    repeats: int,
+    warmup: int,
+    legacy: type | None,
+    low_bit: bool = False,
+    device: torch.device = CPU,
 ) -> list[dict[str, Any]]:
     names = list(VARIANTS) + ([f"legacy {legacy.__module__}"] if legacy else []) + (list(LOW_BIT) if low_bit else [])
-    runs = {name: build(name, n, rows, cols, legacy) for name in names}
-    steps = {name: stepper(name, opt) for name, (_, opt) in runs.items()}
+    runs = {name: build(name, n, rows, cols, legacy, device) for name in names}
+    steps = {name: stepper(name, opt, device) for name, (_, opt) in runs.items()}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(rows, cols, generator=gen) * 1e-2 for _ in range(n)]
     for params, _ in runs.values():
@@ -114,8 +130,10 @@ def measure(
     for r in range(warmup + repeats):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
+            sync()
             start = time.perf_counter()
             steps[name]()
+            sync()
             took = time.perf_counter() - start
             if r >= warmup:
                 times[name].append(took)
@@ -127,6 +145,7 @@ def measure(
             {
                 "parameters": n,
                 "elements": n * rows * cols,
+                "device": str(device),
                 "variant": name,
                 "ms_per_step": med * 1e3,
                 "x_fused_adamw": med / ref,
@@ -154,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="steps discarded first")
     parser.add_argument("--legacy", metavar="FILE", help="a file defining another StorageAdamW, timed beside")
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda / cuda:N: where the parameters live")
     parser.add_argument(
         "--low-bit", action="store_true", help="add torchao's AdamW8bit: its own class and hf_mixedprec's (see above)"
     )
@@ -162,9 +182,18 @@ def main(argv: list[str] | None = None) -> int:
         counts = [int(c) for c in args.params.split(",")]
     except ValueError:
         parser.error(f"--params {args.params!r}: comma-separated integers (e.g. 10,100,1000)")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r}: not a device (allowed: cpu, cuda, cuda:N)")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device!r}: allowed: cpu, cuda, cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device!r}: this machine has no CUDA device (allowed here: cpu)")
     legacy = load_legacy(args.legacy) if args.legacy else None
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(
-        f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"torch {torch.__version__}, {where}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
         f"{torch.get_num_threads()} threads",
         file=sys.stderr,
     )
@@ -172,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| parameters | variant | ms/step | x fused AdamW | kernel ops/step |")
     print("| ---: | --- | ---: | ---: | ---: |")
     for n in counts:
-        for row in measure(n, args.rows, args.cols, args.repeats, args.warmup, legacy, args.low_bit):
+        for row in measure(n, args.rows, args.cols, args.repeats, args.warmup, legacy, args.low_bit, device):
             rows.append(row)
             print(
                 f"| {n} | {row['variant']} | {row['ms_per_step']:.2f} | {row['x_fused_adamw']:.3f} | "

@@ -1045,6 +1045,26 @@ def test_the_step_benchmark_counts_what_the_step_launches(monkeypatch):
     assert large["bf16_remainder"]["kernel_ops_per_step"] > large["none"]["kernel_ops_per_step"]
 
 
+def test_the_step_benchmark_refuses_a_device_it_cannot_use(monkeypatch, capsys):
+    """``--device`` names the flag, the value and what is allowed, exit 2 (argparse), before anything is built."""
+    import pathlib
+    import sys
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
+    sys.modules.pop("bench_storage_step", None)
+    import bench_storage_step as bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for value, says in (("cuda", "this machine has no CUDA device"), ("meta", "allowed: cpu, cuda, cuda:N"),
+                        ("gpu0", "not a device")):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(["--device", value, "--params", "1"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"--device {value!r}" in err and says in err, err
+    (row,) = [r for r in bench.measure(2, 4, 4, repeats=1, warmup=0, legacy=None) if r["variant"] == "none"]
+    assert row["device"] == "cpu"
+
+
 def test_a_flag_summed_over_two_devices_still_skips_the_step():
     """GradScaler hands the sum of every device's found-inf flag (2 with gradients on two GPUs); torch's fused kernel
     skips on exactly 1, so the flag is made 0/1 first: nothing moves and the step count stays."""
