@@ -107,6 +107,12 @@ def build(
     return params, cls(params, lr=1e-4, weight_decay=0.01, **kwargs)
 
 
+def attach_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Give each parameter its gradient, on the parameter's device and in its dtype."""
+    for p, g in zip(params, grads):
+        p.grad = g.to(p.device, p.dtype)
+
+
 def measure(
     n: int,
     rows: int,
@@ -120,12 +126,11 @@ def measure(
     names = list(VARIANTS) + ([f"legacy {legacy.__module__}"] if legacy else []) + (list(LOW_BIT) if low_bit else [])
     runs = {name: build(name, n, rows, cols, legacy, device) for name in names}
     steps = {name: stepper(name, opt, device) for name, (_, opt) in runs.items()}
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(rows, cols, generator=gen) * 1e-2 for _ in range(n)]
     for params, _ in runs.values():
-        for p, g in zip(params, grads):
-            p.grad = g.to(p.dtype)
+        attach_grads(params, grads)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(warmup + repeats):
         order = names[r % len(names) :] + names[: r % len(names)]
@@ -190,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--device {args.device!r}: allowed: cpu, cuda, cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device!r}: this machine has no CUDA device (allowed here: cpu)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        parser.error(f"--device {args.device!r}: this machine has {count} CUDA device(s) (allowed: cuda:0-{count - 1})")
     legacy = load_legacy(args.legacy) if args.legacy else None
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(

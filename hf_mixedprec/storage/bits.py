@@ -36,11 +36,14 @@ def _nan_free_on_host(x: torch.Tensor) -> bool:
     """Whether ``x`` is a CPU tensor known to hold no NaN: its sum, read on the host, is a NaN if any element is one
     (or if infinities of both signs cancel: the caller then takes its NaN-safe path too). The sum reads the tensor
     once, where the NaN mask and select of :func:`_bits` read and write it twice more (over half of a remainder
-    split on a CPU). False without a read elsewhere: on a GPU the read would be a sync, and fake or traced tensors
-    have no values."""
+    split on a CPU). False without a read elsewhere: on a GPU the read would be a sync, and fake, traced or
+    vmap-batched tensors have no values."""
     if x.device.type != "cpu" or type(x) is not torch.Tensor or torch.compiler.is_compiling():
         return False
-    return not torch.isnan(x.sum())
+    try:
+        return not torch.isnan(x.sum())
+    except RuntimeError:  # a batched tensor under torch.vmap has no one value to read
+        return False
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

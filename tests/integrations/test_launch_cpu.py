@@ -249,6 +249,25 @@ def test_dry_run_prints_a_command_that_runs(tmp_path):
 # --- DeepSpeed on CPU ---------------------------------------------------------------------------------------------
 
 
+def test_the_deepspeed_launch_tests_ranks_build_no_shared_memory_op(tmp_path):
+    """What ``_cli(..., deepspeed=True)`` puts on the ranks' path: DeepSpeed's CPU accelerator offers no shared-memory
+    op (so none is JIT-built), every other op builder is DeepSpeed's, and a ``sitecustomize`` it shadows still runs."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import os\nos.environ['OTHER_SITECUSTOMIZE'] = 'ran'\n")
+    probe = (
+        "import os\n"
+        "from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator\n"
+        "a = CPU_Accelerator()\n"
+        "print(a.create_op_builder('ShareMemCommBuilder'), a.get_op_builder('CPUAdamBuilder').__name__,\n"
+        "      os.environ.get('OTHER_SITECUSTOMIZE'))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DS_NO_SHM), str(other)])}
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines()[-1].split() == ["None", "CPUAdamBuilder", "ran"], r.stdout  # after DeepSpeed's log
+
+
 @pytest.mark.slow
 def test_zero3_with_two_gloo_ranks_saves_a_loadable_model(tmp_path):
     """`finetune` under `launch` with ZeRO-3: the weights are sharded over 2 ranks, and the saved model.safetensors

@@ -104,8 +104,8 @@ def test_a_nan_master_is_a_nan_weight():
 def test_the_cpu_fast_path_splits_and_rounds_as_the_nan_safe_one(monkeypatch):
     """On a CPU a run with no NaN is split and stochastically rounded from its own memory (no NaN select): the same
     bits as the NaN-safe path, for every kind of pattern and layout, the tensor left as it was (a one-element
-    tensor's halves are views of it); a run with a NaN, or infinities that cancel in the probe's sum, takes the
-    safe path."""
+    tensor's half is contiguous already, so only a copy keeps the carry of a negative remainder out of it); a run
+    with a NaN, or infinities that cancel in the probe's sum, takes the safe path."""
     gen = torch.Generator().manual_seed(1)
     pats = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int64).to(torch.int32)
     x = pats.view(torch.float32)
@@ -113,7 +113,8 @@ def test_the_cpu_fast_path_splits_and_rounds_as_the_nan_safe_one(monkeypatch):
     grid = x[: 5 * 7 * 4 * 3].reshape(5, 7, 4, 3)
     inf = torch.tensor([1.0, float("inf"), -0.0])
     both = torch.tensor([1.0, float("inf"), -float("inf")])
-    cases = [x, x[9].clone(), x[:1].clone(), grid[0, 0].t(), grid.permute(0, 2, 3, 1), inf, both]
+    carry = torch.tensor(0x3F808000, dtype=torch.int32).view(torch.float32)  # a negative remainder: a carry
+    cases = [x, carry.clone(), carry.reshape(1).clone(), grid[0, 0].t(), grid.permute(0, 2, 3, 1), inf, both]
     fast = [bits._nan_free_on_host(t) for t in cases]
     assert fast == [True] * 6 + [False]
     assert not bits._nan_free_on_host(torch.tensor([0.0, float("nan")]))
@@ -141,6 +142,10 @@ def test_the_nan_probe_reads_only_cpu_tensors(monkeypatch):
         assert not bits._nan_free_on_host(mode.from_tensor(torch.ones(4)))
     assert torch.compile(bits._nan_free_on_host, backend="eager", fullgraph=True)(torch.ones(4)) is False
     assert reads == []
+    rows = torch.randn(3, 4)  # under vmap each row is split as on its own (a batched tensor has no value to read)
+    batched = torch.vmap(lambda r: split_remainder(r)[1])(rows)
+    assert torch.equal(batched, torch.stack([split_remainder(r)[1] for r in rows]))
+    reads.clear()
     assert bits._nan_free_on_host(torch.ones(4)) and reads == [torch.device("cpu")]
 
 
@@ -1061,6 +1066,19 @@ def test_the_step_benchmark_refuses_a_device_it_cannot_use(monkeypatch, capsys):
             bench.main(["--device", value, "--params", "1"])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and f"--device {value!r}" in err and says in err, err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--device", "cuda:2", "--params", "1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "has 2 CUDA device(s) (allowed: cuda:0-1)" in err, err
+    # every tensor of a step lives on the device asked for (meta stands in for a GPU: a CPU gradient on a device
+    # parameter is refused by torch)
+    meta = torch.device("meta")
+    for name in ("torch AdamW(fused=True)", "none", "AdamW8bit, flag on the device (hf_mixedprec)"):
+        params, _ = bench.build(name, 2, 4, 4, None, meta)
+        bench.attach_grads(params, [torch.randn(4, 4) for _ in params])
+        assert {p.device for p in params} == {p.grad.device for p in params} == {meta}
     (row,) = [r for r in bench.measure(2, 4, 4, repeats=1, warmup=0, legacy=None) if r["variant"] == "none"]
     assert row["device"] == "cpu"
 
