@@ -23,6 +23,7 @@ per-parameter one of an earlier commit: ``git show REV:hf_mixedprec/storage/opti
 
     python scripts/bench_storage_step.py                               # 10, 100, 1000 parameters of 256 x 256
     python scripts/bench_storage_step.py --params 100 --repeats 50 --out step.json
+    python scripts/bench_storage_step.py --layers 12                  # the 111 tensors of bench_storage.py --layers 12
     python scripts/bench_storage_step.py --device cuda --params 100,1000 --low-bit   # on a GPU
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import statistics
 import sys
 import time
@@ -90,12 +92,26 @@ def stepper(name: str, opt: torch.optim.Optimizer, device: torch.device = CPU) -
     return on_host
 
 
+def model_shapes(layers: int) -> list[tuple[int, ...]]:
+    """The parameter shapes of ``finetune``'s default model with ``layers`` decoder layers (``bench_storage.py
+    --layers``), read from a model built on the meta device (no memory, no values)."""
+    from transformers import LlamaForCausalLM
+
+    from hf_mixedprec.core.demo import default_model_config
+
+    cfg = default_model_config()
+    cfg.num_hidden_layers = layers
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    return [tuple(p.shape) for p in model.parameters()]
+
+
 def build(
-    name: str, n: int, rows: int, cols: int, legacy: type | None, device: torch.device = CPU
+    name: str, shapes: list[tuple[int, ...]], legacy: type | None, device: torch.device = CPU
 ) -> tuple[list[torch.Tensor], Any]:
     dtype, kwargs = VARIANTS.get(name, (torch.bfloat16, {"master": "bf16_remainder"}))
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(rows, cols, generator=gen).to(device, dtype)) for _ in range(n)]
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(device, dtype)) for shape in shapes]
     if name in LOW_BIT:
         import torchao.optim as ao
 
@@ -114,9 +130,7 @@ def attach_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
 
 
 def measure(
-    n: int,
-    rows: int,
-    cols: int,
+    shapes: list[tuple[int, ...]],
     repeats: int,
     warmup: int,
     legacy: type | None,
@@ -124,11 +138,11 @@ def measure(
     device: torch.device = CPU,
 ) -> list[dict[str, Any]]:
     names = list(VARIANTS) + ([f"legacy {legacy.__module__}"] if legacy else []) + (list(LOW_BIT) if low_bit else [])
-    runs = {name: build(name, n, rows, cols, legacy, device) for name in names}
+    runs = {name: build(name, shapes, legacy, device) for name in names}
     steps = {name: stepper(name, opt, device) for name, (_, opt) in runs.items()}
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(1)
-    grads = [torch.randn(rows, cols, generator=gen) * 1e-2 for _ in range(n)]
+    grads = [torch.randn(shape, generator=gen) * 1e-2 for shape in shapes]
     for params, _ in runs.values():
         attach_grads(params, grads)
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -146,17 +160,19 @@ def measure(
     rows_out = []
     for name in names:
         med = statistics.median(times[name])
-        rows_out.append(
-            {
-                "parameters": n,
-                "elements": n * rows * cols,
-                "device": str(device),
-                "variant": name,
-                "ms_per_step": med * 1e3,
-                "x_fused_adamw": med / ref,
-                "kernel_ops_per_step": kernel_ops(runs[name][1]),
-            }
-        )
+        row = {
+            "parameters": len(shapes),
+            "elements": sum(math.prod(shape) for shape in shapes),
+            "device": str(device),
+            "variant": name,
+            "ms_per_step": med * 1e3,
+            "x_fused_adamw": med / ref,
+            "kernel_ops_per_step": kernel_ops(runs[name][1]),
+        }
+        if name.startswith("legacy"):  # the same steps from the same start: are its weights ours, bit for bit?
+            ours, theirs = runs["bf16_remainder"][0], runs[name][0]
+            row["same_weights_as_bf16_remainder"] = all(torch.equal(a, b) for a, b in zip(ours, theirs))
+        rows_out.append(row)
     return rows_out
 
 
@@ -174,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default="10,100,1000", help="parameter counts, comma-separated")
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--cols", type=int, default=256)
+    parser.add_argument(
+        "--layers",
+        type=int,
+        metavar="N",
+        help="instead of --params: the parameter shapes of finetune's default model with N decoder layers (9 tensors "
+        "a layer, 3 besides; bench_storage.py --layers N)",
+    )
     parser.add_argument("--repeats", type=int, default=20, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="steps discarded first")
     parser.add_argument("--legacy", metavar="FILE", help="a file defining another StorageAdamW, timed beside")
@@ -187,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         counts = [int(c) for c in args.params.split(",")]
     except ValueError:
         parser.error(f"--params {args.params!r}: comma-separated integers (e.g. 10,100,1000)")
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers {args.layers}: at least 1")
+    sets = [model_shapes(args.layers)] if args.layers else [[(args.rows, args.cols)] * n for n in counts]
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -208,11 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     print("| parameters | variant | ms/step | x fused AdamW | kernel ops/step |")
     print("| ---: | --- | ---: | ---: | ---: |")
-    for n in counts:
-        for row in measure(n, args.rows, args.cols, args.repeats, args.warmup, legacy, args.low_bit, device):
+    for shapes in sets:
+        for row in measure(shapes, args.repeats, args.warmup, legacy, args.low_bit, device):
             rows.append(row)
+            if "same_weights_as_bf16_remainder" in row:
+                print(f"{row['variant']}: same weights as bf16_remainder: {row['same_weights_as_bf16_remainder']}",
+                      file=sys.stderr)  # fmt: skip
             print(
-                f"| {n} | {row['variant']} | {row['ms_per_step']:.2f} | {row['x_fused_adamw']:.3f} | "
+                f"| {len(shapes)} | {row['variant']} | {row['ms_per_step']:.2f} | {row['x_fused_adamw']:.3f} | "
                 f"{'-' if row['kernel_ops_per_step'] is None else row['kernel_ops_per_step']} |",
                 flush=True,
             )

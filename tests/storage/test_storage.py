@@ -3,6 +3,8 @@ point putting them into effect on a model loaded in BF16 (what transformers 5 do
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import yaml
@@ -1038,7 +1040,7 @@ def test_the_step_benchmark_counts_what_the_step_launches(monkeypatch):
     import bench_storage_step as bench
 
     small, large = (
-        {r["variant"]: r for r in bench.measure(n, 4, 4, repeats=1, warmup=0, legacy=None)} for n in (3, 30)
+        {r["variant"]: r for r in bench.measure([(4, 4)] * n, repeats=1, warmup=0, legacy=None)} for n in (3, 30)
     )
     assert small["torch AdamW(fused=True)"]["x_fused_adamw"] == 1.0
     assert (
@@ -1048,6 +1050,21 @@ def test_the_step_benchmark_counts_what_the_step_launches(monkeypatch):
     for name in bench.VARIANTS:
         assert small[name]["kernel_ops_per_step"] == large[name]["kernel_ops_per_step"], name
     assert large["bf16_remainder"]["kernel_ops_per_step"] > large["none"]["kernel_ops_per_step"]
+    # --layers: bench_storage.py's model's shapes (111 tensors at 12 layers); --legacy: a row that says whether
+    # another implementation ends on the same weights (this one, loaded from its file, must)
+    shapes = bench.model_shapes(12)
+    assert len(shapes) == 111 and sum(math.prod(s) for s in shapes) == 9_902_336
+    same = bench.load_legacy(str(pathlib.Path(bench.__file__).parents[1] / "hf_mixedprec/storage/optim.py"))
+    rows = bench.measure(bench.model_shapes(1)[:5], repeats=2, warmup=0, legacy=same)
+    (legacy,) = [r for r in rows if r["variant"].startswith("legacy")]
+    assert legacy["same_weights_as_bf16_remainder"] is True and legacy["parameters"] == 5
+
+    class OtherLr(StorageAdamW):  # another update: its weights must be told apart
+        def __init__(self, params, **kw):
+            super().__init__(params, **{**kw, "lr": 1e-2})
+
+    rows = bench.measure(bench.model_shapes(1)[:5], repeats=2, warmup=0, legacy=OtherLr)
+    assert [r["same_weights_as_bf16_remainder"] for r in rows if r["variant"].startswith("legacy")] == [False]
 
 
 def test_the_step_benchmark_refuses_a_device_it_cannot_use(monkeypatch, capsys):
@@ -1076,10 +1093,10 @@ def test_the_step_benchmark_refuses_a_device_it_cannot_use(monkeypatch, capsys):
     # parameter is refused by torch)
     meta = torch.device("meta")
     for name in ("torch AdamW(fused=True)", "none", "AdamW8bit, flag on the device (hf_mixedprec)"):
-        params, _ = bench.build(name, 2, 4, 4, None, meta)
-        bench.attach_grads(params, [torch.randn(4, 4) for _ in params])
+        params, _ = bench.build(name, [(4, 4), (3,)], None, meta)
+        bench.attach_grads(params, [torch.randn(4, 4), torch.randn(3)])
         assert {p.device for p in params} == {p.grad.device for p in params} == {meta}
-    (row,) = [r for r in bench.measure(2, 4, 4, repeats=1, warmup=0, legacy=None) if r["variant"] == "none"]
+    (row,) = [r for r in bench.measure([(4, 4)] * 2, repeats=1, warmup=0, legacy=None) if r["variant"] == "none"]
     assert row["device"] == "cpu"
 
 
