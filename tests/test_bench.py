@@ -269,3 +269,32 @@ def test_profile_fp8_step_cpu_smoke(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as bad:
         profile_fp8_step.main(["--cpu-smoke", "--memory"])  # a snapshot per variant needs a folder
     assert bad.value.code == 2
+
+
+def test_the_single_pass_adamw_probe_tells_which_second_moment_torch_computes(tmp_path, monkeypatch):
+    """``scripts/probe_single_pass_adamw.py`` on a few thousand elements: the first moment, a fused multiply-add in
+    torch's source, comes out bit for bit; of the two ways of writing the second moment exactly one is torch's on
+    this machine (which one depends on how torch was compiled); the speed row compares the single pass with torch's
+    fused AdamW and says whether inductor vectorised it."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    sys.modules.pop("probe_single_pass_adamw", None)
+    import probe_single_pass_adamw as probe
+
+    out = tmp_path / "probe.json"
+    args = ["--elements", "4096", "--speed-elements", "4096", "--repeats", "1", "--json", "--out", str(out)]
+    assert probe.main(args) == 0
+    doc = json.loads(out.read_text())
+    rows = doc["exactness"]
+    assert len(rows) == 2 * len(probe.SETTINGS)
+    assert all(r["fraction_differing"]["exp_avg"] == 0.0 for r in rows)
+    for i in range(len(probe.SETTINGS)):
+        written, fused = rows[2 * i], rows[2 * i + 1]
+        assert (written["exp_avg_sq_as"], fused["exp_avg_sq_as"]) == ("written", "fused multiply-add")
+        exact = [r["fraction_differing"]["exp_avg_sq"] == 0.0 for r in (written, fused)]
+        assert exact.count(True) == 1, rows
+    speed = doc["speed"]
+    assert speed["elements"] == 4096 and speed["single_pass_ms"] > 0 and speed["fused_adamw_fp32_ms"] > 0
+    assert isinstance(speed["vectorised"], bool)
+    with pytest.raises(SystemExit) as exit_:
+        probe.main(["--elements", "8"])
+    assert exit_.value.code == 2
