@@ -16,9 +16,10 @@ bits differ, for each of the first moment, second moment and weight. Every inter
 hyperparameters are float32 tensors, and ``torch._inductor.inductor_prims.fma`` gives one rounding.
 
 **Speed.** The single-pass remainder update (BF16 weight, int16 remainder, BF16 gradient, FP32 moments in and out)
-is compiled over ``--speed-elements`` elements. It is timed beside ``torch._fused_adamw_`` on as many FP32 elements,
-the floor any BF16 master could reach. The script also reports whether inductor's generated CPU loop is vectorised
-(``at::vec``).
+is compiled over ``--speed-elements`` elements. It is timed beside ``torch._fused_adamw_`` on as many FP32 elements
+(called in turn, the order rotated), the floor any BF16 master could reach. The script also reports whether inductor's generated CPU loop is vectorised
+(``at::vec``). The same for ``bf16_kahan``, whose master (a BF16 weight and a BF16 compensation) needs no int16:
+its single pass is compared bit for bit with ``StorageAdamW``'s own step after two steps, and timed beside it.
 
     python scripts/probe_single_pass_adamw.py                       # 1M elements checked, 10M timed
     python scripts/probe_single_pass_adamw.py --json --out probe.json
@@ -127,13 +128,92 @@ def remainder_update(w, rem, g, m, v, h):
     v.copy_(v1)
 
 
-def _median_ms(fn: Any, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+def kahan_update(w, comp, g, m, v, h, contract_v: bool = True):
+    """The single pass of ``bf16_kahan``: the master is the BF16 weight plus its BF16 compensation, written back as
+    the nearest BF16 weight and what rounding lost (``hf_mixedprec.storage.bits.kahan_store``). No int16 anywhere."""
+    from torch._inductor.inductor_prims import fma
+
+    p = w.float() + comp.float()
+    gf = g.float()
+    p, m1 = p * h["decay"], fma(h["lerp"].expand_as(m), gf - m, m)
+    if contract_v:
+        v1 = fma(h["one_minus_beta2"] * gf, gf, v * h["beta2"])
+    else:
+        v1 = v * h["beta2"] + h["one_minus_beta2"] * gf * gf
+    p = p + h["neg_step_size"] * m1 / (v1.sqrt() / h["bc2_sqrt"] + h["eps"])
+    new_w = p.to(torch.bfloat16)
+    w.copy_(new_w)
+    comp.copy_((p - new_w.float()).to(torch.bfloat16))
+    m.copy_(m1)
+    v.copy_(v1)
+
+
+def kahan(n: int, repeats: int, contract_v: bool) -> dict[str, Any]:
+    """The single pass of ``bf16_kahan`` against ``StorageAdamW``'s own step on the same tensor (one parameter of
+    ``n`` elements, two steps): the same bits?, and both timed beside torch's fused AdamW on as many FP32 elements.
+    ``contract_v``: the second moment written as the exactness check found torch's build computes it."""
+    from torch._inductor.utils import run_and_get_code
+
+    from hf_mixedprec.storage import StorageAdamW
+
+    gen = torch.Generator().manual_seed(2)
+    w0 = torch.randn(n, generator=gen).to(torch.bfloat16)
+    grads = [(torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16) for _ in range(2)]
+    ref = torch.nn.Parameter(w0.clone())
+    opt = StorageAdamW([ref], lr=1e-3, weight_decay=0.01, master="bf16_kahan")
+    w, comp, m, v = w0.clone(), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n), torch.zeros(n)
+    # without it inductor keeps the BF16 weight in FP32 inside the kernel, and the compensation comes out zero
+    compiled = torch.compile(kahan_update, dynamic=False, options={"emulate_precision_casts": True})
+    source = ""
+    for step, g in enumerate(grads, 1):
+        ref.grad = g
+        opt.step()
+        h = _hyper(1e-3, 0.9, 0.999, 0.01, 1e-8, step)
+        _, code = run_and_get_code(compiled, w, comp, g, m, v, h, contract_v)
+        source = source or "\n".join(code)
+    st = opt.state[ref]
+    same = all(
+        torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
+                    b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32))
+        for a, b in ((w, ref.detach()), (comp, st["compensation"]), (m, st["exp_avg"]), (v, st["exp_avg_sq"]))
+    )  # fmt: skip
+    h = _hyper(1e-3, 0.9, 0.999, 0.01, 1e-8, 3)
+    ref.grad = grads[0]
+    p32, g32, m32, v32 = torch.randn(n), torch.randn(n) * 1e-3, torch.zeros(n), torch.zeros(n)
+    ms = _medians_ms(
+        {
+            "single": lambda: compiled(w, comp, grads[0], m, v, h, contract_v),
+            "today": opt.step,
+            "floor": lambda: torch._fused_adamw_(
+                [p32], [g32], [m32], [v32], [], [torch.tensor(1.0)],
+                lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False,
+            ),
+        },
+        repeats,
+    )  # fmt: skip
+    single, today, floor = ms["single"], ms["today"], ms["floor"]
+    return {
+        "elements": n,
+        "same_bits_as_storage_adamw": same,
+        "single_pass_ms": single,
+        "storage_adamw_ms": today,
+        "fused_adamw_fp32_ms": floor,
+        "x_fused_adamw": single / floor,
+        "vectorised": "at::vec" in source and "loadu" in source,
+    }
+
+
+def _medians_ms(fns: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Each callable's median time in ms, called in turn (the order rotated every round), so that a machine's drift
+    hits them alike."""
+    names = list(fns)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(repeats):
+        for k in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            fns[k]()
+            times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(t) * 1e3 for k, t in times.items()}
 
 
 def speed(n: int, repeats: int) -> dict[str, Any]:
@@ -155,8 +235,8 @@ def speed(n: int, repeats: int) -> dict[str, Any]:
             lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False,
         )  # fmt: skip
 
-    single = _median_ms(lambda: compiled(w, rem, g, m, v, h), repeats)
-    floor = _median_ms(fused, repeats)
+    ms = _medians_ms({"single": lambda: compiled(w, rem, g, m, v, h), "floor": fused}, repeats)
+    single, floor = ms["single"], ms["floor"]
     return {
         "elements": n,
         "single_pass_ms": single,
@@ -189,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         "exactness": exactness(args.elements, args.seed),
         "speed": speed(args.speed_elements, args.repeats),
     }
+    # the second moment as torch's build computes it here: the way every setting matched (as written if none did)
+    fused = [r["fraction_differing"]["exp_avg_sq"] == 0.0 for r in doc["exactness"] if r["exp_avg_sq_as"] != "written"]
+    doc["kahan"] = kahan(args.speed_elements, args.repeats, contract_v=all(fused))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
@@ -211,6 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         f"\nsingle pass over {sp['elements']:,} elements: {sp['single_pass_ms']:.2f} ms "
         f"({'vectorised' if sp['vectorised'] else 'scalar loop'}), torch's fused AdamW on as many FP32 elements: "
         f"{sp['fused_adamw_fp32_ms']:.2f} ms ({sp['x_fused_adamw']:.2f}x)"
+    )
+    k = doc["kahan"]
+    print(
+        f"bf16_kahan single pass over {k['elements']:,} elements: {k['single_pass_ms']:.2f} ms "
+        f"({'vectorised' if k['vectorised'] else 'scalar loop'}; {k['x_fused_adamw']:.2f}x fused AdamW), "
+        f"StorageAdamW's step {k['storage_adamw_ms']:.2f} ms; same bits as StorageAdamW after 2 steps: "
+        f"{k['same_bits_as_storage_adamw']}"
     )
     return 0
 

@@ -275,7 +275,7 @@ def test_the_single_pass_adamw_probe_tells_which_second_moment_torch_computes(tm
     """``scripts/probe_single_pass_adamw.py`` on a few thousand elements: the first moment, a fused multiply-add in
     torch's source, comes out bit for bit; of the two ways of writing the second moment exactly one is torch's on
     this machine (which one depends on how torch was compiled); the speed row compares the single pass with torch's
-    fused AdamW and says whether inductor vectorised it."""
+    fused AdamW and says whether inductor vectorised it; the bf16_kahan single pass gives StorageAdamW's bits."""
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     sys.modules.pop("probe_single_pass_adamw", None)
     import probe_single_pass_adamw as probe
@@ -295,6 +295,9 @@ def test_the_single_pass_adamw_probe_tells_which_second_moment_torch_computes(tm
     speed = doc["speed"]
     assert speed["elements"] == 4096 and speed["single_pass_ms"] > 0 and speed["fused_adamw_fp32_ms"] > 0
     assert isinstance(speed["vectorised"], bool)
+    # bf16_kahan needs no int16: its single pass, compiled as the exactness check says torch computes, ends where
+    # StorageAdamW's own step ends, bit for bit
+    assert doc["kahan"]["same_bits_as_storage_adamw"] is True and doc["kahan"]["elements"] == 4096
     with pytest.raises(SystemExit) as exit_:
         probe.main(["--elements", "8"])
     assert exit_.value.code == 2
