@@ -59,18 +59,19 @@ def _hyper(lr: float, b1: float, b2: float, wd: float, eps: float, step: int) ->
     }
 
 
-def adamw_as_written(p, g, m, v, h, contract_v: bool):
-    """One AdamW update as torch's CPU source states it (lerp weight below 0.5, as for any beta1 above 0.5)."""
+def adamw_as_written(p, g, m, v, h):
+    """One AdamW update as torch's CPU source states it (lerp weight below 0.5, as for any beta1 above 0.5), with the
+    second moment both ways: ``(weight, exp_avg, exp_avg_sq)`` as written, then as a fused multiply-add (one
+    compiled graph for both)."""
     from torch._inductor.inductor_prims import fma
 
     p = p * h["decay"]
     m1 = fma(h["lerp"].expand_as(m), g - m, m)
-    if contract_v:
-        v1 = fma(h["one_minus_beta2"] * g, g, v * h["beta2"])
-    else:
-        v1 = v * h["beta2"] + h["one_minus_beta2"] * g * g
-    denom = v1.sqrt() / h["bc2_sqrt"] + h["eps"]
-    return p + h["neg_step_size"] * m1 / denom, m1, v1
+    out = []
+    for v1 in (v * h["beta2"] + h["one_minus_beta2"] * g * g, fma(h["one_minus_beta2"] * g, g, v * h["beta2"])):
+        denom = v1.sqrt() / h["bc2_sqrt"] + h["eps"]
+        out.append((p + h["neg_step_size"] * m1 / denom, m1, v1))
+    return out
 
 
 def exactness(n: int, seed: int) -> list[dict[str, Any]]:
@@ -90,8 +91,7 @@ def exactness(n: int, seed: int) -> list[dict[str, Any]]:
             lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
         )  # fmt: skip
         h = _hyper(lr, b1, b2, wd, eps, step)
-        for contract_v in (False, True):
-            got = compiled(p, g, m, v, h, contract_v)
+        for contract_v, got in zip((False, True), compiled(p, g, m, v, h)):
             differ = {
                 name: (a.view(torch.int32) != b.view(torch.int32)).float().mean().item()
                 for name, a, b in zip(("weight", "exp_avg", "exp_avg_sq"), got, (ref[0], ref[2], ref[3]))
