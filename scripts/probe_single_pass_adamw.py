@@ -59,19 +59,41 @@ def _hyper(lr: float, b1: float, b2: float, wd: float, eps: float, step: int) ->
     }
 
 
-def adamw_as_written(p, g, m, v, h):
-    """One AdamW update as torch's CPU source states it (lerp weight below 0.5, as for any beta1 above 0.5), with the
-    second moment both ways: ``(weight, exp_avg, exp_avg_sq)`` as written, then as a fused multiply-add (one
-    compiled graph for both)."""
+def adamw_update(p, g, m, v, h, contract_v: bool):
+    """One AdamW update of FP32 ``p`` as torch's CPU source states it (lerp weight below 0.5, as for any beta1 above
+    0.5): ``(weight, exp_avg, exp_avg_sq)``, the second moment as written or (``contract_v``) as a fused
+    multiply-add."""
     from torch._inductor.inductor_prims import fma
 
-    p = p * h["decay"]
     m1 = fma(h["lerp"].expand_as(m), g - m, m)
-    out = []
-    for v1 in (v * h["beta2"] + h["one_minus_beta2"] * g * g, fma(h["one_minus_beta2"] * g, g, v * h["beta2"])):
-        denom = v1.sqrt() / h["bc2_sqrt"] + h["eps"]
-        out.append((p + h["neg_step_size"] * m1 / denom, m1, v1))
-    return out
+    if contract_v:
+        v1 = fma(h["one_minus_beta2"] * g, g, v * h["beta2"])
+    else:
+        v1 = v * h["beta2"] + h["one_minus_beta2"] * g * g
+    return p * h["decay"] + h["neg_step_size"] * m1 / (v1.sqrt() / h["bc2_sqrt"] + h["eps"]), m1, v1
+
+
+def adamw_as_written(p, g, m, v, h):
+    """:func:`adamw_update` with the second moment both ways, as written then as a fused multiply-add (one compiled
+    graph for both)."""
+    return [adamw_update(p, g, m, v, h, contract_v) for contract_v in (False, True)]
+
+
+def _torch_fused(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: float, **hyper: float
+) -> None:
+    """torch's fused AdamW (``AdamW(fused=True)``'s kernel) on one FP32 tensor, in place."""
+    torch._fused_adamw_([p], [g], [m], [v], [], [torch.tensor(float(step))], amsgrad=False, maximize=False, **hyper)
+
+
+#: the hyperparameters of the timed kernels (:data:`SETTINGS`' first, the defaults)
+TIMED = dict(zip(("lr", "beta1", "beta2", "weight_decay", "eps"), SETTINGS[0][:5], strict=True))
+
+
+def _vectorised(code: list[str]) -> bool:
+    """Whether inductor's generated CPU code loops over vectors (``at::vec``) rather than one element at a time."""
+    source = "\n".join(code)
+    return "at::vec" in source and "loadu" in source
 
 
 def exactness(n: int, seed: int) -> list[dict[str, Any]]:
@@ -86,10 +108,7 @@ def exactness(n: int, seed: int) -> list[dict[str, Any]]:
         m = torch.randn(n, generator=gen) * scale * 0.01
         v = (torch.randn(n, generator=gen) * scale * 0.01) ** 2
         ref = [t.clone() for t in (p, g, m, v)]
-        torch._fused_adamw_(
-            [ref[0]], [ref[1]], [ref[2]], [ref[3]], [], [torch.tensor(float(step))],
-            lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
-        )  # fmt: skip
+        _torch_fused(*ref, step, lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps)
         h = _hyper(lr, b1, b2, wd, eps, step)
         for contract_v, got in zip((False, True), compiled(p, g, m, v, h)):
             differ = {
@@ -108,17 +127,9 @@ def exactness(n: int, seed: int) -> list[dict[str, Any]]:
 
 def remainder_update(w, rem, g, m, v, h):
     """The single pass: the FP32 master from the BF16 weight and int16 remainder, the update, the split back."""
-    from torch._inductor.inductor_prims import fma
-
     high = w.view(torch.int16).to(torch.int32) + (rem.to(torch.int32) >> 15)
     p = (high * 65536 + (rem.to(torch.int32) & 0xFFFF)).view(torch.float32)
-    gf = g.float()
-    p, m1, v1 = (
-        p * h["decay"],
-        fma(h["lerp"].expand_as(m), gf - m, m),
-        fma(h["one_minus_beta2"] * gf, gf, v * h["beta2"]),
-    )
-    p = p + h["neg_step_size"] * m1 / (v1.sqrt() / h["bc2_sqrt"] + h["eps"])
+    p, m1, v1 = adamw_update(p, g.float(), m, v, h, contract_v=True)
     bits = p.view(torch.int32)
     low = bits & 0xFFFF
     low = low - (low & 0x8000) * 2
@@ -131,16 +142,7 @@ def remainder_update(w, rem, g, m, v, h):
 def kahan_update(w, comp, g, m, v, h, contract_v: bool = True):
     """The single pass of ``bf16_kahan``: the master is the BF16 weight plus its BF16 compensation, written back as
     the nearest BF16 weight and what rounding lost (``hf_mixedprec.storage.bits.kahan_store``). No int16 anywhere."""
-    from torch._inductor.inductor_prims import fma
-
-    p = w.float() + comp.float()
-    gf = g.float()
-    p, m1 = p * h["decay"], fma(h["lerp"].expand_as(m), gf - m, m)
-    if contract_v:
-        v1 = fma(h["one_minus_beta2"] * gf, gf, v * h["beta2"])
-    else:
-        v1 = v * h["beta2"] + h["one_minus_beta2"] * gf * gf
-    p = p + h["neg_step_size"] * m1 / (v1.sqrt() / h["bc2_sqrt"] + h["eps"])
+    p, m1, v1 = adamw_update(w.float() + comp.float(), g.float(), m, v, h, contract_v)
     new_w = p.to(torch.bfloat16)
     w.copy_(new_w)
     comp.copy_((p - new_w.float()).to(torch.bfloat16))
@@ -160,37 +162,34 @@ def kahan(n: int, repeats: int, contract_v: bool) -> dict[str, Any]:
     w0 = torch.randn(n, generator=gen).to(torch.bfloat16)
     grads = [(torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16) for _ in range(2)]
     ref = torch.nn.Parameter(w0.clone())
-    opt = StorageAdamW([ref], lr=1e-3, weight_decay=0.01, master="bf16_kahan")
+    opt = StorageAdamW([ref], lr=TIMED["lr"], weight_decay=TIMED["weight_decay"], master="bf16_kahan")
     w, comp, m, v = w0.clone(), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n), torch.zeros(n)
     # without it inductor keeps the BF16 weight in FP32 inside the kernel, and the compensation comes out zero
     compiled = torch.compile(kahan_update, dynamic=False, options={"emulate_precision_casts": True})
-    source = ""
+    code: list[str] = []
     for step, g in enumerate(grads, 1):
         ref.grad = g
         opt.step()
-        h = _hyper(1e-3, 0.9, 0.999, 0.01, 1e-8, step)
-        _, code = run_and_get_code(compiled, w, comp, g, m, v, h, contract_v)
-        source = source or "\n".join(code)
+        h = _hyper(*SETTINGS[0][:5], step)
+        _, got = run_and_get_code(compiled, w, comp, g, m, v, h, contract_v)
+        code = code or got
     st = opt.state[ref]
     same = all(
         torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
                     b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32))
         for a, b in ((w, ref.detach()), (comp, st["compensation"]), (m, st["exp_avg"]), (v, st["exp_avg_sq"]))
     )  # fmt: skip
-    h = _hyper(1e-3, 0.9, 0.999, 0.01, 1e-8, 3)
+    h = _hyper(*SETTINGS[0][:5], 3)
     ref.grad = grads[0]
-    p32, g32, m32, v32 = torch.randn(n), torch.randn(n) * 1e-3, torch.zeros(n), torch.zeros(n)
+    fp32 = (torch.randn(n), torch.randn(n) * 1e-3, torch.zeros(n), torch.zeros(n))
     ms = _medians_ms(
         {
             "single": lambda: compiled(w, comp, grads[0], m, v, h, contract_v),
             "today": opt.step,
-            "floor": lambda: torch._fused_adamw_(
-                [p32], [g32], [m32], [v32], [], [torch.tensor(1.0)],
-                lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False,
-            ),
+            "floor": lambda: _torch_fused(*fp32, 1, **TIMED),
         },
         repeats,
-    )  # fmt: skip
+    )
     single, today, floor = ms["single"], ms["today"], ms["floor"]
     return {
         "elements": n,
@@ -199,7 +198,7 @@ def kahan(n: int, repeats: int, contract_v: bool) -> dict[str, Any]:
         "storage_adamw_ms": today,
         "fused_adamw_fp32_ms": floor,
         "x_fused_adamw": single / floor,
-        "vectorised": "at::vec" in source and "loadu" in source,
+        "vectorised": _vectorised(code),
     }
 
 
@@ -225,24 +224,17 @@ def speed(n: int, repeats: int) -> dict[str, Any]:
     rem, m, v = torch.zeros(n, dtype=torch.int16), torch.zeros(n), torch.zeros(n)
     compiled = torch.compile(remainder_update, dynamic=False)
     _, code = run_and_get_code(compiled, w, rem, g, m, v, h)
-    source = "\n".join(code)
-    p32, g32, m32, v32 = torch.randn(n), torch.randn(n) * 1e-3, torch.zeros(n), torch.zeros(n)
-    step = torch.tensor(1.0)
-
-    def fused() -> None:
-        torch._fused_adamw_(
-            [p32], [g32], [m32], [v32], [], [step],
-            lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False,
-        )  # fmt: skip
-
-    ms = _medians_ms({"single": lambda: compiled(w, rem, g, m, v, h), "floor": fused}, repeats)
+    fp32 = (torch.randn(n), torch.randn(n) * 1e-3, torch.zeros(n), torch.zeros(n))
+    ms = _medians_ms(
+        {"single": lambda: compiled(w, rem, g, m, v, h), "floor": lambda: _torch_fused(*fp32, 1, **TIMED)}, repeats
+    )
     single, floor = ms["single"], ms["floor"]
     return {
         "elements": n,
         "single_pass_ms": single,
         "fused_adamw_fp32_ms": floor,
         "x_fused_adamw": single / floor,
-        "vectorised": "at::vec" in source and "loadu" in source,
+        "vectorised": _vectorised(code),
     }
 
 
