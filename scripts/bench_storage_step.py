@@ -212,7 +212,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--params {args.params!r}: comma-separated integers (e.g. 10,100,1000)")
     if args.layers is not None and args.layers < 1:
         parser.error(f"--layers {args.layers}: at least 1")
-    sets = [model_shapes(args.layers)] if args.layers else [[(args.rows, args.cols)] * n for n in counts]
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -224,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         count = torch.cuda.device_count()
         parser.error(f"--device {args.device!r}: this machine has {count} CUDA device(s) (allowed: cuda:0-{count - 1})")
+    # every flag checked before anything is built (--layers builds a model to read its shapes)
+    sets = [model_shapes(args.layers)] if args.layers else [[(args.rows, args.cols)] * n for n in counts]
     legacy = load_legacy(args.legacy) if args.legacy else None
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(
