@@ -43,7 +43,7 @@ import torch
 
 from hf_mixedprec.core._private import found_inf_handed_to
 from hf_mixedprec.storage import StorageAdamW
-from hf_mixedprec.storage.lowbit import low_bit_class
+from hf_mixedprec.storage.lowbit import is_low_bit, low_bit_class
 
 #: name -> (parameter dtype, StorageAdamW keyword arguments); None: torch's fused AdamW (the reference).
 VARIANTS: dict[str, tuple[torch.dtype, dict[str, Any] | None]] = {
@@ -65,7 +65,7 @@ LOW_BIT = {"torchao AdamW8bit, flag read on the host": False, "AdamW8bit, flag o
 
 def kernel_ops(opt: torch.optim.Optimizer) -> int | None:
     """Kernel-launching aten operations of one ``opt.step()`` (None for torchao's compiled update)."""
-    if type(opt).__module__.startswith("torchao") or hasattr(type(opt), "torchao_class"):
+    if is_low_bit(opt):
         return None
     with bh.OpCounter(views=False) as count:
         opt.step()

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from hf_mixedprec.core._private import no_recompile_limit, torchao_new_state
 from hf_mixedprec.storage.optim import _local
 
-__all__ = ["LOW_BIT_CLASSES", "keeps_class", "low_bit_class"]
+__all__ = ["LOW_BIT_CLASSES", "is_low_bit", "keeps_class", "low_bit_class"]
 
 
 def _parts(t: torch.Tensor) -> list[torch.Tensor]:
@@ -157,6 +157,12 @@ def _make(base: type) -> type:
 
 
 LOW_BIT_CLASSES: dict[str, type[torch.optim.Optimizer]] = {}
+
+
+def is_low_bit(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a torchao low-bit AdamW: torchao's own class, or one of the classes here."""
+    cls = type(optimizer)
+    return cls.__module__.startswith("torchao.") or hasattr(cls, "torchao_class")
 
 
 def keeps_class(cls: Any, wanted: type) -> bool:

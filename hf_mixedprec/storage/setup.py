@@ -18,7 +18,7 @@ from hf_mixedprec.core.errors import StorageRefusal
 from hf_mixedprec.core.formats import FORMATS
 from hf_mixedprec.recipes.storage_config import LOW_BIT_STATES, StorageConfig
 from hf_mixedprec.storage.bits import kahan_store, split_remainder
-from hf_mixedprec.storage.lowbit import keeps_class, low_bit_class
+from hf_mixedprec.storage.lowbit import is_low_bit, keeps_class, low_bit_class
 from hf_mixedprec.storage.optim import StorageAdamW, pending_state
 
 __all__ = [
@@ -194,8 +194,7 @@ def replaceable(storage: StorageConfig, optimizer: torch.optim.Optimizer) -> dic
     """The AdamW hyperparameters :func:`replace_optimizer` builds the storage optimizer with (None: ``optimizer``
     stays as it is); refuses, before anything changes, an optimizer that cannot be replaced."""
     check_optimizer_family(storage, type(optimizer), "the optimizer passed to prepare()")
-    low_bit = type(optimizer).__module__.startswith("torchao.") or hasattr(type(optimizer), "torchao_class")
-    if storage.is_default or isinstance(optimizer, StorageAdamW) or low_bit:  # ours, or torchao's own, as it is
+    if storage.is_default or isinstance(optimizer, StorageAdamW) or is_low_bit(optimizer):  # ours, or torchao's own
         return None
     if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
         raise StorageRefusal(
