@@ -1029,16 +1029,22 @@ def test_the_plan_reports_no_adamw_states_for_a_trainer_running_sgd(bf16_dir, tm
     assert set(plan.bytes_by_component()) == {"weights", "gradients"}  # Trainer's SGD keeps no momentum
 
 
-def test_the_step_benchmark_counts_what_the_step_launches(monkeypatch):
-    """``scripts/bench_storage_step.py`` on a few tiny parameters: the reference row is 1.0x, FP32 weights and moments
-    launch what torch's fused AdamW launches, and each storage choice the same count for 3 and 30 parameters."""
+@pytest.fixture
+def bench(monkeypatch):
+    """``scripts/bench_storage_step.py``, imported afresh from the scripts folder."""
     import pathlib
     import sys
 
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
     sys.modules.pop("bench_storage_step", None)
-    import bench_storage_step as bench
+    import bench_storage_step
 
+    return bench_storage_step
+
+
+def test_the_step_benchmark_counts_what_the_step_launches(bench):
+    """``scripts/bench_storage_step.py`` on a few tiny parameters: the reference row is 1.0x, FP32 weights and moments
+    launch what torch's fused AdamW launches, and each storage choice the same count for 3 and 30 parameters."""
     small, large = (
         {r["variant"]: r for r in bench.measure([(4, 4)] * n, repeats=1, warmup=0, legacy=None)} for n in (3, 30)
     )
@@ -1054,7 +1060,9 @@ def test_the_step_benchmark_counts_what_the_step_launches(monkeypatch):
     # another implementation ends on the same weights (this one, loaded from its file, must)
     shapes = bench.model_shapes(12)
     assert len(shapes) == 111 and sum(math.prod(s) for s in shapes) == 9_902_336
-    same = bench.load_legacy(str(pathlib.Path(bench.__file__).parents[1] / "hf_mixedprec/storage/optim.py"))
+    from hf_mixedprec.storage import optim as storage_optim
+
+    same = bench.load_legacy(storage_optim.__file__)
     rows = bench.measure(bench.model_shapes(1)[:5], repeats=2, warmup=0, legacy=same)
     (legacy,) = [r for r in rows if r["variant"].startswith("legacy")]
     assert legacy["same_weights_as_bf16_remainder"] is True and legacy["parameters"] == 5
@@ -1067,15 +1075,8 @@ def test_the_step_benchmark_counts_what_the_step_launches(monkeypatch):
     assert [r["same_weights_as_bf16_remainder"] for r in rows if r["variant"].startswith("legacy")] == [False]
 
 
-def test_the_step_benchmark_refuses_a_device_it_cannot_use(monkeypatch, capsys):
+def test_the_step_benchmark_refuses_a_device_it_cannot_use(bench, monkeypatch, capsys):
     """``--device`` names the flag, the value and what is allowed, exit 2 (argparse), before anything is built."""
-    import pathlib
-    import sys
-
-    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
-    sys.modules.pop("bench_storage_step", None)
-    import bench_storage_step as bench
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for value, says in (("cuda", "this machine has no CUDA device"), ("meta", "allowed: cpu, cuda, cuda:N"),
                         ("gpu0", "not a device")):  # fmt: skip
