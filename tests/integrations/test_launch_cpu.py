@@ -179,11 +179,16 @@ def test_cpu_launch_really_starts_two_gloo_ranks(tmp_path):
 # --- exit codes ---------------------------------------------------------------------------------------------------
 
 _EXIT = """
-import os, signal, sys
+import os, signal, sys, time
 from pathlib import Path
 
-rank = int(os.environ.get("RANK", "0"))
+rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 Path(sys.argv[1], f"started.rank{rank}").write_text(os.environ.get("HF_MIXEDPREC_LAUNCH_COMMAND", ""))
+# No rank ends before every rank has started: the launcher stops the others once one fails, and a rank slower to
+# start would be stopped before it wrote its file.
+deadline = time.monotonic() + 60
+while len(list(Path(sys.argv[1]).glob("started.rank*"))) < world and time.monotonic() < deadline:
+    time.sleep(0.05)
 what = sys.argv[2].split(",")[rank]
 if what == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
