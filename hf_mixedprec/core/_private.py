@@ -49,6 +49,8 @@ __all__ = [
     "grouped_mm_as_fallback",
     "has_scaled_mm",
     "in_backward",
+    "in_dispatch_mode",
+    "inductor_fma",
     "is_fake_tensor",
     "mkldnn_fp16_supported",
     "optimizer_state",
@@ -113,6 +115,14 @@ def fused_adamw_(
     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, maximize=False, **hyper)
 
 
+def inductor_fma() -> Any:
+    # torch/_inductor/inductor_prims.py ``fma``: a * b + c with one rounding in the code torch.compile generates (a
+    # written a * b + c is two); StorageAdamW's single pass needs it where torch's CPU fused AdamW kernel has one
+    from torch._inductor import inductor_prims
+
+    return inductor_prims.fma
+
+
 def no_recompile_limit() -> Any:
     # torch/_dynamo/utils.py: lifts dynamo's recompile limit for a block, as torchao's low-bit AdamW step does around
     # its per-parameter compiled update (one compile per parameter shape and dtype, a fixed number per model)
@@ -163,6 +173,14 @@ def in_backward() -> bool:
     """Whether autograd's backward is running now (torch's engine sets a graph task id while it runs one,
     ``torch/csrc/autograd/engine.cpp``): a checkpointed forward recomputed there routes the same tokens again."""
     return torch._C._current_graph_task_id() != -1
+
+
+def in_dispatch_mode() -> bool:
+    """Whether a ``TorchDispatchMode`` is active (``torch/utils/_python_dispatch.py``): ``FakeTensorMode``, an
+    operation counter; ``torch.compile`` refuses to trace under one, so code that compiles takes its eager path."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None
 
 
 def is_fake_tensor(t: Any) -> bool:
@@ -573,6 +591,8 @@ PRIVATES: tuple[Private, ...] = (
     Private("torch:_foreach_sub_", "torch 2.13", "StorageAdamW's step counters back on a skipped step"),
     Private("torch:_fused_adamw_", "torch 2.13", "StorageAdamW's update (AdamW(fused=True)'s kernel)"),
     Private("torch:_scaled_mm", "torch 2.13", "the FP8 GEMM of fp8.backend native"),
+    Private("torch.utils._python_dispatch:_get_current_dispatch_mode", "torch 2.13", "None outside a dispatch mode"),
+    Private("torch._inductor.inductor_prims:fma", "torch 2.13", "one rounding for a*b+c in a compiled update"),
     Private("torch._dynamo.utils:disable_cache_limit", "torch 2.13", "torchao's update compiled per parameter"),
     Private("torchao.optim.adam:_AdamBase._new_buffer", "torchao 0.18", "a low-bit moment made as torchao makes it"),
     Private("torch._subclasses.fake_tensor:FakeTensorMode", "torch 2.13", "estimate's data-free training step"),

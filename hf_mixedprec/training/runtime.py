@@ -354,6 +354,10 @@ class MixedPrecisionRuntime:
             self.monitor.post_step(skipped=self.amp.found_inf, scale=self.amp.device_scale())
         self.amp.after_step(optimizer)
         self.steps += 1
+        take_notes = getattr(getattr(optimizer, "optimizer", optimizer), "take_notes", None)
+        if take_notes is not None:  # StorageAdamW's decisions (its single pass turned down) go into the run report
+            for text in take_notes():
+                self.note(text, quiet=True)  # the optimizer logged it loudly already
 
     def after_external_step(self, model: nn.Module | None = None) -> None:
         """Under DeepSpeed, after the engine's step: advance FP8 scaling as :meth:`after_optimizer_step` does, and

@@ -1,0 +1,190 @@
+"""StorageAdamW's single pass on a CPU (``hf_mixedprec.storage.single_pass``): the multi-pass step's bits for every
+master it keeps, the parameters it leaves to the multi-pass step, and a failed check said loudly."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM
+
+from hf_mixedprec.core.demo import tiny_llama
+from hf_mixedprec.integrations.trainer import runtime_of
+from hf_mixedprec.storage import StorageAdamW, single_pass
+from tests.storage.test_storage import _recipe, _train
+
+BIG = single_pass.MIN_ELEMENTS
+
+
+def _params(seed: int, grad_dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    """Large contiguous ones (one at the threshold, one of odd length), one transposed, one small, as BF16."""
+    gen = torch.Generator().manual_seed(seed)
+    made = [
+        torch.randn(512, 1024, generator=gen),
+        torch.randn(BIG, generator=gen),
+        torch.randn(BIG + 1, generator=gen),
+        torch.randn(1024, 512, generator=gen).t(),
+        torch.randn(64, 64, generator=gen),
+    ]
+    params = [torch.nn.Parameter((t * 0.02).to(torch.bfloat16)) for t in made]
+    for p in params:
+        p.grad_dtype = grad_dtype  # an FP32 gradient on a BF16 parameter is refused unless the parameter allows it
+    return params
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, nan_payloads: bool) -> bool:
+    differ = _bits(a) != _bits(b)
+    if nan_payloads and a.is_floating_point():
+        differ &= ~(torch.isnan(a) & torch.isnan(b))
+    return not bool(differ.any())
+
+
+@pytest.fixture
+def updates(monkeypatch):
+    """The sizes of the tensors the single pass updated, in order (the check's probe is smaller than any parameter that
+    takes the single pass: it runs at a process's first use, so only in some tests' processes)."""
+    calls = []
+    real = single_pass.update
+    monkeypatch.setattr(single_pass, "update", lambda p, *a: calls.append(p.numel()) or real(p, *a))
+    return calls
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode", single_pass.MODES)
+def test_the_single_pass_ends_where_the_multi_pass_step_ends(mode, grad_dtype, updates):
+    """Four steps under a changing learning rate, a NaN gradient element and a step GradScaler flags: every weight,
+    remainder or compensation, moment and step count as the multi-pass step leaves it (a NaN's payload aside where
+    the master keeps none), and the large contiguous parameters took the single pass."""
+    ours, ref = _params(0, grad_dtype), _params(0, grad_dtype)
+    hyper = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "master": mode}
+    opt = StorageAdamW(ours, lr=1e-3, **hyper)
+    multi = StorageAdamW(ref, lr=1e-3, single_pass="off", **hyper)
+    gen = torch.Generator().manual_seed(1)
+    for step, lr in enumerate([1e-3, 5e-4, 2e-3, 1e-3]):
+        for a, b in zip(ours, ref):
+            g = (torch.randn(a.shape, generator=gen) * 10.0 ** torch.randint(-6, 1, a.shape, generator=gen)).to(
+                grad_dtype
+            )
+            if step == 1:
+                g.view(-1)[7] = float("nan")
+            a.grad, b.grad = g.clone(), g.clone()
+        for o in (opt, multi):
+            o.param_groups[0]["lr"] = lr
+            if step == 2:
+                o.found_inf = torch.tensor(1.0)  # as GradScaler hands a fused optimizer its flag
+            o.step()
+            o.__dict__.pop("found_inf", None)
+    eligible = [p.numel() for p in ours[:3]]
+    assert sorted(n for n in updates if n >= BIG) == sorted(
+        eligible * 3
+    )  # three steps each (the flagged one skipped), no other parameter
+    nan_payloads = mode != "bf16_remainder"  # a remainder master stores a NaN as the quiet NaN, both ways
+    for a, b in zip(ours, ref):
+        assert _same(a.detach(), b.detach(), nan_payloads), tuple(a.shape)
+        for key, value in opt.state[a].items():
+            assert _same(value, multi.state[b][key], nan_payloads or key.startswith("exp_")), (tuple(a.shape), key)
+        assert float(opt.state[a]["step"]) == 3.0
+        assert torch.isnan(a.float()).any()  # the NaN gradient reached the weights, as in torch's kernel
+    assert opt.notes == []
+
+
+def test_a_failed_check_keeps_the_multi_pass_step_and_says_so(monkeypatch, caplog, updates):
+    """The check compares the compiled loop with the multi-pass step for real: a loop fed other scalars (here eps
+    made ten times larger, as a build that computes one of them otherwise would) fails it; the optimizer then logs
+    one warning, records it in ``notes`` for the run report, and updates every parameter as the multi-pass step."""
+    monkeypatch.setattr(single_pass, "_checked", {})
+    real = single_pass.hyper
+    monkeypatch.setattr(single_pass, "hyper", lambda *a: real(*a[:4], a[4] * 10, a[5]))
+    ours, ref = _params(0, torch.bfloat16), _params(0, torch.bfloat16)
+    opt = StorageAdamW(ours, lr=1e-3, master="bf16_kahan")
+    multi = StorageAdamW(ref, lr=1e-3, master="bf16_kahan", single_pass="off")
+    with caplog.at_level(logging.WARNING, logger="hf_mixedprec"):
+        for _ in range(2):
+            for a, b in zip(ours, ref):
+                a.grad = b.grad = torch.full_like(a, 1e-3)
+            opt.step()
+            multi.step()
+    assert len(updates) == 3 and max(updates) < BIG  # the check's own probe, three steps; no parameter of the run
+    assert len(opt.notes) == 1 and opt.take_notes() == opt.notes and opt.take_notes() == []
+    note = opt.notes[0]
+    assert note.startswith("StorageAdamW: the single-pass update of storage.master bf16_kahan is off on this machine:")
+    assert "values differ after 3 steps" in note and "take the multi-pass step" in note
+    assert [r.getMessage() for r in caplog.records] == [f"hf_mixedprec: {note}"]
+    for a, b in zip(ours, ref):
+        assert torch.equal(_bits(a.detach()), _bits(b.detach()))
+
+
+def test_single_pass_takes_auto_or_off():
+    with pytest.raises(ValueError, match=r"single_pass 'on' \(allowed: auto, off\)"):
+        StorageAdamW([torch.nn.Parameter(torch.zeros(2))], single_pass="on")
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_a_dispatch_mode_the_step_is_the_multi_pass_one(updates):
+    """``torch.compile`` refuses to trace under a ``TorchDispatchMode`` (``estimate``'s fake tensors, an operation
+    counter): there the step is the multi-pass one, with its bits."""
+    ours, ref = _params(0, torch.bfloat16), _params(0, torch.bfloat16)
+    opt = StorageAdamW(ours, lr=1e-3, master="bf16_remainder")
+    multi = StorageAdamW(ref, lr=1e-3, master="bf16_remainder", single_pass="off")
+    for a, b in zip(ours, ref):
+        a.grad = b.grad = torch.full_like(a, 1e-3)
+    with _Count() as counted:
+        opt.step()
+    multi.step()
+    assert counted.ops > 0 and [n for n in updates if n >= BIG] == []
+    for a, b in zip(ours, ref):
+        assert torch.equal(_bits(a.detach()), _bits(b.detach()))
+        assert torch.equal(opt.state[a]["remainder"], multi.state[b]["remainder"])
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_trainer_run_resumes_bit_for_bit_through_the_single_pass(tmp_path, updates):
+    """A BF16-loaded Llama whose embedding and head have 2**18 elements each, ``bf16_remainder`` under Trainer: the
+    two take the single pass, and a checkpoint after step 2 of 4, resumed, ends bit for bit as the straight run."""
+    from accelerate.state import AcceleratorState
+
+    model_dir = tmp_path / "model"
+    tiny_llama(0, vocab_size=BIG // 64).to(torch.bfloat16).save_pretrained(model_dir)
+    recipe = _recipe(master="bf16_remainder")
+    common = {"save_strategy": "steps", "save_steps": 2, "logging_steps": 1}
+    straight = _train(
+        recipe, AutoModelForCausalLM.from_pretrained(model_dir), tmp_path / "a", steps=4, lr=1e-4, **common
+    )
+    straight.train()
+    assert [n for n in updates if n >= BIG] == [BIG] * 2 * 4
+    want = {k: v.clone() for k, v in straight.model.state_dict().items()}
+    assert not [n for n in runtime_of(straight).notes if "single-pass" in n]
+    AcceleratorState._reset_state(reset_partial_state=True)
+    resumed = _train(
+        recipe, AutoModelForCausalLM.from_pretrained(model_dir), tmp_path / "b", steps=4, lr=1e-4, **common
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    got = resumed.model.state_dict()
+    assert [n for n in want if not torch.equal(want[n], got[n])] == []
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_failed_check_reaches_the_run_report(tmp_path, monkeypatch):
+    """The optimizer's note, made inside Trainer's step, ends in the runtime's notes (the run report's)."""
+    monkeypatch.setattr(single_pass, "_checked", {("bf16_kahan", torch.bfloat16, (0.9, 0.999), 1e-08, 0.0): "why"})
+    model = tiny_llama(0, vocab_size=BIG // 64).to(torch.bfloat16)
+    tr = _train(_recipe(master="bf16_kahan"), model, tmp_path, steps=2, lr=1e-4)
+    tr.train()
+    notes = [n for n in runtime_of(tr).notes if "single-pass" in n]
+    assert len(notes) == 1 and "is off on this machine: why;" in notes[0]
