@@ -6,7 +6,10 @@ lockstep: one step of each variant in turn, the order rotated every repeat, so l
 alike. A step's time is wall time (``time.perf_counter``) around ``optimizer.step()``; the first ``--warmup`` steps
 are discarded. The table gives the median step and its ratio to torch's ``AdamW(fused=True)`` on FP32 parameters
 (Trainer's ``adamw_torch_fused``), and the operations of one step that launch a kernel (aten operations seen by a
-``TorchDispatchMode``, views not counted): what a GPU would launch.
+``TorchDispatchMode``, views not counted): what a GPU would launch. On a CPU, BF16 parameters of 2**18 elements or
+more take ``StorageAdamW``'s compiled single pass (``hf_mixedprec/storage/single_pass.py``: one loop each), which
+``torch.compile`` cannot run under that mode, so the count is the multi-pass step's; the ", multi-pass" rows time
+that step (``single_pass="off"``) beside it and say whether both end on the same weights.
 
 ``--low-bit`` adds torchao's 8-bit AdamW over BF16 weights two ways, each handed a zero skip flag as a BF16 run's
 scale-1 guard hands it every step: torchao's own class, which ``GradScaler.step`` steps after reading the flag on the
@@ -54,7 +57,13 @@ VARIANTS: dict[str, tuple[torch.dtype, dict[str, Any] | None]] = {
     "bf16_kahan": (torch.bfloat16, {"master": "bf16_kahan"}),
     "bf16_stochastic": (torch.bfloat16, {"master": "bf16_stochastic"}),
     "none": (torch.bfloat16, {"master": "none"}),
+    "bf16_remainder, multi-pass": (torch.bfloat16, {"master": "bf16_remainder", "single_pass": "off"}),
+    "bf16_kahan, multi-pass": (torch.bfloat16, {"master": "bf16_kahan", "single_pass": "off"}),
+    "none, multi-pass": (torch.bfloat16, {"master": "none", "single_pass": "off"}),
 }
+
+#: the suffix of a variant with the single pass off (``StorageAdamW(single_pass="off")``)
+MULTI = ", multi-pass"
 
 
 CPU = torch.device("cpu")
@@ -172,6 +181,9 @@ def measure(
         if name.startswith("legacy"):  # the same steps from the same start: are its weights ours, bit for bit?
             ours, theirs = runs["bf16_remainder"][0], runs[name][0]
             row["same_weights_as_bf16_remainder"] = all(torch.equal(a, b) for a, b in zip(ours, theirs))
+        if name.endswith(MULTI):  # the single pass's weights after as many steps: the multi-pass step's?
+            ours, theirs = runs[name.removesuffix(MULTI)][0], runs[name][0]
+            row["same_weights_as_single_pass"] = all(torch.equal(a, b) for a, b in zip(ours, theirs))
         rows_out.append(row)
     return rows_out
 
@@ -238,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     for shapes in sets:
         for row in measure(shapes, args.repeats, args.warmup, legacy, args.low_bit, device):
             rows.append(row)
-            if "same_weights_as_bf16_remainder" in row:
-                print(f"{row['variant']}: same weights as bf16_remainder: {row['same_weights_as_bf16_remainder']}",
-                      file=sys.stderr)  # fmt: skip
+            for key in ("same_weights_as_bf16_remainder", "same_weights_as_single_pass"):
+                if key in row:
+                    print(f"{row['variant']}: {key.replace('_', ' ')}: {row[key]}", file=sys.stderr)
             print(
                 f"| {len(shapes)} | {row['variant']} | {row['ms_per_step']:.2f} | {row['x_fused_adamw']:.3f} | "
                 f"{'-' if row['kernel_ops_per_step'] is None else row['kernel_ops_per_step']} |",

@@ -25,16 +25,15 @@ No host read: bias corrections come from the step count on the device, and like 
 takes ``found_inf``/``grad_scale`` from a ``GradScaler`` (``_step_supports_amp_scaling``) and skips a flagged step
 on the device, weights, moments, remainders and step count alike.
 
-On a CPU, a BF16 parameter of :data:`~hf_mixedprec.storage.single_pass.MIN_ELEMENTS` or more elements whose master is
+On a CPU, a BF16 parameter of :data:`~hf_mixedprec.storage.single_pass.MIN_ELEMENTS` elements or more whose master is
 ``bf16_remainder``, ``bf16_kahan`` or ``none`` with FP32 moments is updated by one compiled loop instead
 (:mod:`hf_mixedprec.storage.single_pass`; ``single_pass="off"`` turns it off), with the same bits, checked once per
-process against the step above; where they differ the optimizer says so (:attr:`StorageAdamW.notes`) and keeps the
-step above. A CPU reads its own values without a sync, so that loop takes the step count and ``found_inf`` on the host.
+process against the step above; where they differ the optimizer says so (a warning, and
+:meth:`StorageAdamW.take_notes` for the run report) and keeps the step above. A CPU reads its own values without a sync, so that loop takes the step count and ``found_inf`` on the host.
 """
 
 from __future__ import annotations
 
-import logging
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
@@ -42,9 +41,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hf_mixedprec.core._private import foreach_add_, foreach_copy_, foreach_sub_, fused_adamw_, in_dispatch_mode
+from hf_mixedprec.core._private import foreach_add_, foreach_copy_, foreach_sub_, fused_adamw_
 from hf_mixedprec.core.errors import StorageRefusal
-from hf_mixedprec.storage import single_pass
 from hf_mixedprec.storage.bits import (
     combine_remainder,
     hash_seed,
@@ -52,10 +50,9 @@ from hf_mixedprec.storage.bits import (
     split_remainder,
     stochastic_round_bf16,
 )
+from hf_mixedprec.storage.single_pass import SinglePass
 
 __all__ = ["CHUNK_ELEMENTS", "MASTER_MODES", "StorageAdamW", "keeps_updates", "pending_state", "saved_storage"]
-
-log = logging.getLogger("hf_mixedprec")
 
 #: How a BF16 parameter's master is kept (``storage.master`` minus ``fp32``, which upcasts the parameter itself).
 MASTER_MODES: tuple[str, ...] = ("fp32", "bf16_remainder", "bf16_kahan", "bf16_stochastic", "none")
@@ -125,9 +122,7 @@ def _take_pending(p: torch.Tensor, key: str) -> torch.Tensor | None:
 
 
 class StorageAdamW(torch.optim.Optimizer):
-    """AdamW with the storage choices of the module docs. Hyperparameters as torch's ``AdamW``; ``single_pass``:
-    ``auto`` (large BF16 parameters on a CPU take :mod:`~hf_mixedprec.storage.single_pass`'s compiled loop) or
-    ``off``."""
+    """AdamW with the storage choices of the module docs. Hyperparameters as torch's ``AdamW``."""
 
     _step_supports_amp_scaling = True  # reads GradScaler's found_inf / grad_scale like torch's fused AdamW
 
@@ -145,8 +140,6 @@ class StorageAdamW(torch.optim.Optimizer):
         chunk_elements: int | None = None,
         single_pass: str = "auto",
     ) -> None:
-        if single_pass not in ("auto", "off"):
-            raise ValueError(f"single_pass {single_pass!r} (allowed: auto, off)")
         if master not in MASTER_MODES:
             raise ValueError(f"master {master!r} (allowed: {', '.join(MASTER_MODES)})")
         if state_dtype not in (torch.float32, torch.bfloat16):
@@ -172,23 +165,12 @@ class StorageAdamW(torch.optim.Optimizer):
         self.state_dtype = state_dtype
         self.seed = seed
         self.chunk_elements = chunk_elements
-        self.single_pass = single_pass
-        #: what this optimizer decided that a run report should say (the single pass turned down, and why); the
-        #: Trainer and Accelerate integrations copy each into the run's notes after the step that made it
-        self.notes: list[str] = []
-        self._notes_taken = 0
-        self._turned_down: set[str] = set()
+        self._single = SinglePass(master, state_dtype, single_pass, _grad, _multi_pass_reference)
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def take_notes(self) -> list[str]:
-        """The :attr:`notes` made since the last call."""
-        new = self.notes[self._notes_taken :]
-        self._notes_taken = len(self.notes)
-        return new
-
-    def _note(self, text: str) -> None:
-        self.notes.append(text)
-        log.warning("hf_mixedprec: %s", text)
+        """What it decided since the last call (its single pass turned down, and why) for the run report."""
+        return self._single.take_notes()
 
     def state_dict(self) -> dict[str, Any]:
         out = super().state_dict()
@@ -252,8 +234,6 @@ class StorageAdamW(torch.optim.Optimizer):
         looked up once (a tensor's hash is a Python call)."""
         by_kind: dict[tuple[torch.device, torch.dtype, int], tuple[list[torch.Tensor], list[dict[str, Any]]]] = {}
         all_states = self.state
-        single: tuple[list[torch.Tensor], list[dict[str, Any]]] = ([], [])
-        wants_single = self._wants_single_pass(group)
         for p in group["params"]:
             grad = p.grad
             if grad is None:
@@ -269,17 +249,10 @@ class StorageAdamW(torch.optim.Optimizer):
                 coordinate = p.device_mesh.get_coordinate() or []
                 shard = sum(c * 1000003**i for i, c in enumerate(coordinate))
                 p = _local(p)
-            if (
-                wants_single
-                and single_pass.eligible(p, _grad(p, st), st, self.master)
-                and self._single_pass_ok(group, p, st)
-            ):
-                single[0].append(p)
-                single[1].append(st)
-                continue
             params, states = by_kind.setdefault((p.device, p.dtype, shard), ([], []))
             params.append(p)
             states.append(st)
+        single = self._single.pick(group, self, by_kind)  # large BF16 parameters on a CPU: one compiled loop each
         runs: list[_Run] = [_Run(*single, False, -1, True)] if single[0] else []
         scaled = getattr(self, "grad_scale", None) is not None
         for (device, dtype, shard), (params, states) in by_kind.items():
@@ -331,62 +304,11 @@ class StorageAdamW(torch.optim.Optimizer):
             group["storage_steps"] = group.get("storage_steps", 0) + 1
             for run in self._chunks(group):
                 if run.single_pass:  # draws no random numbers: the runs' seeds stay those of the multi-pass step
-                    self._step_single_pass(group, run)
-                    continue
-                self._step_run(group, run, run_index)
-                run_index += 1
+                    self._single.step(group, run.params, run.states, getattr(self, "found_inf", None))
+                else:
+                    self._step_run(group, run, run_index)
+                    run_index += 1
         return loss
-
-    # -- the single pass (CPU) ------------------------------------------------------------------------------------
-    def _wants_single_pass(self, group: dict[str, Any]) -> bool:
-        """Whether ``group``'s large BF16 parameters may take :mod:`~hf_mixedprec.storage.single_pass`: on (auto), a
-        master it keeps, FP32 moments, no ``grad_scale`` to divide by (the multi-pass step divides as torch's kernel
-        does), beta1 above 0.5 (the lerp it writes) and a positive learning rate (a step at lr 0 keeps each stored
-        master as it is: see :meth:`_step_run`)."""
-        if self.single_pass != "auto" or self.master not in single_pass.MODES or self.state_dtype != torch.float32:
-            return False
-        lr, found_inf = group["lr"], getattr(self, "found_inf", None)
-        if any(torch.is_tensor(t) and t.device.type != "cpu" for t in (lr, found_inf)):
-            return False
-        return (
-            getattr(self, "grad_scale", None) is None
-            and group["betas"][0] > 0.5
-            and float(lr) > 0.0
-            and not torch.compiler.is_compiling()
-            and not in_dispatch_mode()  # estimate's fake tensors, an operation counter: torch.compile refuses both
-        )
-
-    def _single_pass_ok(self, group: dict[str, Any], p: torch.Tensor, st: dict[str, Any]) -> bool:
-        """Whether the single pass gives this process's multi-pass bits for ``p``'s gradient dtype and the group's
-        settings (:func:`~hf_mixedprec.storage.single_pass.check`, once per process and setting); the first time it
-        does not, the optimizer says so loudly."""
-        why = single_pass.check(self.master, _grad(p, st).dtype, group)
-        if why is not None and why not in self._turned_down:
-            self._turned_down.add(why)
-            self._note(
-                f"StorageAdamW: the single-pass update of storage.master {self.master} is off on this machine: "
-                f"{why}; BF16 parameters of {single_pass.MIN_ELEMENTS:,}+ elements take the multi-pass step (the "
-                "same results, more passes over memory)"
-            )
-        return why is None
-
-    def _step_single_pass(self, group: dict[str, Any], run: _Run) -> None:
-        """One step of ``run``'s parameters, each by one compiled loop. Its step count and ``found_inf`` are read on
-        the host (a CPU's own memory: no sync); a flagged step changes nothing, as torch's CPU kernel skips it."""
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and float(found_inf) > 0:
-            return
-        beta1, beta2 = group["betas"]
-        settings = {"lr": float(group["lr"]), "beta1": beta1, "beta2": beta2}
-        settings |= {"weight_decay": group["weight_decay"], "eps": group["eps"]}
-        scalars: dict[float, torch.Tensor] = {}
-        for p, st in zip(run.params, run.states):
-            step = st["step"]
-            step += 1
-            count = float(step)
-            if count not in scalars:
-                scalars[count] = single_pass.hyper(*settings.values(), count)
-            single_pass.update(p, _grad(p, st), st, self.master, settings, count, scalars[count])
 
     def _seeded(self, device: torch.device, group: dict[str, Any], run_index: int, shard: int, stream: int) -> Any:
         """The generator of one stochastic rounding, seeded on the host (no device read, no state to save) from the
@@ -422,7 +344,7 @@ class StorageAdamW(torch.optim.Optimizer):
         avgs = [st["exp_avg"] for st in states]
         sqs = [st["exp_avg_sq"] for st in states]
         flat_master = (
-            None if in_place or (mode == "fp32" and _in_place(params)) else self._gather_master(params, states, mode)
+            None if in_place or (mode == "fp32" and _in_place(params)) else _gather_master(params, states, mode)
         )
         flat_avgs = None if in_place or _in_place(avgs) else _gather(avgs)
         flat_sqs = None if in_place or _in_place(sqs) else _gather(sqs)
@@ -471,39 +393,45 @@ class StorageAdamW(torch.optim.Optimizer):
             # weight plus a compensation that is not its own (Distributed Checkpoint's resume runs such a step on
             # the checkpoint's weights before it loads their states, state_dict.py ``_init_optim_state``) could move it
             gen = self._seeded(device, group, run_index, run.shard, 2) if mode == "bf16_stochastic" else None
-            self._store_master(params, states, mode, flat_master, sizes, gen)
+            _store_master(params, states, mode, flat_master, sizes, gen)
 
-    def _gather_master(self, params: list[torch.Tensor], states: list[dict[str, Any]], mode: str) -> torch.Tensor:
-        """The FP32 masters of ``params``, flat: the update starts from them."""
-        if mode == "bf16_remainder":
-            return combine_remainder(_gather(params, None), _gather([st["remainder"] for st in states], None))
-        flat = _gather(params)
-        if mode == "bf16_kahan":
-            flat += _gather([st["compensation"] for st in states])
-        return flat
 
-    def _store_master(
-        self,
-        params: list[torch.Tensor],
-        states: list[dict[str, Any]],
-        mode: str,
-        master: torch.Tensor,
-        sizes: list[int],
-        gen: torch.Generator | None,
-    ) -> None:
-        """Write the updated FP32 masters back in the parameters' storage."""
-        if mode == "bf16_remainder":
-            upper, rem = split_remainder(master)
-            _scatter(upper, params, sizes)
-            _scatter(rem, [st["remainder"] for st in states], sizes)
-        elif mode == "bf16_kahan":
-            weight, comp = kahan_store(master)
-            _scatter(weight, params, sizes)
-            _scatter(comp, [st["compensation"] for st in states], sizes)
-        elif mode == "bf16_stochastic":
-            _scatter(stochastic_round_bf16(master, gen), params, sizes)
-        else:
-            _scatter(master, params, sizes)  # round to nearest (master none, or another dtype)
+def _gather_master(params: list[torch.Tensor], states: list[dict[str, Any]], mode: str) -> torch.Tensor:
+    """The FP32 masters of ``params``, flat: the update starts from them."""
+    if mode == "bf16_remainder":
+        return combine_remainder(_gather(params, None), _gather([st["remainder"] for st in states], None))
+    flat = _gather(params)
+    if mode == "bf16_kahan":
+        flat += _gather([st["compensation"] for st in states])
+    return flat
+
+
+def _store_master(
+    params: list[torch.Tensor],
+    states: list[dict[str, Any]],
+    mode: str,
+    master: torch.Tensor,
+    sizes: list[int],
+    gen: torch.Generator | None,
+) -> None:
+    """Write the updated FP32 masters back in the parameters' storage."""
+    if mode == "bf16_remainder":
+        upper, rem = split_remainder(master)
+        _scatter(upper, params, sizes)
+        _scatter(rem, [st["remainder"] for st in states], sizes)
+    elif mode == "bf16_kahan":
+        weight, comp = kahan_store(master)
+        _scatter(weight, params, sizes)
+        _scatter(comp, [st["compensation"] for st in states], sizes)
+    elif mode == "bf16_stochastic":
+        _scatter(stochastic_round_bf16(master, gen), params, sizes)
+    else:
+        _scatter(master, params, sizes)  # round to nearest (master none, or another dtype)
+
+
+def _multi_pass_reference(params: list[torch.nn.Parameter], **kwargs: Any) -> StorageAdamW:
+    """The step the single pass is checked against: this optimizer with it off."""
+    return StorageAdamW(params, single_pass="off", **kwargs)
 
 
 def saved_storage(state_dict: Any) -> dict[str, Any] | None:

@@ -2,7 +2,7 @@
 
 ``StorageAdamW``'s step gathers a run's BF16 weights, remainders or compensations and gradients into FP32 buffers,
 runs torch's fused AdamW kernel on them and writes them back: several passes over the data around the kernel's one.
-For a parameter of :data:`MIN_ELEMENTS` or more (a run of its own on a CPU) this module does the same update in one
+For a parameter of :data:`MIN_ELEMENTS` or more (2**16 or 2**18 elements by master) this module does the same update in one
 loop that ``torch.compile`` generates, reading the stored weight, its remainder or compensation, the gradient and
 the moments once and writing them once, with the same bits:
 
@@ -26,23 +26,29 @@ own multi-pass step on a probe of wide-ranging values, infinities and NaNs inclu
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from hf_mixedprec.core._private import fused_adamw_, inductor_fma
+from hf_mixedprec.core._private import fused_adamw_, in_dispatch_mode, inductor_fma
 from hf_mixedprec.storage.bits import combine_remainder, kahan_store, split_remainder
 
-__all__ = ["MIN_ELEMENTS", "MODES", "check", "eligible", "hyper", "update"]
+__all__ = ["MIN_ELEMENTS", "MODES", "SinglePass", "check", "eligible", "hyper", "update"]
 
-#: Parameters of at least this many elements take the single pass (smaller ones are gathered into runs, where the
-#: passes stay in cache and one compiled call per parameter would cost more than it saves).
-MIN_ELEMENTS = 1 << 18
+#: Per master, the parameters of at least this many elements take the single pass; smaller ones are gathered into
+#: runs, where the passes stay in cache and a compiled call per parameter (about 25 us) costs more than it saves.
+#: Measured with ``scripts/bench_storage_step.py`` (docs/benchmarks.md): at 2**16 elements the single pass took
+#: 0.4-0.7x the multi-pass step's time for ``bf16_remainder`` and ``bf16_kahan``, but 0.9-1.3x for ``none`` (whose
+#: multi-pass step is already short), which gains from 2**18 on.
+MIN_ELEMENTS: dict[str, int] = {"bf16_remainder": 1 << 16, "bf16_kahan": 1 << 16, "none": 1 << 18}
 
 #: The masters the single pass keeps (``bf16_stochastic`` draws from torch's generator in the multi-pass step's order).
 MODES = ("bf16_remainder", "bf16_kahan", "none")
+
+log = logging.getLogger("hf_mixedprec")
 
 _LOW32 = 0xFFFFFFFF
 _HIGH16 = -65536  # 0xFFFF0000 as an int32
@@ -149,9 +155,9 @@ def _kernel(mode: str) -> Callable[..., None]:
 
 def eligible(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], mode: str) -> bool:
     """Whether the single pass can update ``p`` (a local tensor on a CPU) where it is stored: BF16, at least
-    :data:`MIN_ELEMENTS` elements, FP32 moments, a BF16 or FP32 gradient, every tensor contiguous (and, for the word
+    :data:`MIN_ELEMENTS` of its master's elements, FP32 moments, a BF16 or FP32 gradient, every tensor contiguous (and, for the word
     views of ``bf16_remainder``, starting at an even offset)."""
-    if p.device.type != "cpu" or p.dtype != torch.bfloat16 or p.numel() < MIN_ELEMENTS or mode not in MODES:
+    if p.device.type != "cpu" or p.dtype != torch.bfloat16 or mode not in MODES or p.numel() < MIN_ELEMENTS[mode]:
         return False
     extra = {"bf16_remainder": "remainder", "bf16_kahan": "compensation"}.get(mode)
     tensors = [p, grad, state["exp_avg"], state["exp_avg_sq"], *([state[extra]] if extra in state else [])]
@@ -263,12 +269,115 @@ def _tail(
         w.copy_(master)
 
 
+class SinglePass:
+    """One optimizer's use of the single pass: which of its parameters take it, the check, the step, and what it
+    said.
+
+    ``master``, ``state_dtype``: the optimizer's storage; ``setting``: ``auto`` (on where it applies) or ``off``;
+    ``grad_of(p, state)``: a parameter's gradient (a local shard's rides in its state); ``reference``: builds the
+    multi-pass optimizer the check compares with (``reference(params, lr=, betas=, eps=, weight_decay=, master=)``)."""
+
+    def __init__(
+        self,
+        master: str,
+        state_dtype: torch.dtype,
+        setting: str,
+        grad_of: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor],
+        reference: Callable[..., torch.optim.Optimizer],
+    ) -> None:
+        if setting not in ("auto", "off"):
+            raise ValueError(f"single_pass {setting!r} (allowed: auto, off)")
+        self.master, self.grad_of, self.reference = master, grad_of, reference
+        self.enabled = setting == "auto" and master in MODES and state_dtype == torch.float32
+        #: what a run report should say (a failed check, once per reason); logged as a warning when made
+        self.notes: list[str] = []
+        self._taken = 0
+
+    def take_notes(self) -> list[str]:
+        """The :attr:`notes` made since the last call."""
+        new = self.notes[self._taken :]
+        self._taken = len(self.notes)
+        return new
+
+    def wanted(self, group: dict[str, Any], optimizer: Any) -> bool:
+        """Whether ``group``'s large BF16 parameters may take the single pass at this step: on, no ``grad_scale`` to
+        divide by (the multi-pass step divides as torch's kernel does), the learning rate and ``found_inf`` on the
+        host, beta1 above 0.5 (the lerp :func:`_adamw` writes), a positive learning rate (a step at lr 0 keeps each
+        stored master as it is), and neither inside ``torch.compile`` nor under a ``TorchDispatchMode`` (``estimate``'s
+        fake tensors, an operation counter), where ``torch.compile`` cannot run."""
+        lr, found_inf = group["lr"], getattr(optimizer, "found_inf", None)
+        if not self.enabled or any(torch.is_tensor(t) and t.device.type != "cpu" for t in (lr, found_inf)):
+            return False
+        return (
+            getattr(optimizer, "grad_scale", None) is None
+            and group["betas"][0] > 0.5
+            and float(lr) > 0.0
+            and not torch.compiler.is_compiling()
+            and not in_dispatch_mode()
+        )
+
+    def pick(
+        self, group: dict[str, Any], optimizer: Any, by_kind: dict[Any, tuple[list[torch.Tensor], list[dict[str, Any]]]]
+    ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+        """Take the parameters that take the single pass out of ``by_kind`` (the optimizer's parameters by device,
+        dtype and shard, with their states): (parameters, states)."""
+        taken: tuple[list[torch.Tensor], list[dict[str, Any]]] = ([], [])
+        if not self.wanted(group, optimizer):
+            return taken
+        for (device, dtype, _), (params, states) in by_kind.items():
+            if device.type != "cpu" or dtype != torch.bfloat16:
+                continue
+            keep = [not self._takes(group, p, st) for p, st in zip(params, states)]
+            taken[0].extend(p for p, k in zip(params, keep) if not k)
+            taken[1].extend(st for st, k in zip(states, keep) if not k)
+            params[:] = [p for p, k in zip(params, keep) if k]
+            states[:] = [st for st, k in zip(states, keep) if k]
+        return taken
+
+    def _takes(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> bool:
+        """:func:`eligible`, and :func:`check` passed for its gradient dtype and the group's settings; a failed check
+        is said (a warning and a note) the first time."""
+        grad = self.grad_of(p, state)
+        if not eligible(p, grad, state, self.master):
+            return False
+        why = check(self.master, grad.dtype, group, self.reference)
+        if why is not None and all(why not in n for n in self.notes):
+            self.notes.append(
+                f"StorageAdamW: the single-pass update of storage.master {self.master} is off on this machine: {why}; "
+                f"BF16 parameters of {MIN_ELEMENTS[self.master]:,}+ elements take the multi-pass step (the same "
+                "results, more passes over memory)"
+            )
+            log.warning("hf_mixedprec: %s", self.notes[-1])
+        return why is None
+
+    def step(
+        self, group: dict[str, Any], params: list[torch.Tensor], states: list[dict[str, Any]], found_inf: Any
+    ) -> None:
+        """One step of ``params`` (each picked), one compiled loop each. Step counts and ``found_inf`` are read on the
+        host (a CPU's own memory: no sync); a flagged step changes nothing, as torch's CPU kernel skips it."""
+        if found_inf is not None and float(found_inf) > 0:
+            return
+        beta1, beta2 = group["betas"]
+        settings = {"lr": float(group["lr"]), "beta1": beta1, "beta2": beta2}
+        settings |= {"weight_decay": group["weight_decay"], "eps": group["eps"]}
+        scalars: dict[float, torch.Tensor] = {}
+        for p, st in zip(params, states):
+            step = st["step"]
+            step += 1
+            count = float(step)
+            if count not in scalars:
+                scalars[count] = hyper(*settings.values(), count)
+            update(p, self.grad_of(p, st), st, self.master, settings, count, scalars[count])
+
+
 def _setting(mode: str, grad_dtype: torch.dtype, group: dict[str, Any]) -> tuple[Any, ...]:
     return (mode, grad_dtype, tuple(group["betas"]), group["eps"], group["weight_decay"])
 
 
-def check(mode: str, grad_dtype: torch.dtype, group: dict[str, Any]) -> str | None:
-    """None where the single pass gives ``StorageAdamW``'s multi-pass bits for ``mode``, this gradient dtype and
+def check(
+    mode: str, grad_dtype: torch.dtype, group: dict[str, Any], reference: Callable[..., torch.optim.Optimizer]
+) -> str | None:
+    """None where the single pass gives the multi-pass bits (of the optimizer ``reference`` builds) for ``mode``, this gradient dtype and
     ``group``'s betas, eps and weight decay on this machine; else why not. Once per process and setting: three steps
     of a probe parameter (2**12 + 13 elements of magnitudes 1e-30 to 1e30, zeros of both signs, infinities and NaNs among
     weights and gradients) both ways, every stored bit compared (NaNs as NaNs, whatever their payload, except the
@@ -276,7 +385,7 @@ def check(mode: str, grad_dtype: torch.dtype, group: dict[str, Any]) -> str | No
     key = _setting(mode, grad_dtype, group)
     if key not in _checked:
         try:
-            _checked[key] = _compare(mode, grad_dtype, group)
+            _checked[key] = _compare(mode, grad_dtype, group, reference)
         except Exception as exc:  # torch.compile without a C++ compiler, or an inductor that cannot lower the loop
             first = (str(exc).strip().splitlines() or [""])[0][:160]
             _checked[key] = f"its check raised {type(exc).__name__}: {first}"
@@ -290,9 +399,9 @@ def _probe(n: int, gen: torch.Generator) -> torch.Tensor:
     return values
 
 
-def _compare(mode: str, grad_dtype: torch.dtype, group: dict[str, Any]) -> str | None:
-    from hf_mixedprec.storage.optim import StorageAdamW
-
+def _compare(
+    mode: str, grad_dtype: torch.dtype, group: dict[str, Any], reference: Callable[..., torch.optim.Optimizer]
+) -> str | None:
     n, steps = (1 << 12) + 13, 3  # a body and a tail
     gen = torch.Generator().manual_seed(0)
     beta1, beta2 = group["betas"]
@@ -300,10 +409,9 @@ def _compare(mode: str, grad_dtype: torch.dtype, group: dict[str, Any]) -> str |
     ref = torch.nn.Parameter(_probe(n, gen).to(torch.bfloat16))
     ref.grad_dtype = grad_dtype  # an FP32 gradient on a BF16 parameter, as the run's own
     mine = torch.nn.Parameter(ref.detach().clone())
-    opt = StorageAdamW(
-        [ref], lr=lr, betas=(beta1, beta2), eps=group["eps"], weight_decay=group["weight_decay"], master=mode,
-        single_pass="off",
-    )  # fmt: skip
+    opt = reference(
+        [ref], lr=lr, betas=(beta1, beta2), eps=group["eps"], weight_decay=group["weight_decay"], master=mode
+    )
     state: dict[str, Any] = {"exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)}
     state |= {"remainder": torch.zeros(n, dtype=torch.int16), "compensation": torch.zeros(n, dtype=torch.bfloat16)}
     for step in range(1, steps + 1):

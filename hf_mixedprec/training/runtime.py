@@ -86,6 +86,13 @@ def compute_dtype(recipe: RecipeSpec) -> torch.dtype | None:
     return formats.compute_dtype(recipe.precision)
 
 
+def _optimizer_notes(optimizer: Any) -> list[str]:
+    """What the optimizer (StorageAdamW: its single pass turned down) decided since the last step, for the run report;
+    it logged each loudly already."""
+    take_notes = getattr(getattr(optimizer, "optimizer", optimizer), "take_notes", None)
+    return take_notes() if take_notes is not None else []
+
+
 def _rehearsed_what(recipe: RecipeSpec) -> str:
     """What a rehearsal runs differently from the recipe's own hardware, in a few words."""
     if recipe.precision == "fp8" and recipe.fp8 is not None and recipe.fp8.backend == "torchao":
@@ -173,8 +180,7 @@ class MixedPrecisionRuntime:
         return self.recipe if self.phases is None else self.phases.active
 
     def note(self, text: str, *, quiet: bool = False) -> None:
-        """Record a decision or fallback; they all end up in the run report. Logged loudly (a warning), or at INFO
-        when ``quiet``: a routine setup step that needs none of the user's attention."""
+        """Record a decision or fallback for the run report; logged as a warning (at INFO when ``quiet``: routine)."""
         self.notes.append(text)
         if is_main_rank():  # every rank records it; one prints it
             log.log(logging.INFO if quiet else logging.WARNING, "hf_mixedprec: %s", text)
@@ -354,10 +360,7 @@ class MixedPrecisionRuntime:
             self.monitor.post_step(skipped=self.amp.found_inf, scale=self.amp.device_scale())
         self.amp.after_step(optimizer)
         self.steps += 1
-        take_notes = getattr(getattr(optimizer, "optimizer", optimizer), "take_notes", None)
-        if take_notes is not None:  # StorageAdamW's decisions (its single pass turned down) go into the run report
-            for text in take_notes():
-                self.note(text, quiet=True)  # the optimizer logged it loudly already
+        self.notes += _optimizer_notes(optimizer)
 
     def after_external_step(self, model: nn.Module | None = None) -> None:
         """Under DeepSpeed, after the engine's step: advance FP8 scaling as :meth:`after_optimizer_step` does, and
