@@ -6,10 +6,11 @@ lockstep: one step of each variant in turn, the order rotated every repeat, so l
 alike. A step's time is wall time (``time.perf_counter``) around ``optimizer.step()``; the first ``--warmup`` steps
 are discarded. The table gives the median step and its ratio to torch's ``AdamW(fused=True)`` on FP32 parameters
 (Trainer's ``adamw_torch_fused``), and the operations of one step that launch a kernel (aten operations seen by a
-``TorchDispatchMode``, views not counted): what a GPU would launch. On a CPU, BF16 parameters of 2**18 elements or
-more take ``StorageAdamW``'s compiled single pass (``hf_mixedprec/storage/single_pass.py``: one loop each), which
-``torch.compile`` cannot run under that mode, so the count is the multi-pass step's; the ", multi-pass" rows time
-that step (``single_pass="off"``) beside it and say whether both end on the same weights.
+``TorchDispatchMode``, views not counted): what a GPU would launch. On a CPU, large BF16 parameters (2**16 elements
+or more for ``bf16_remainder`` and ``bf16_kahan``, 2**18 for ``none``) take ``StorageAdamW``'s compiled single pass
+(``hf_mixedprec/storage/single_pass.py``: one loop each), which ``torch.compile`` cannot run under that mode, so the
+count is the multi-pass step's; the ", multi-pass" rows time that step (``single_pass="off"``) beside it and say
+whether both end on the same bits, weights and optimizer states.
 
 ``--low-bit`` adds torchao's 8-bit AdamW over BF16 weights two ways, each handed a zero skip flag as a BF16 run's
 scale-1 guard hands it every step: torchao's own class, which ``GradScaler.step`` steps after reading the flag on the
@@ -181,11 +182,23 @@ def measure(
         if name.startswith("legacy"):  # the same steps from the same start: are its weights ours, bit for bit?
             ours, theirs = runs["bf16_remainder"][0], runs[name][0]
             row["same_weights_as_bf16_remainder"] = all(torch.equal(a, b) for a, b in zip(ours, theirs))
-        if name.endswith(MULTI):  # the single pass's weights after as many steps: the multi-pass step's?
-            ours, theirs = runs[name.removesuffix(MULTI)][0], runs[name][0]
-            row["same_weights_as_single_pass"] = all(torch.equal(a, b) for a, b in zip(ours, theirs))
+        if name.endswith(MULTI):  # the single pass's weights and states after as many steps: the multi-pass step's?
+            row["same_bits_as_single_pass"] = same_bits(runs[name.removesuffix(MULTI)], runs[name])
         rows_out.append(row)
     return rows_out
+
+
+def same_bits(one: tuple[list[torch.Tensor], Any], other: tuple[list[torch.Tensor], Any]) -> bool:
+    """Whether two (parameters, optimizer) pairs hold the same bits: every weight and every optimizer state tensor."""
+    for a, b in zip(one[0], other[0]):
+        pairs = [(a.detach(), b.detach())]
+        pairs += [(v, other[1].state[b][k]) for k, v in one[1].state[a].items() if torch.is_tensor(v)]
+        if not all(
+            x.dtype == y.dtype and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+            for x, y in pairs
+        ):
+            return False
+    return True
 
 
 def load_legacy(path: str) -> type:
@@ -250,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     for shapes in sets:
         for row in measure(shapes, args.repeats, args.warmup, legacy, args.low_bit, device):
             rows.append(row)
-            for key in ("same_weights_as_bf16_remainder", "same_weights_as_single_pass"):
+            for key in ("same_weights_as_bf16_remainder", "same_bits_as_single_pass"):
                 if key in row:
                     print(f"{row['variant']}: {key.replace('_', ' ')}: {row[key]}", file=sys.stderr)
             print(

@@ -21,6 +21,10 @@ is compiled over ``--speed-elements`` elements. It is timed beside ``torch._fuse
 (``at::vec``). The same for ``bf16_kahan``, whose master (a BF16 weight and a BF16 compensation) needs no int16:
 its single pass is compared bit for bit with ``StorageAdamW``'s own step after two steps, and timed beside it.
 
+The probe's remainder loop reads the int16 remainders as int16, which leaves it scalar. ``StorageAdamW``'s own
+single pass (``hf_mixedprec/storage/single_pass.py``) reads them, and the BF16 weights, two to an int32 word, and
+inductor vectorises that loop.
+
     python scripts/probe_single_pass_adamw.py                       # 1M elements checked, 10M timed
     python scripts/probe_single_pass_adamw.py --json --out probe.json
 """

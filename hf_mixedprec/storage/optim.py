@@ -29,7 +29,8 @@ On a CPU, a BF16 parameter of :data:`~hf_mixedprec.storage.single_pass.MIN_ELEME
 ``bf16_remainder``, ``bf16_kahan`` or ``none`` with FP32 moments is updated by one compiled loop instead
 (:mod:`hf_mixedprec.storage.single_pass`; ``single_pass="off"`` turns it off), with the same bits, checked once per
 process against the step above; where they differ the optimizer says so (a warning, and
-:meth:`StorageAdamW.take_notes` for the run report) and keeps the step above. A CPU reads its own values without a sync, so that loop takes the step count and ``found_inf`` on the host.
+:meth:`StorageAdamW.take_notes` for the run report) and keeps the step above. A CPU reads its own values without a
+sync, so that loop takes the step count and ``found_inf`` on the host.
 """
 
 from __future__ import annotations
@@ -299,6 +300,11 @@ class StorageAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step_groups()
+        return loss
+
+    def _step_groups(self) -> None:
+        """The step itself, without ``Optimizer.step``'s hooks (the single pass's check steps a reference with it)."""
         run_index = 0
         for group in self.param_groups:
             group["storage_steps"] = group.get("storage_steps", 0) + 1
@@ -308,7 +314,6 @@ class StorageAdamW(torch.optim.Optimizer):
                 else:
                     self._step_run(group, run, run_index)
                     run_index += 1
-        return loss
 
     def _seeded(self, device: torch.device, group: dict[str, Any], run_index: int, shard: int, stream: int) -> Any:
         """The generator of one stochastic rounding, seeded on the host (no device read, no state to save) from the
@@ -429,9 +434,11 @@ def _store_master(
         _scatter(master, params, sizes)  # round to nearest (master none, or another dtype)
 
 
-def _multi_pass_reference(params: list[torch.nn.Parameter], **kwargs: Any) -> StorageAdamW:
-    """The step the single pass is checked against: this optimizer with it off."""
-    return StorageAdamW(params, single_pass="off", **kwargs)
+def _multi_pass_reference(params: list[torch.nn.Parameter], **kwargs: Any) -> tuple[StorageAdamW, Any]:
+    """What the single pass is checked against: this optimizer with it off, and its step without the global optimizer
+    hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook``) a user's code may have registered."""
+    opt = StorageAdamW(params, single_pass="off", **kwargs)
+    return opt, opt._step_groups
 
 
 def saved_storage(state_dict: Any) -> dict[str, Any] | None:

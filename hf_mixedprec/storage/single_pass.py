@@ -2,9 +2,9 @@
 
 ``StorageAdamW``'s step gathers a run's BF16 weights, remainders or compensations and gradients into FP32 buffers,
 runs torch's fused AdamW kernel on them and writes them back: several passes over the data around the kernel's one.
-For a parameter of :data:`MIN_ELEMENTS` or more (2**16 or 2**18 elements by master) this module does the same update in one
-loop that ``torch.compile`` generates, reading the stored weight, its remainder or compensation, the gradient and
-the moments once and writing them once, with the same bits:
+For a parameter of :data:`MIN_ELEMENTS` or more (2**16 or 2**18 elements by master) this module does the same
+update in one loop that ``torch.compile`` generates, reading the stored weight, its remainder or compensation, the
+gradient and the moments once and writing them once, with the same bits:
 
 * the update is torch's CPU fused AdamW as its source states it (``aten/src/ATen/native/cpu/FusedAdamKernel.cpp``):
   the first moment's lerp a fused multiply-add, the weight decay a product, ``denom = sqrt(v) / sqrt(bias_correction2)
@@ -53,6 +53,9 @@ log = logging.getLogger("hf_mixedprec")
 _LOW32 = 0xFFFFFFFF
 _HIGH16 = -65536  # 0xFFFF0000 as an int32
 _QUIET_NAN = 0x7FC00000  # the pattern hf_mixedprec.storage.bits stores a NaN master as
+
+#: builds the multi-pass optimizer a check compares with: ``(optimizer, its step without global hooks)``
+Reference = Callable[..., tuple[Any, Callable[[], None]]]
 
 _fma: Callable[..., torch.Tensor] | None = None
 _compiled: dict[str, Callable[..., None]] = {}
@@ -155,8 +158,8 @@ def _kernel(mode: str) -> Callable[..., None]:
 
 def eligible(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], mode: str) -> bool:
     """Whether the single pass can update ``p`` (a local tensor on a CPU) where it is stored: BF16, at least
-    :data:`MIN_ELEMENTS` of its master's elements, FP32 moments, a BF16 or FP32 gradient, every tensor contiguous (and, for the word
-    views of ``bf16_remainder``, starting at an even offset)."""
+    :data:`MIN_ELEMENTS` of its master's elements, FP32 moments, a BF16 or FP32 gradient, every tensor contiguous
+    (and, for the word views of ``bf16_remainder``, starting at an even offset)."""
     if p.device.type != "cpu" or p.dtype != torch.bfloat16 or mode not in MODES or p.numel() < MIN_ELEMENTS[mode]:
         return False
     extra = {"bf16_remainder": "remainder", "bf16_kahan": "compensation"}.get(mode)
@@ -200,28 +203,21 @@ def update(
     body = n - n % TAIL_ALIGN
     if body:
         if h is None:
-            h = hyper(
-                settings["lr"], settings["beta1"], settings["beta2"], settings["weight_decay"], settings["eps"], step
-            )
+            h = hyper(*(settings[k] for k in ("lr", "beta1", "beta2", "weight_decay", "eps")), step)
         w_, g_, m_, v_ = w[:body], g[:body], m[:body], v[:body]
-        if mode == "bf16_remainder":
-            assert extra is not None
-            words = g_.view(torch.int32) if g.dtype == torch.bfloat16 else g_.view(torch.int64)
-            kernel = _kernel(mode)
-            kernel(
-                w_.view(torch.int32),
-                extra[:body].view(torch.int32),
-                words,
-                m_.view(torch.int64),
-                v_.view(torch.int64),
-                h,
-                g.dtype == torch.bfloat16,
-            )
-        elif mode == "bf16_kahan":
-            assert extra is not None
-            _kernel(mode)(w_, extra[:body], g_, m_, v_, h)
-        else:
-            _kernel(mode)(w_, g_, m_, v_, h)
+        # under torch.compile's default stance whatever the caller's (torch.compiler.set_stance): run eagerly,
+        # inductor_prims.fma rounds twice and the bits change
+        with torch.compiler.set_stance("default"):
+            if mode == "bf16_remainder":
+                assert extra is not None
+                words = g_.view(torch.int32) if g.dtype == torch.bfloat16 else g_.view(torch.int64)
+                r_, bf16_grad = extra[:body].view(torch.int32), g.dtype == torch.bfloat16
+                _kernel(mode)(w_.view(torch.int32), r_, words, m_.view(torch.int64), v_.view(torch.int64), h, bf16_grad)
+            elif mode == "bf16_kahan":
+                assert extra is not None
+                _kernel(mode)(w_, extra[:body], g_, m_, v_, h)
+            else:
+                _kernel(mode)(w_, g_, m_, v_, h)
     if body < n:
         _tail(mode, w[body:], None if extra is None else extra[body:], g[body:], m[body:], v[body:], settings, step)
 
@@ -275,7 +271,8 @@ class SinglePass:
 
     ``master``, ``state_dtype``: the optimizer's storage; ``setting``: ``auto`` (on where it applies) or ``off``;
     ``grad_of(p, state)``: a parameter's gradient (a local shard's rides in its state); ``reference``: builds the
-    multi-pass optimizer the check compares with (``reference(params, lr=, betas=, eps=, weight_decay=, master=)``)."""
+    multi-pass optimizer the check compares with and its step without the global optimizer hooks a user may have
+    registered (``reference(params, lr=, betas=, eps=, weight_decay=, master=)`` -> ``(optimizer, step)``)."""
 
     def __init__(
         self,
@@ -283,7 +280,7 @@ class SinglePass:
         state_dtype: torch.dtype,
         setting: str,
         grad_of: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor],
-        reference: Callable[..., torch.optim.Optimizer],
+        reference: Reference,
     ) -> None:
         if setting not in ("auto", "off"):
             raise ValueError(f"single_pass {setting!r} (allowed: auto, off)")
@@ -303,8 +300,9 @@ class SinglePass:
         """Whether ``group``'s large BF16 parameters may take the single pass at this step: on, no ``grad_scale`` to
         divide by (the multi-pass step divides as torch's kernel does), the learning rate and ``found_inf`` on the
         host, beta1 above 0.5 (the lerp :func:`_adamw` writes), a positive learning rate (a step at lr 0 keeps each
-        stored master as it is), and neither inside ``torch.compile`` nor under a ``TorchDispatchMode`` (``estimate``'s
-        fake tensors, an operation counter), where ``torch.compile`` cannot run."""
+        stored master as it is), neither inside ``torch.compile`` nor under a ``TorchDispatchMode`` (``estimate``'s
+        fake tensors, an operation counter), where ``torch.compile`` cannot run, nor under inference mode or CPU
+        autocast."""
         lr, found_inf = group["lr"], getattr(optimizer, "found_inf", None)
         if not self.enabled or any(torch.is_tensor(t) and t.device.type != "cpu" for t in (lr, found_inf)):
             return False
@@ -314,6 +312,8 @@ class SinglePass:
             and float(lr) > 0.0
             and not torch.compiler.is_compiling()
             and not in_dispatch_mode()
+            and not torch.is_inference_mode_enabled()  # either would compile another loop, which no check compared
+            and not torch.is_autocast_enabled("cpu")
         )
 
     def pick(
@@ -374,14 +374,12 @@ def _setting(mode: str, grad_dtype: torch.dtype, group: dict[str, Any]) -> tuple
     return (mode, grad_dtype, tuple(group["betas"]), group["eps"], group["weight_decay"])
 
 
-def check(
-    mode: str, grad_dtype: torch.dtype, group: dict[str, Any], reference: Callable[..., torch.optim.Optimizer]
-) -> str | None:
-    """None where the single pass gives the multi-pass bits (of the optimizer ``reference`` builds) for ``mode``, this gradient dtype and
-    ``group``'s betas, eps and weight decay on this machine; else why not. Once per process and setting: three steps
-    of a probe parameter (2**12 + 13 elements of magnitudes 1e-30 to 1e30, zeros of both signs, infinities and NaNs among
-    weights and gradients) both ways, every stored bit compared (NaNs as NaNs, whatever their payload, except the
-    remainder's, which must be equal)."""
+def check(mode: str, grad_dtype: torch.dtype, group: dict[str, Any], reference: Reference) -> str | None:
+    """None where the single pass gives the multi-pass bits (of the optimizer ``reference`` builds) for ``mode``,
+    this gradient dtype and ``group``'s betas, eps and weight decay on this machine; else why not. Once per process
+    and setting: three steps of a probe parameter (2**12 + 29 elements of magnitudes 1e-30 to 1e30, zeros of both
+    signs, infinities and NaNs among weights and gradients) both ways, every stored bit compared (NaNs as NaNs,
+    whatever their payload, except the remainder's, which must be equal)."""
     key = _setting(mode, grad_dtype, group)
     if key not in _checked:
         try:
@@ -399,17 +397,16 @@ def _probe(n: int, gen: torch.Generator) -> torch.Tensor:
     return values
 
 
-def _compare(
-    mode: str, grad_dtype: torch.dtype, group: dict[str, Any], reference: Callable[..., torch.optim.Optimizer]
-) -> str | None:
-    n, steps = (1 << 12) + 13, 3  # a body and a tail
+def _compare(mode: str, grad_dtype: torch.dtype, group: dict[str, Any], reference: Reference) -> str | None:
+    # a body whose words end in a part vector (inductor's masked last iteration) and a tail for torch's kernel
+    n, steps = (1 << 12) + 16 + 13, 3
     gen = torch.Generator().manual_seed(0)
     beta1, beta2 = group["betas"]
     lr = float(group["lr"]) or 1e-3
     ref = torch.nn.Parameter(_probe(n, gen).to(torch.bfloat16))
     ref.grad_dtype = grad_dtype  # an FP32 gradient on a BF16 parameter, as the run's own
     mine = torch.nn.Parameter(ref.detach().clone())
-    opt = reference(
+    opt, step_without_hooks = reference(
         [ref], lr=lr, betas=(beta1, beta2), eps=group["eps"], weight_decay=group["weight_decay"], master=mode
     )
     state: dict[str, Any] = {"exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)}
@@ -417,7 +414,8 @@ def _compare(
     for step in range(1, steps + 1):
         grad = (_probe(n, gen) * 1e-3).to(grad_dtype)
         ref.grad = grad.clone()
-        opt.step()
+        with torch.no_grad():
+            step_without_hooks()
         settings = {
             "lr": lr,
             "beta1": beta1,

@@ -3,6 +3,7 @@ master it keeps, the parameters it leaves to the multi-pass step, and a failed c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -19,19 +20,32 @@ BIG = max(single_pass.MIN_ELEMENTS.values())  # the size from which every master
 
 
 def _params(seed: int, grad_dtype: torch.dtype) -> list[torch.nn.Parameter]:
-    """Large contiguous ones (one at the threshold, one of odd length), one transposed, one small, as BF16."""
+    """BF16 parameters: large contiguous ones (at the threshold; of odd length; of a length whose int32 words end in
+    a part vector, inductor's masked last iteration), two large ones at a storage offset (2 elements in, and 1:
+    ``bf16_remainder``'s words need an even one), one transposed, one small."""
     gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(BIG + 2, generator=gen)
     made = [
         torch.randn(512, 1024, generator=gen),
         torch.randn(BIG, generator=gen),
         torch.randn(BIG + 1, generator=gen),
+        torch.randn(BIG + 16 + 5, generator=gen),
         torch.randn(1024, 512, generator=gen).t(),
         torch.randn(64, 64, generator=gen),
     ]
     params = [torch.nn.Parameter((t * 0.02).to(torch.bfloat16)) for t in made]
+    shared = (base * 0.02).to(torch.bfloat16)  # one storage, two parameters at offsets 2 and 1 into it
+    params += [torch.nn.Parameter(shared[2:]), torch.nn.Parameter((base * 0.02).to(torch.bfloat16)[1:-1])]
+    assert [p.storage_offset() for p in params[-2:]] == [2, 1]
     for p in params:
         p.grad_dtype = grad_dtype  # an FP32 gradient on a BF16 parameter is refused unless the parameter allows it
     return params
+
+
+def _taking(mode: str, params: list[torch.nn.Parameter]) -> list[int]:
+    """The sizes of the parameters of :func:`_params` that take the single pass."""
+    taking = [p for i, p in enumerate(params) if i in (0, 1, 2, 3, 6) or (i == 7 and mode != "bf16_remainder")]
+    return sorted(p.numel() for p in taking)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -55,43 +69,91 @@ def updates(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("mode", single_pass.MODES)
-def test_the_single_pass_ends_where_the_multi_pass_step_ends(mode, grad_dtype, updates):
-    """Four steps under a changing learning rate, a NaN gradient element and a step GradScaler flags: every weight,
-    remainder or compensation, moment and step count as the multi-pass step leaves it (a NaN's payload aside where
-    the master keeps none), and the large contiguous parameters took the single pass."""
+def _lockstep(mode, grad_dtype=torch.bfloat16, lrs=(1e-3,), around=contextlib.nullcontext, nan_at=None, skip_at=None,
+              grad_scale=None, **hyper):  # fmt: skip
+    """:func:`_params` stepped by StorageAdamW (single pass on) and by the same with it off, in lockstep, ``around``
+    each step; ``nan_at``: a step whose gradients hold a NaN; ``skip_at``: a step GradScaler flags; ``grad_scale``: the
+    scale GradScaler hands every step when the gradients were not unscaled before. Asserts that both
+    end on the same bits (a NaN's payload aside where the master keeps none); returns the single-pass optimizer."""
     ours, ref = _params(0, grad_dtype), _params(0, grad_dtype)
-    hyper = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "master": mode}
-    opt = StorageAdamW(ours, lr=1e-3, **hyper)
-    multi = StorageAdamW(ref, lr=1e-3, single_pass="off", **hyper)
+    hyper = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "master": mode, **hyper}
+    opt = StorageAdamW(ours, lr=lrs[0], **hyper)
+    multi = StorageAdamW(ref, lr=lrs[0], single_pass="off", **hyper)
     gen = torch.Generator().manual_seed(1)
-    for step, lr in enumerate([1e-3, 5e-4, 2e-3, 1e-3]):
+    for step, lr in enumerate(lrs):
         for a, b in zip(ours, ref):
-            g = (torch.randn(a.shape, generator=gen) * 10.0 ** torch.randint(-6, 1, a.shape, generator=gen)).to(
-                grad_dtype
-            )
-            if step == 1:
+            g = torch.randn(a.shape, generator=gen) * 10.0 ** torch.randint(-6, 1, a.shape, generator=gen)
+            g = g.to(grad_dtype)
+            if step == nan_at:
                 g.view(-1)[7] = float("nan")
             a.grad, b.grad = g.clone(), g.clone()
         for o in (opt, multi):
             o.param_groups[0]["lr"] = lr
-            if step == 2:
+            if step == skip_at:
                 o.found_inf = torch.tensor(1.0)  # as GradScaler hands a fused optimizer its flag
-            o.step()
+            if grad_scale is not None:
+                o.grad_scale = torch.tensor(grad_scale)
+            with around():
+                o.step()
             o.__dict__.pop("found_inf", None)
-    eligible = [p.numel() for p in ours[:3]]
-    assert sorted(n for n in updates if n >= BIG) == sorted(
-        eligible * 3
-    )  # three steps each (the flagged one skipped), no other parameter
+            o.__dict__.pop("grad_scale", None)
     nan_payloads = mode != "bf16_remainder"  # a remainder master stores a NaN as the quiet NaN, both ways
     for a, b in zip(ours, ref):
-        assert _same(a.detach(), b.detach(), nan_payloads), tuple(a.shape)
+        assert _same(a.detach(), b.detach(), nan_payloads), (tuple(a.shape), a.storage_offset())
         for key, value in opt.state[a].items():
             assert _same(value, multi.state[b][key], nan_payloads or key.startswith("exp_")), (tuple(a.shape), key)
-        assert float(opt.state[a]["step"]) == 3.0
-        assert torch.isnan(a.float()).any()  # the NaN gradient reached the weights, as in torch's kernel
+    return opt
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode", single_pass.MODES)
+def test_the_single_pass_ends_where_the_multi_pass_step_ends(mode, grad_dtype, updates):
+    """Four steps under a changing learning rate, a NaN gradient element and a step GradScaler flags: every weight,
+    remainder or compensation, moment and step count as the multi-pass step leaves it, and the large parameters it
+    can update where they are took the single pass, three times each (the flagged step changed nothing)."""
+    opt = _lockstep(mode, grad_dtype, lrs=(1e-3, 5e-4, 2e-3, 1e-3), nan_at=1, skip_at=2)
+    params = opt.param_groups[0]["params"]
+    assert sorted(n for n in updates if n >= BIG) == sorted(_taking(mode, params) * 3)
+    for p in params:
+        assert float(opt.state[p]["step"]) == 3.0
+        assert torch.isnan(p.float()).any()  # the NaN gradient reached the weights, as in torch's kernel
     assert opt.take_notes() == []
+
+
+@pytest.mark.parametrize(
+    ("case", "taken"),
+    [
+        ("no weight decay", True),
+        ("lr as a tensor", True),
+        ("torch.compile forced eager", True),  # the loop is compiled whatever the stance: eagerly its bits differ
+        ("lr 0", False),  # a stored master is kept as it is
+        ("beta1 0.5", False),  # torch's lerp takes its other formula
+        ("grad_scale to divide by", False),
+        ("inference mode", False),  # another compiled loop, which no check compared
+        ("CPU autocast", False),
+    ],
+)
+def test_steps_the_single_pass_takes_or_leaves_end_alike(case, taken, updates):
+    """Each of these ends on the multi-pass step's bits, through the single pass where ``taken``, else without it."""
+    kw: dict = {"lrs": (1e-3, 2e-3)}
+    if case == "no weight decay":
+        kw["weight_decay"] = 0.0
+    elif case == "lr as a tensor":
+        kw["lrs"] = (torch.tensor(1e-3), torch.tensor(2e-3))
+    elif case == "torch.compile forced eager":
+        kw["around"] = lambda: torch.compiler.set_stance("force_eager")
+    elif case == "lr 0":
+        kw["lrs"] = (0.0, 0.0)
+    elif case == "beta1 0.5":
+        kw["betas"] = (0.5, 0.95)
+    elif case == "inference mode":
+        kw["around"] = torch.inference_mode
+    elif case == "CPU autocast":
+        kw["around"] = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    elif case == "grad_scale to divide by":
+        kw["grad_scale"] = 2.0
+    _lockstep("bf16_remainder", **kw)
+    assert bool([n for n in updates if n >= BIG]) is taken
 
 
 def test_a_failed_check_keeps_the_multi_pass_step_and_says_so(monkeypatch, caplog, updates):
@@ -157,7 +219,8 @@ def test_under_a_dispatch_mode_the_step_is_the_multi_pass_one(updates):
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_a_trainer_run_resumes_bit_for_bit_through_the_single_pass(tmp_path, updates):
     """A BF16-loaded Llama whose embedding and head have 2**18 elements each, ``bf16_remainder`` under Trainer: the
-    two take the single pass, and a checkpoint after step 2 of 4, resumed, ends bit for bit as the straight run."""
+    two take the single pass, and a checkpoint after step 2 of 4, resumed through it, ends bit for bit as the straight
+    run: weights, moments, remainders and step counts."""
     from accelerate.state import AcceleratorState
 
     model_dir = tmp_path / "model"
@@ -170,7 +233,9 @@ def test_a_trainer_run_resumes_bit_for_bit_through_the_single_pass(tmp_path, upd
     straight.train()
     assert [n for n in updates if n >= BIG] == [BIG] * 2 * 4
     want = {k: v.clone() for k, v in straight.model.state_dict().items()}
+    want_state = straight.optimizer.optimizer.state_dict()["state"]
     assert not [n for n in runtime_of(straight).notes if "single-pass" in n]
+    updates.clear()
     AcceleratorState._reset_state(reset_partial_state=True)
     resumed = _train(
         recipe, AutoModelForCausalLM.from_pretrained(model_dir), tmp_path / "b", steps=4, lr=1e-4, **common
@@ -178,6 +243,11 @@ def test_a_trainer_run_resumes_bit_for_bit_through_the_single_pass(tmp_path, upd
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
     got = resumed.model.state_dict()
     assert [n for n in want if not torch.equal(want[n], got[n])] == []
+    assert [n for n in updates if n >= BIG] == [BIG] * 2 * 2  # the resumed steps 3 and 4 took it too
+    got_state = resumed.optimizer.optimizer.state_dict()["state"]
+    assert want_state.keys() == got_state.keys()
+    for i, entries in want_state.items():  # moments, remainders and step counts, bit for bit
+        assert [k for k, v in entries.items() if not torch.equal(v, got_state[i][k])] == [], i
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
