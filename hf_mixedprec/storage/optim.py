@@ -42,15 +42,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hf_mixedprec.core._private import foreach_add_, foreach_copy_, foreach_sub_, fused_adamw_
+from hf_mixedprec.core._private import foreach_add_, foreach_sub_, fused_adamw_
 from hf_mixedprec.core.errors import StorageRefusal
-from hf_mixedprec.storage.bits import (
-    combine_remainder,
-    hash_seed,
-    kahan_store,
-    split_remainder,
-    stochastic_round_bf16,
-)
+from hf_mixedprec.storage.bits import hash_seed, stochastic_round_bf16
+from hf_mixedprec.storage.masters import gather, gather_master, scatter, store_master
 from hf_mixedprec.storage.single_pass import SinglePass
 
 __all__ = ["CHUNK_ELEMENTS", "MASTER_MODES", "StorageAdamW", "keeps_updates", "pending_state", "saved_storage"]
@@ -349,10 +344,10 @@ class StorageAdamW(torch.optim.Optimizer):
         avgs = [st["exp_avg"] for st in states]
         sqs = [st["exp_avg_sq"] for st in states]
         flat_master = (
-            None if in_place or (mode == "fp32" and _in_place(params)) else _gather_master(params, states, mode)
+            None if in_place or (mode == "fp32" and _in_place(params)) else gather_master(params, states, mode)
         )
-        flat_avgs = None if in_place or _in_place(avgs) else _gather(avgs)
-        flat_sqs = None if in_place or _in_place(sqs) else _gather(sqs)
+        flat_avgs = None if in_place or _in_place(avgs) else gather(avgs)
+        flat_sqs = None if in_place or _in_place(sqs) else gather(sqs)
         direct_grads = in_place or (grad_scale is None and _in_place(grads))
 
         def listed(flat: torch.Tensor | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -369,7 +364,7 @@ class StorageAdamW(torch.optim.Optimizer):
         else:
             lists = (
                 listed(flat_master, params),
-                listed(None, grads) if direct_grads else listed(_gather(grads), grads),
+                listed(None, grads) if direct_grads else listed(gather(grads), grads),
                 listed(flat_avgs, avgs),
                 listed(flat_sqs, sqs),
             )
@@ -392,46 +387,13 @@ class StorageAdamW(torch.optim.Optimizer):
                 # step, under half a BF16 ulp (0.2-0.4%), so round-to-nearest would hold it at its largest value
                 if self.state_dtype == torch.bfloat16:
                     flat = stochastic_round_bf16(flat, self._seeded(device, group, run_index, run.shard, stream))
-                _scatter(flat, store, sizes)
+                scatter(flat, store, sizes)
         if flat_master is not None and not (isinstance(lr, float) and lr == 0.0):
             # a step at lr 0 leaves every master as it was, so its stored pair is left as it is: rounding a BF16
             # weight plus a compensation that is not its own (Distributed Checkpoint's resume runs such a step on
             # the checkpoint's weights before it loads their states, state_dict.py ``_init_optim_state``) could move it
             gen = self._seeded(device, group, run_index, run.shard, 2) if mode == "bf16_stochastic" else None
-            _store_master(params, states, mode, flat_master, sizes, gen)
-
-
-def _gather_master(params: list[torch.Tensor], states: list[dict[str, Any]], mode: str) -> torch.Tensor:
-    """The FP32 masters of ``params``, flat: the update starts from them."""
-    if mode == "bf16_remainder":
-        return combine_remainder(_gather(params, None), _gather([st["remainder"] for st in states], None))
-    flat = _gather(params)
-    if mode == "bf16_kahan":
-        flat += _gather([st["compensation"] for st in states])
-    return flat
-
-
-def _store_master(
-    params: list[torch.Tensor],
-    states: list[dict[str, Any]],
-    mode: str,
-    master: torch.Tensor,
-    sizes: list[int],
-    gen: torch.Generator | None,
-) -> None:
-    """Write the updated FP32 masters back in the parameters' storage."""
-    if mode == "bf16_remainder":
-        upper, rem = split_remainder(master)
-        _scatter(upper, params, sizes)
-        _scatter(rem, [st["remainder"] for st in states], sizes)
-    elif mode == "bf16_kahan":
-        weight, comp = kahan_store(master)
-        _scatter(weight, params, sizes)
-        _scatter(comp, [st["compensation"] for st in states], sizes)
-    elif mode == "bf16_stochastic":
-        _scatter(stochastic_round_bf16(master, gen), params, sizes)
-    else:
-        _scatter(master, params, sizes)  # round to nearest (master none, or another dtype)
+            store_master(params, states, mode, flat_master, sizes, gen)
 
 
 def _multi_pass_reference(params: list[torch.nn.Parameter], **kwargs: Any) -> tuple[StorageAdamW, Any]:
@@ -502,20 +464,6 @@ def _check_master_state(params: list[torch.Tensor], states: list[dict[str, Any]]
             "the optimizer state (their state was made while they were FP32): build the optimizer after the "
             "parameters took their storage dtype"
         )
-
-
-def _gather(tensors: list[torch.Tensor], dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-    """``tensors`` one after another in one new flat tensor of ``dtype`` (None: theirs): one copy, whatever their
-    number, converted on the way."""
-    pieces = [t.reshape(-1) for t in tensors]
-    out_dtype = pieces[0].dtype if dtype is None else dtype
-    out = torch.empty(sum(p.numel() for p in pieces), dtype=out_dtype, device=pieces[0].device)
-    return torch.cat(pieces, out=out)
-
-
-def _scatter(flat: torch.Tensor, tensors: list[torch.Tensor], sizes: list[int]) -> None:
-    """Copy the pieces of ``flat`` back into ``tensors`` (cast to their dtype: round to nearest), one operation."""
-    foreach_copy_(tensors, [piece.view(t.shape) for piece, t in zip(flat.split(sizes), tensors)])
 
 
 def keeps_updates(optimizer: Any, p: torch.Tensor) -> bool:

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from hf_mixedprec.core._private import fused_adamw_, in_dispatch_mode, inductor_fma
-from hf_mixedprec.storage.bits import combine_remainder, kahan_store, split_remainder
+from hf_mixedprec.storage.bits import _NAN_BITS
+from hf_mixedprec.storage.masters import gather_master, store_master
 
 __all__ = ["MIN_ELEMENTS", "MODES", "SinglePass", "check", "eligible", "hyper", "update"]
 
@@ -52,7 +53,6 @@ log = logging.getLogger("hf_mixedprec")
 
 _LOW32 = 0xFFFFFFFF
 _HIGH16 = -65536  # 0xFFFF0000 as an int32
-_QUIET_NAN = 0x7FC00000  # the pattern hf_mixedprec.storage.bits stores a NaN master as
 
 #: builds the multi-pass optimizer a check compares with: ``(optimizer, its step without global hooks)``
 Reference = Callable[..., tuple[Any, Callable[[], None]]]
@@ -91,7 +91,7 @@ def _words_f32(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
 def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``hf_mixedprec.storage.bits.split_remainder`` in int32: the rounded weight's pattern (low half zero) and the
     signed remainder; a NaN is stored as the quiet NaN."""
-    bits = torch.where(torch.isnan(x), _QUIET_NAN, x.view(torch.int32))
+    bits = torch.where(torch.isnan(x), _NAN_BITS, x.view(torch.int32))
     rem = (bits << 16) >> 16
     return bits - rem, rem
 
@@ -163,9 +163,9 @@ def eligible(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], mode: s
     if p.device.type != "cpu" or p.dtype != torch.bfloat16 or mode not in MODES or p.numel() < MIN_ELEMENTS[mode]:
         return False
     extra = {"bf16_remainder": "remainder", "bf16_kahan": "compensation"}.get(mode)
-    tensors = [p, grad, state["exp_avg"], state["exp_avg_sq"], *([state[extra]] if extra in state else [])]
     if extra is not None and extra not in state:
         return False
+    tensors = [p, grad, state["exp_avg"], state["exp_avg_sq"], *([state[extra]] if extra else [])]
     if grad.dtype not in (torch.bfloat16, torch.float32) or grad.shape != p.shape or grad.device != p.device:
         return False
     if state["exp_avg"].dtype != torch.float32 or state["exp_avg_sq"].dtype != torch.float32:
@@ -203,7 +203,7 @@ def update(
     body = n - n % TAIL_ALIGN
     if body:
         if h is None:
-            h = hyper(*(settings[k] for k in ("lr", "beta1", "beta2", "weight_decay", "eps")), step)
+            h = hyper(**settings, step=step)
         w_, g_, m_, v_ = w[:body], g[:body], m[:body], v[:body]
         # under torch.compile's default stance whatever the caller's (torch.compiler.set_stance): run eagerly,
         # inductor_prims.fma rounds twice and the bits change
@@ -233,36 +233,11 @@ def _tail(
     step: float,
 ) -> None:
     """The last elements of a parameter as the multi-pass step does them: the FP32 master made, torch's fused kernel,
-    the master stored back (:mod:`hf_mixedprec.storage.bits`)."""
-    if mode == "bf16_remainder":
-        assert extra is not None
-        master = combine_remainder(w, extra)
-    else:
-        master = w.float() + extra.float() if extra is not None else w.float()
-    fused_adamw_(
-        [master],
-        [g.float()],
-        [m],
-        [v],
-        [torch.tensor(step, dtype=torch.float32)],
-        lr=settings["lr"],
-        beta1=settings["beta1"],
-        beta2=settings["beta2"],
-        weight_decay=settings["weight_decay"],
-        eps=settings["eps"],
-    )
-    if mode == "bf16_remainder":
-        assert extra is not None
-        upper, rem = split_remainder(master)
-        w.copy_(upper)
-        extra.copy_(rem)
-    elif mode == "bf16_kahan":
-        assert extra is not None
-        weight, comp = kahan_store(master)
-        w.copy_(weight)
-        extra.copy_(comp)
-    else:
-        w.copy_(master)
+    the master stored back (:mod:`hf_mixedprec.storage.masters`)."""
+    state = {"remainder": extra, "compensation": extra}  # the one ``mode`` keeps, if any
+    master = gather_master([w], [state], mode)
+    fused_adamw_([master], [g.float()], [m], [v], [torch.tensor(step, dtype=torch.float32)], **settings)
+    store_master([w], [state], mode, master, [w.numel()], None)
 
 
 class SinglePass:
@@ -357,17 +332,21 @@ class SinglePass:
         host (a CPU's own memory: no sync); a flagged step changes nothing, as torch's CPU kernel skips it."""
         if found_inf is not None and float(found_inf) > 0:
             return
-        beta1, beta2 = group["betas"]
-        settings = {"lr": float(group["lr"]), "beta1": beta1, "beta2": beta2}
-        settings |= {"weight_decay": group["weight_decay"], "eps": group["eps"]}
+        settings = _settings(group, float(group["lr"]))
         scalars: dict[float, torch.Tensor] = {}
         for p, st in zip(params, states):
             step = st["step"]
             step += 1
             count = float(step)
             if count not in scalars:
-                scalars[count] = hyper(*settings.values(), count)
+                scalars[count] = hyper(**settings, step=count)
             update(p, self.grad_of(p, st), st, self.master, settings, count, scalars[count])
+
+
+def _settings(group: dict[str, Any], lr: float) -> dict[str, float]:
+    """``group``'s AdamW settings as :func:`hyper` and torch's fused kernel take them, at learning rate ``lr``."""
+    beta1, beta2 = group["betas"]
+    return {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": group["weight_decay"], "eps": group["eps"]}
 
 
 def _setting(mode: str, grad_dtype: torch.dtype, group: dict[str, Any]) -> tuple[Any, ...]:
@@ -401,14 +380,14 @@ def _compare(mode: str, grad_dtype: torch.dtype, group: dict[str, Any], referenc
     # a body whose words end in a part vector (inductor's masked last iteration) and a tail for torch's kernel
     n, steps = (1 << 12) + 16 + 13, 3
     gen = torch.Generator().manual_seed(0)
-    beta1, beta2 = group["betas"]
-    lr = float(group["lr"]) or 1e-3
+    settings = _settings(group, float(group["lr"]) or 1e-3)
     ref = torch.nn.Parameter(_probe(n, gen).to(torch.bfloat16))
     ref.grad_dtype = grad_dtype  # an FP32 gradient on a BF16 parameter, as the run's own
     mine = torch.nn.Parameter(ref.detach().clone())
     opt, step_without_hooks = reference(
-        [ref], lr=lr, betas=(beta1, beta2), eps=group["eps"], weight_decay=group["weight_decay"], master=mode
-    )
+        [ref], lr=settings["lr"], betas=tuple(group["betas"]), eps=group["eps"], weight_decay=group["weight_decay"],
+        master=mode,
+    )  # fmt: skip
     state: dict[str, Any] = {"exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)}
     state |= {"remainder": torch.zeros(n, dtype=torch.int16), "compensation": torch.zeros(n, dtype=torch.bfloat16)}
     for step in range(1, steps + 1):
@@ -416,13 +395,6 @@ def _compare(mode: str, grad_dtype: torch.dtype, group: dict[str, Any], referenc
         ref.grad = grad.clone()
         with torch.no_grad():
             step_without_hooks()
-        settings = {
-            "lr": lr,
-            "beta1": beta1,
-            "beta2": beta2,
-            "weight_decay": group["weight_decay"],
-            "eps": group["eps"],
-        }
         update(mine, grad, state, mode, settings, float(step))
     theirs = opt.state[ref]
     pairs = [("weight", mine.detach(), ref.detach()), ("exp_avg", state["exp_avg"], theirs["exp_avg"])]

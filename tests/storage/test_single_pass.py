@@ -178,7 +178,7 @@ def test_a_failed_check_keeps_the_multi_pass_step_and_says_so(monkeypatch, caplo
     one warning, records it in ``notes`` for the run report, and updates every parameter as the multi-pass step."""
     monkeypatch.setattr(single_pass, "_checked", {})
     real = single_pass.hyper
-    monkeypatch.setattr(single_pass, "hyper", lambda *a: real(*a[:4], a[4] * 10, a[5]))
+    monkeypatch.setattr(single_pass, "hyper", lambda **k: real(**{**k, "eps": k["eps"] * 10}))
     ours, ref = _params(0, torch.bfloat16), _params(0, torch.bfloat16)
     opt = StorageAdamW(ours, lr=1e-3, master="bf16_kahan")
     multi = StorageAdamW(ref, lr=1e-3, master="bf16_kahan", single_pass="off")
